@@ -1,0 +1,52 @@
+#include "bindings/common.hpp"
+#include "core/config.hpp"
+#include "core/peak.hpp"
+#include "core/workspace.hpp"
+
+namespace lmdx_bind {
+
+void bind_config(py::module_& m) {
+  m.attr("__version__") = LMDX_VERSION;
+  m.def("isa", &lmdx::isa_name, "Instruction-set level this module was compiled for.");
+  m.def("has_openmp", &lmdx::has_openmp, "Whether the core was built with OpenMP.");
+  m.def("max_threads", &lmdx::max_threads, "Threads used when n_threads <= 0.");
+  m.def("eigen_version", &lmdx::eigen_version);
+  m.def("eigen_simd", &lmdx::eigen_simd, "SIMD instruction sets Eigen was compiled with.");
+  m.def("compiler", []() {
+#if defined(__clang__)
+    return std::string("clang ") + __clang_version__;
+#elif defined(__GNUC__)
+    return std::string("gcc ") + __VERSION__;
+#else
+    return std::string("unknown");
+#endif
+  });
+  m.def("cpu_features", []() {
+    const lmdx::CpuFeatures f = lmdx::cpu_features();
+    py::dict d;
+    d["avx2"] = f.avx2;
+    d["fma"] = f.fma;
+    d["f16c"] = f.f16c;
+    d["bmi2"] = f.bmi2;
+    d["avx512f"] = f.avx512f;
+    d["avx512bw"] = f.avx512bw;
+    d["avx512dq"] = f.avx512dq;
+    d["avx512vl"] = f.avx512vl;
+    d["avx512cd"] = f.avx512cd;
+    d["x86-64-v3"] = f.x86_64_v3;
+    d["x86-64-v4"] = f.x86_64_v4;
+    return d;
+  }, "CPU features detected at run time (x86-64; all False elsewhere).");
+  m.def("scratch_bytes", &lmdx::scratch_bytes, "Bytes held by the kernels' scratch pool.");
+  m.def("release_scratch", &lmdx::release_scratch, "Free the kernels' pooled scratch buffers.");
+  m.def(
+      "measure_peak_gflops",
+      [](bool double_precision, int n_threads, double seconds) {
+        py::gil_scoped_release release;
+        return lmdx::measure_peak_gflops(double_precision, n_threads, seconds);
+      },
+      py::arg("double_precision"), py::arg("n_threads") = 0, py::arg("seconds") = 0.5,
+      "GFLOP/s of a register-resident FMA loop on this machine.");
+}
+
+}  // namespace lmdx_bind

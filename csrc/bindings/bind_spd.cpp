@@ -1,0 +1,89 @@
+#include <exception>
+#include <stdexcept>
+
+#include "bindings/common.hpp"
+#include "core/spd.hpp"
+
+namespace lmdx_bind {
+
+using lmdx::MatrixXd;
+using lmdx::SolveInfo;
+using lmdx::SolveOptions;
+
+namespace {
+
+using RowMajorMap = Eigen::Map<const Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
+
+py::tuple spd_solve(const py::array& a, const py::array& b, double alpha, double ridge,
+                    bool allow_regularization, int n_threads, const std::string& name) {
+  const double* a_data = float64_data(a, "a", 2);
+  const Index d = a.shape(0);
+  if (a.shape(1) != d || d < 1) {
+    throw std::invalid_argument("a: expected a square matrix, got a " + describe(a));
+  }
+  const bool vector_rhs = b.ndim() == 1;
+  const double* b_data = float64_data(b, "b", vector_rhs ? 1 : 2);
+  if (b.shape(0) != d) {
+    throw std::invalid_argument("b: expected " + std::to_string(d) + " rows to match a, got a " +
+                                describe(b));
+  }
+  const Index k = vector_rhs ? 1 : b.shape(1);
+  SolveOptions opt;
+  opt.alpha = alpha;
+  opt.ridge = ridge;
+  opt.allow_regularization = allow_regularization;
+  opt.n_threads = n_threads;
+  opt.name = name;
+  py::array_t<double> x = vector_rhs ? new_float64({d}) : new_float64({d, k});
+  double* x_data = x.mutable_data();
+  SolveInfo info;
+  {
+    py::gil_scoped_release release;
+    lmdx::require_finite(ArrayView{a_data, false}, d * d, d, "a", n_threads);
+    lmdx::require_finite(ArrayView{b_data, false}, d * k, k, "b", n_threads);
+    // a is symmetric, so its row-major buffer read as column-major is the same matrix.
+    const Eigen::Map<const MatrixXd> a_map(a_data, d, d);
+    MatrixXd sol = RowMajorMap(b_data, d, k);
+    info = lmdx::spd_solve(a_map, sol, opt);
+    Eigen::Map<Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>(x_data, d, k) =
+        sol;
+  }
+  return py::make_tuple(x, info);
+}
+
+}  // namespace
+
+void bind_spd(py::module_& m) {
+  py::register_local_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const lmdx::NotPositiveDefinite& e) {
+      py::object cls = py::module_::import("lmdx._errors").attr("NotPositiveDefiniteError");
+      PyErr_SetString(cls.ptr(), e.what());
+    }
+  });
+
+  py::class_<SolveInfo>(m, "SolveInfo", "What the regularized Cholesky solver did.")
+      .def_readonly("ridge", &SolveInfo::ridge)
+      .def_readonly("ridge_absolute", &SolveInfo::ridge_absolute)
+      .def_readonly("mean_diagonal", &SolveInfo::mean_diagonal)
+      .def_readonly("attempts", &SolveInfo::attempts)
+      .def_readonly("escalated", &SolveInfo::escalated)
+      .def_readonly("min_pivot", &SolveInfo::min_pivot)
+      .def_readonly("max_pivot", &SolveInfo::max_pivot)
+      .def_readonly("rcond_estimate", &SolveInfo::rcond_estimate)
+      .def("__repr__", [](const SolveInfo& s) {
+        return "SolveInfo(ridge=" + std::to_string(s.ridge) +
+               ", escalated=" + (s.escalated ? std::string("True") : std::string("False")) +
+               ", attempts=" + std::to_string(s.attempts) +
+               ", rcond_estimate=" + std::to_string(s.rcond_estimate) + ")";
+      });
+
+  m.attr("SINGULAR_PIVOT") = lmdx::kSingularPivot;
+  m.def("spd_solve", &spd_solve, py::arg("a"), py::arg("b"), py::arg("alpha") = 1.0,
+        py::arg("ridge") = 0.0, py::arg("allow_regularization") = true, py::arg("n_threads") = 0,
+        py::arg("name") = "system",
+        "Solve (reduce_alpha(a) + ridge * mean(diag(a)) I) x = b by Cholesky; returns (x, info).");
+}
+
+}  // namespace lmdx_bind

@@ -1,0 +1,22 @@
+// Element-wise averages of K same-shaped tensors, accumulated in float64.
+//   weighted_average: out = sum_i c_i x_i / sum_i c_i
+//   fisher_average:   out = sum_i c_i (F_i + eps) x_i / sum_i c_i (F_i + eps)
+// (Fisher-weighted averaging, Matena & Raffel 2022; the RegMean paper's baseline.)
+#pragma once
+
+#include <vector>
+
+#include "core/arrays.hpp"
+
+LMDX_NAMESPACE_BEGIN
+
+/// `out` has n elements; `coefficients` is empty (all 1) or K values >= 0, not all 0.
+void weighted_average(const std::vector<ArrayView>& xs, Index n,
+                      const std::vector<double>& coefficients, double* out, int n_threads);
+
+/// Fisher values must be >= 0; eps >= 0. Raises if a denominator is 0.
+void fisher_average(const std::vector<ArrayView>& params, const std::vector<ArrayView>& fishers,
+                    Index n, const std::vector<double>& coefficients, double eps, double* out,
+                    int n_threads);
+
+LMDX_NAMESPACE_END

@@ -1,0 +1,47 @@
+#include "core/checks.hpp"
+
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+
+#include "core/parallel.hpp"
+
+LMDX_NAMESPACE_BEGIN
+
+template <typename T>
+Index first_nonfinite(const T* x, Index n, int n_threads) {
+  const int threads = n < (Index(1) << 16) ? 1 : resolve_threads(n_threads);
+  Index first = std::numeric_limits<Index>::max();
+  LMDX_PRAGMA(omp parallel for num_threads(threads) reduction(min : first) schedule(static))
+  for (Index block = 0; block < n; block += 4096) {
+    const Index end = std::min(n, block + 4096);
+    if (!Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>(x + block, end - block).allFinite()) {
+      for (Index i = block; i < end; ++i) {
+        if (!std::isfinite(x[i])) {
+          first = std::min(first, i);
+          break;
+        }
+      }
+    }
+  }
+  return first == std::numeric_limits<Index>::max() ? Index(-1) : first;
+}
+
+template <typename T>
+void require_finite(const T* x, Index n, Index cols, const std::string& what, int n_threads) {
+  const Index bad = first_nonfinite(x, n, n_threads);
+  if (bad < 0) return;
+  std::string where = cols > 0 ? "row " + std::to_string(bad / cols) + ", column " +
+                                     std::to_string(bad % cols)
+                               : "index " + std::to_string(bad);
+  throw std::invalid_argument(what + ": contains " + (std::isnan(x[bad]) ? "NaN" : "Inf") +
+                              " at " + where +
+                              "; remove or fix non-finite values before passing them to lmdx");
+}
+
+template Index first_nonfinite<float>(const float*, Index, int);
+template Index first_nonfinite<double>(const double*, Index, int);
+template void require_finite<float>(const float*, Index, Index, const std::string&, int);
+template void require_finite<double>(const double*, Index, Index, const std::string&, int);
+
+LMDX_NAMESPACE_END

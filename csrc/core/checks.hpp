@@ -1,0 +1,20 @@
+// Argument checks shared by the kernels. They run before any parallel region and throw
+// std::invalid_argument (ValueError in Python) naming the argument.
+#pragma once
+
+#include <string>
+
+#include "core/config.hpp"
+
+LMDX_NAMESPACE_BEGIN
+
+/// Index of the first non-finite value in x[0..n), or -1. Threaded.
+template <typename T>
+Index first_nonfinite(const T* x, Index n, int n_threads);
+
+/// Throw std::invalid_argument("<what>: ...") if x[0..n) holds NaN or Inf; `cols` > 0
+/// reports the position as (row, column) of a row-major matrix with that many columns.
+template <typename T>
+void require_finite(const T* x, Index n, Index cols, const std::string& what, int n_threads);
+
+LMDX_NAMESPACE_END

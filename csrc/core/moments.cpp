@@ -1,0 +1,176 @@
+#include "core/moments.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "core/checks.hpp"
+#include "core/parallel.hpp"
+#include "core/workspace.hpp"
+
+LMDX_NAMESPACE_BEGIN
+
+namespace {
+
+void check_chunk_rows(Index chunk_rows) {
+  if (chunk_rows < 1) {
+    throw std::invalid_argument("chunk_rows: must be >= 1, got " + std::to_string(chunk_rows));
+  }
+}
+
+void check_weights(const double* w, Index rows) {
+  if (w == nullptr) return;
+  require_finite(w, rows, 0, "weights", 1);
+  for (Index i = 0; i < rows; ++i) {
+    if (w[i] < 0.0) {
+      throw std::invalid_argument("weights: must be >= 0, got " + std::to_string(w[i]) +
+                                  " at row " + std::to_string(i));
+    }
+  }
+}
+
+}  // namespace
+
+Moments::Moments(Index dim, Index chunk_rows)
+    : dim_(dim), chunk_rows_(chunk_rows), sum_(VectorXd::Zero(dim)), gram_(MatrixXd::Zero(dim, dim)) {
+  if (dim < 1) throw std::invalid_argument("dim: must be >= 1, got " + std::to_string(dim));
+  check_chunk_rows(chunk_rows);
+}
+
+Moments::Moments(Index dim, double count, const double* sum, const double* gram_row_major,
+                 Index chunk_rows)
+    : Moments(dim, chunk_rows) {
+  if (!std::isfinite(count) || count < 0.0) {
+    throw std::invalid_argument("count: must be finite and >= 0, got " + std::to_string(count));
+  }
+  require_finite(sum, dim, 0, "sum", 1);
+  require_finite(gram_row_major, dim * dim, dim, "gram", 0);
+  count_ = count;
+  sum_ = Eigen::Map<const VectorXd>(sum, dim);
+  // Row-major (i, j) with i >= j is the lower triangle; read it as column-major upper.
+  Eigen::Map<const MatrixXd> g_transposed(gram_row_major, dim, dim);
+  gram_.triangularView<Eigen::Lower>() = g_transposed.transpose();
+}
+
+void Moments::update(const float* x, Index rows, const double* weights, int n_threads) {
+  update_impl(x, rows, weights, n_threads);
+}
+
+void Moments::update(const double* x, Index rows, const double* weights, int n_threads) {
+  update_impl(x, rows, weights, n_threads);
+}
+
+template <typename T>
+void Moments::update_impl(const T* x, Index rows, const double* weights, int n_threads) {
+  if (rows < 0) throw std::invalid_argument("x: negative row count");
+  if (rows == 0) return;
+  std::lock_guard<std::mutex> lock(mutex_);
+  require_finite(x, rows * dim_, dim_, "x", n_threads);
+  check_weights(weights, rows);
+
+  const Index d = dim_;
+  const Index chunk = chunk_rows_;
+  const Index n_chunks = (rows + chunk - 1) / chunk;
+  const int threads = static_cast<int>(std::min<Index>(resolve_threads(n_threads), n_chunks));
+  ScratchLease<T> scratch(d, threads);
+  if (weights != nullptr) {
+    for (int t = 0; t < threads; ++t) {
+      if (scratch[t].rows.cols() < chunk) scratch[t].rows.resize(d, chunk);
+    }
+  }
+  // Column r of xt is input row r.
+  const Eigen::Map<const MatrixX<T>> xt(x, d, rows);
+
+  double count = 0.0;
+  if (weights == nullptr) {
+    count = static_cast<double>(rows);
+  } else {
+    for (Index c = 0; c < n_chunks; ++c) {  // chunk order, as for sum and gram
+      double chunk_count = 0.0;
+      for (Index r = c * chunk; r < std::min(rows, (c + 1) * chunk); ++r) chunk_count += weights[r];
+      count += chunk_count;
+    }
+  }
+
+  auto process_chunk = [&](Index c, GramScratch<T>& s) {
+    const Index r0 = c * chunk;
+    const Index m = std::min(chunk, rows - r0);
+    bool unit = true;
+    if (weights != nullptr) {
+      for (Index r = r0; r < r0 + m && unit; ++r) unit = weights[r] == 1.0;
+    }
+    if (unit) {
+      const auto block = xt.middleCols(r0, m);
+      s.gram.template selfadjointView<Eigen::Lower>().rankUpdate(block);
+      for (Index r = 0; r < m; ++r) s.sum += block.col(r).template cast<double>();
+      return;
+    }
+    Index kept = 0;
+    for (Index r = r0; r < r0 + m; ++r) {
+      const double w = weights[r];
+      if (w == 0.0) continue;
+      if (w == 1.0) {
+        s.rows.col(kept) = xt.col(r);
+      } else {
+        s.rows.col(kept) = xt.col(r) * static_cast<T>(std::sqrt(w));
+      }
+      s.sum += w * xt.col(r).template cast<double>();
+      ++kept;
+    }
+    if (kept > 0) s.gram.template selfadjointView<Eigen::Lower>().rankUpdate(s.rows.leftCols(kept));
+  };
+
+  LMDX_PRAGMA(omp parallel num_threads(threads))
+  {
+    const int t = thread_id();
+    for (Index round = 0; round < n_chunks; round += threads) {
+      if (round + t < n_chunks) process_chunk(round + t, scratch[t]);
+      const int active = static_cast<int>(std::min<Index>(threads, n_chunks - round));
+      LMDX_PRAGMA(omp barrier)
+      LMDX_PRAGMA(omp for schedule(dynamic, 16))
+      for (Index j = 0; j < d; ++j) {
+        auto target = gram_.col(j).tail(d - j);
+        for (int a = 0; a < active; ++a) {
+          auto part = scratch[a].gram.col(j).tail(d - j);
+          target += part.template cast<double>();
+          part.setZero();
+        }
+      }
+      LMDX_PRAGMA(omp single)
+      {
+        for (int a = 0; a < active; ++a) {
+          sum_ += scratch[a].sum;
+          scratch[a].sum.setZero();
+        }
+      }
+    }
+  }
+  count_ += count;
+}
+
+void Moments::merge(const Moments& other) {
+  if (&other == this) {
+    throw std::invalid_argument("other: cannot merge an accumulator into itself");
+  }
+  std::scoped_lock lock(mutex_, other.mutex_);
+  if (other.dim_ != dim_) {
+    throw std::invalid_argument("other: dimension " + std::to_string(other.dim_) +
+                                " does not match this accumulator's " + std::to_string(dim_));
+  }
+  count_ += other.count_;
+  sum_ += other.sum_;
+  gram_.triangularView<Eigen::Lower>() += other.gram_;
+}
+
+void Moments::copy_gram(double* out) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Eigen::Map<MatrixXd> full(out, dim_, dim_);
+  full.triangularView<Eigen::Lower>() = gram_;
+  full.triangularView<Eigen::StrictlyUpper>() = gram_.transpose();
+}
+
+template void Moments::update_impl<float>(const float*, Index, const double*, int);
+template void Moments::update_impl<double>(const double*, Index, const double*, int);
+
+LMDX_NAMESPACE_END

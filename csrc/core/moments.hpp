@@ -1,0 +1,64 @@
+// Streaming first and second moments of row vectors, accumulated in float64.
+//
+// For rows x_t (optionally weighted by w_t >= 0; a 0/1 weight is a mask):
+//   count = sum w_t,   sum = sum w_t x_t,   gram = sum w_t x_t x_t^T.
+// Only the lower triangle of the Gram is computed and stored.
+//
+// Rows are processed in fixed chunks of `chunk_rows`. Each chunk's Gram is computed in
+// the input precision (a single-threaded rank-k update, SIMD) into a zeroed scratch
+// buffer and then added into the float64 accumulator. Chunks are added in row order
+// whatever the thread count, so 1 and N threads give bit-identical results; threads work
+// on different chunks concurrently and share the element-wise additions.
+// Calls on one object from several threads are serialized by an internal mutex.
+#pragma once
+
+#include <mutex>
+
+#include "core/config.hpp"
+
+LMDX_NAMESPACE_BEGIN
+
+class Moments {
+ public:
+  /// Rows per chunk for float32 input: the float32 rank-k update over this many rows stays
+  /// within 1e-6 (relative, Frobenius) of a float64 accumulation (tests/test_moments.py).
+  static constexpr Index kDefaultChunkRows = 2048;
+
+  explicit Moments(Index dim, Index chunk_rows = kDefaultChunkRows);
+  /// Rebuild from a saved state; only the lower triangle of `gram` (dim x dim) is read.
+  Moments(Index dim, double count, const double* sum, const double* gram_row_major,
+          Index chunk_rows = kDefaultChunkRows);
+
+  /// Add `rows` row vectors stored row-major at x (rows x dim, contiguous). `weights` is
+  /// nullptr or `rows` non-negative finite values.
+  void update(const float* x, Index rows, const double* weights, int n_threads);
+  void update(const double* x, Index rows, const double* weights, int n_threads);
+
+  /// Add another accumulator's statistics (disjoint data): count, sum and Gram add.
+  void merge(const Moments& other);
+
+  Moments(const Moments&) = delete;
+  Moments& operator=(const Moments&) = delete;
+
+  Index dim() const noexcept { return dim_; }
+  Index chunk_rows() const noexcept { return chunk_rows_; }
+  double count() const noexcept { return count_; }
+  const VectorXd& sum() const noexcept { return sum_; }
+  /// Lower triangle valid; the strict upper triangle is unspecified.
+  const MatrixXd& gram_lower() const noexcept { return gram_; }
+  /// Write the full symmetric Gram into out (dim x dim, either storage order).
+  void copy_gram(double* out) const;
+
+ private:
+  template <typename T>
+  void update_impl(const T* x, Index rows, const double* weights, int n_threads);
+
+  mutable std::mutex mutex_;  // update/merge/copy_gram on one object are serialized
+  Index dim_;
+  Index chunk_rows_;
+  double count_ = 0.0;
+  VectorXd sum_;
+  MatrixXd gram_;
+};
+
+LMDX_NAMESPACE_END

@@ -1,0 +1,140 @@
+#include "core/regmean.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "core/checks.hpp"
+#include "core/parallel.hpp"
+
+LMDX_NAMESPACE_BEGIN
+
+namespace {
+
+constexpr Index kColBlock = 128;  // output columns per task; fixed for determinism
+
+template <typename T>
+using RowMajor = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+// Columns [c0, c0 + w) of W_i^T (d_in x d_out), widened to float64 into `out`.
+template <typename T>
+void load_weight_t(const T* data, Index d_in, Index d_out, WeightLayout layout, Index c0, Index w,
+                   Eigen::Ref<MatrixXd> out) {
+  if (layout == WeightLayout::Linear) {
+    const Eigen::Map<const MatrixX<T>> wt(data, d_in, d_out);  // [out, in] row-major = W^T
+    out = wt.middleCols(c0, w).template cast<double>();
+  } else {
+    const Eigen::Map<const RowMajor<T>> wt(data, d_in, d_out);  // [in, out] row-major
+    out = wt.middleCols(c0, w).template cast<double>();
+  }
+}
+
+void require_symmetric(const double* g, Index d, const std::string& what) {
+  const Eigen::Map<const MatrixXd> m(g, d, d);
+  const double scale = m.cwiseAbs().maxCoeff();
+  const double asym = (m - m.transpose()).cwiseAbs().maxCoeff();
+  if (asym > 1e-12 * scale) {
+    throw std::invalid_argument(what + ": not symmetric (max |G - G^T| = " + std::to_string(asym) +
+                                ", max |G| = " + std::to_string(scale) +
+                                "); pass the full symmetric Gram matrix");
+  }
+}
+
+}  // namespace
+
+std::vector<double> checked_coefficients(const std::vector<double>& coefficients, size_t k) {
+  if (coefficients.empty()) return std::vector<double>(k, 1.0);
+  if (coefficients.size() != k) {
+    throw std::invalid_argument("coefficients: expected " + std::to_string(k) +
+                                " values (one per model), got " +
+                                std::to_string(coefficients.size()));
+  }
+  double total = 0.0;
+  for (size_t i = 0; i < k; ++i) {
+    const double c = coefficients[i];
+    if (!std::isfinite(c) || c < 0.0) {
+      throw std::invalid_argument("coefficients[" + std::to_string(i) +
+                                  "]: must be finite and >= 0, got " + std::to_string(c));
+    }
+    total += c;
+  }
+  if (!(total > 0.0)) throw std::invalid_argument("coefficients: must not all be zero");
+  return coefficients;
+}
+
+RegMeanResult regmean_merge(const std::vector<RegMeanModel>& models, Index d_in, Index d_out,
+                            const std::vector<double>& coefficients, WeightLayout layout,
+                            const SolveOptions& opt) {
+  const size_t k = models.size();
+  if (k == 0) throw std::invalid_argument("models: need at least one model");
+  if (d_in < 1 || d_out < 1) throw std::invalid_argument("weights: empty weight matrix");
+  if (!(opt.alpha >= 0.0 && opt.alpha <= 1.0)) {
+    throw std::invalid_argument("alpha: must be in [0, 1], got " + std::to_string(opt.alpha));
+  }
+  const std::vector<double> coef = checked_coefficients(coefficients, k);
+  std::vector<double> scale(k);
+  for (size_t i = 0; i < k; ++i) {
+    const std::string tag = "[" + std::to_string(i) + "]";
+    if (!std::isfinite(models[i].count) || !(models[i].count > 0.0)) {
+      throw std::invalid_argument(opt.name + ": counts" + tag + " must be > 0, got " +
+                                  std::to_string(models[i].count) +
+                                  " (no rows reached this layer for that model)");
+    }
+    require_finite(models[i].gram, d_in * d_in, d_in, opt.name + ": grams" + tag, opt.n_threads);
+    require_symmetric(models[i].gram, d_in, opt.name + ": grams" + tag);
+    require_finite(models[i].weight, d_in * d_out, layout == WeightLayout::Linear ? d_in : d_out,
+                   opt.name + ": weights" + tag, opt.n_threads);
+    scale[i] = coef[i] / models[i].count;
+  }
+
+  const int threads = resolve_threads(opt.n_threads);
+  const double alpha = opt.alpha;
+  MatrixXd lhs = MatrixXd::Zero(d_in, d_in);
+  RegMeanResult result;
+  result.merged_t.setZero(d_in, d_out);
+  MatrixXd& rhs = result.merged_t;
+  const Index n_blocks = (d_out + kColBlock - 1) / kColBlock;
+  // Per-thread float64 copy of a column block of W_i^T, allocated before the parallel region.
+  std::vector<MatrixXd> w_blocks(static_cast<size_t>(threads),
+                                 MatrixXd(d_in, std::min(kColBlock, d_out)));
+
+  LMDX_PRAGMA(omp parallel num_threads(threads))
+  {
+    // lhs = sum_i s_i G_i (lower triangle), one column a task.
+    LMDX_PRAGMA(omp for schedule(dynamic, 16))
+    for (Index j = 0; j < d_in; ++j) {
+      for (size_t i = 0; i < k; ++i) {
+        if (scale[i] == 0.0) continue;
+        const Eigen::Map<const MatrixXd> g(models[i].gram, d_in, d_in);
+        lhs.col(j).tail(d_in - j) += scale[i] * g.col(j).tail(d_in - j);
+      }
+    }
+    // rhs = sum_i s_i (alpha G_i W_i^T + (1 - alpha) diag(G_i) W_i^T), column blocks.
+    LMDX_PRAGMA(omp for schedule(dynamic, 1))
+    for (Index cb = 0; cb < n_blocks; ++cb) {
+      const Index c0 = cb * kColBlock;
+      const Index w = std::min(kColBlock, d_out - c0);
+      auto out = rhs.middleCols(c0, w);
+      auto wt = w_blocks[static_cast<size_t>(thread_id())].leftCols(w);
+      for (size_t i = 0; i < k; ++i) {
+        if (scale[i] == 0.0) continue;
+        const ArrayView& weight = models[i].weight;
+        if (weight.is_float32) {
+          load_weight_t(weight.f32(), d_in, d_out, layout, c0, w, wt);
+        } else {
+          load_weight_t(weight.f64(), d_in, d_out, layout, c0, w, wt);
+        }
+        const Eigen::Map<const MatrixXd> g(models[i].gram, d_in, d_in);
+        if (alpha != 0.0) out.noalias() += (scale[i] * alpha) * (g * wt);
+        if (alpha != 1.0) {
+          out.noalias() += (scale[i] * (1.0 - alpha)) * (g.diagonal().asDiagonal() * wt);
+        }
+      }
+    }
+  }
+  result.info = spd_solve(lhs, rhs, opt);
+  return result;
+}
+
+LMDX_NAMESPACE_END

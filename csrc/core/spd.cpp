@@ -1,0 +1,170 @@
+#include "core/spd.hpp"
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+
+#include "core/parallel.hpp"
+
+LMDX_NAMESPACE_BEGIN
+
+namespace {
+
+// Fixed block sizes: results must not depend on the thread count.
+constexpr Index kFactorBlock = 256;     // Cholesky panel width
+constexpr Index kPanelRowBlock = 512;   // rows per task in the panel triangular solve
+constexpr Index kSolveColBlock = 128;   // right-hand-side columns per task in the solve
+
+std::string format_double(double v) {
+  std::ostringstream s;
+  s.precision(6);
+  s << v;
+  return s.str();
+}
+
+}  // namespace
+
+Index blocked_cholesky(Eigen::Ref<MatrixXd> m, double scale, int n_threads, double* bad_pivot) {
+  const Index d = m.rows();
+  const double tiny = kSingularPivot * scale;
+  const int threads = resolve_threads(n_threads);
+  for (Index k = 0; k < d; k += kFactorBlock) {
+    const Index kb = std::min(kFactorBlock, d - k);
+    // Diagonal block: unblocked left-looking factorization (serial, kb^3/3 flops).
+    auto a11 = m.block(k, k, kb, kb);
+    for (Index j = 0; j < kb; ++j) {
+      const double ajj = a11(j, j) - a11.row(j).head(j).squaredNorm();
+      if (!(ajj > tiny)) {
+        if (bad_pivot != nullptr) *bad_pivot = ajj;
+        return k + j;
+      }
+      const double ljj = std::sqrt(ajj);
+      a11(j, j) = ljj;
+      const Index below = kb - j - 1;
+      if (below > 0) {
+        if (j > 0) {
+          a11.col(j).tail(below).noalias() -=
+              a11.bottomLeftCorner(below, j) * a11.row(j).head(j).transpose();
+        }
+        a11.col(j).tail(below) /= ljj;
+      }
+    }
+    const Index rest = d - k - kb;
+    if (rest == 0) break;
+    const Index n_row_blocks = (rest + kPanelRowBlock - 1) / kPanelRowBlock;
+    const Index n_col_blocks = (rest + kFactorBlock - 1) / kFactorBlock;
+    LMDX_PRAGMA(omp parallel num_threads(threads))
+    {
+      // Panel: A21 <- A21 L11^{-T}.
+      LMDX_PRAGMA(omp for schedule(dynamic, 1))
+      for (Index rb = 0; rb < n_row_blocks; ++rb) {
+        const Index r0 = k + kb + rb * kPanelRowBlock;
+        const Index rows = std::min(kPanelRowBlock, d - r0);
+        auto a21 = m.block(r0, k, rows, kb);
+        m.block(k, k, kb, kb)
+            .template triangularView<Eigen::Lower>()
+            .transpose()
+            .template solveInPlace<Eigen::OnTheRight>(a21);
+      }
+      // Trailing update of the lower triangle: A22 -= A21 A21^T, one column block a task.
+      LMDX_PRAGMA(omp for schedule(dynamic, 1))
+      for (Index cb = 0; cb < n_col_blocks; ++cb) {
+        const Index j0 = k + kb + cb * kFactorBlock;
+        const Index w = std::min(kFactorBlock, d - j0);
+        m.block(j0, j0, d - j0, w).noalias() -=
+            m.block(j0, k, d - j0, kb) * m.block(j0, k, w, kb).transpose();
+      }
+    }
+  }
+  return -1;
+}
+
+SolveInfo spd_factor(const Eigen::Ref<const MatrixXd>& a, MatrixXd& l, const SolveOptions& opt) {
+  const Index d = a.rows();
+  if (a.cols() != d) {
+    throw std::invalid_argument(opt.name + ": matrix must be square, got " +
+                                std::to_string(a.rows()) + " x " + std::to_string(a.cols()));
+  }
+  if (!(opt.alpha >= 0.0 && opt.alpha <= 1.0)) {
+    throw std::invalid_argument("alpha: must be in [0, 1], got " + format_double(opt.alpha));
+  }
+  if (!(opt.ridge >= 0.0) || !std::isfinite(opt.ridge)) {
+    throw std::invalid_argument("ridge: must be finite and >= 0, got " + format_double(opt.ridge));
+  }
+  SolveInfo info;
+  info.mean_diagonal = a.diagonal().mean();
+  if (!(info.mean_diagonal > 0.0) || !std::isfinite(info.mean_diagonal)) {
+    throw NotPositiveDefinite(
+        opt.name + ": the mean diagonal is " + format_double(info.mean_diagonal) +
+        ", so the matrix is zero or not a Gram/covariance matrix; check that the statistics "
+        "were collected from data that reached this layer");
+  }
+  double ridge = opt.ridge;
+  l.resize(d, d);
+  while (true) {
+    ++info.attempts;
+    l.triangularView<Eigen::Lower>() = a;
+    if (opt.alpha != 1.0) l.triangularView<Eigen::StrictlyLower>() *= opt.alpha;
+    l.diagonal().array() += ridge * info.mean_diagonal;
+    double bad_pivot = 0.0;
+    const Index bad = blocked_cholesky(l, info.mean_diagonal, opt.n_threads, &bad_pivot);
+    if (bad < 0) break;
+    const std::string why = "pivot " + std::to_string(bad) + " of " + std::to_string(d) +
+                            " is " + format_double(bad_pivot) + " (needs > " +
+                            format_double(kSingularPivot) + " x mean diagonal " +
+                            format_double(info.mean_diagonal) + ") with relative ridge " +
+                            format_double(ridge);
+    if (!opt.allow_regularization) {
+      throw NotPositiveDefinite(
+          opt.name + ": not numerically positive definite: " + why +
+          ". Input feature " + std::to_string(bad) +
+          " is (nearly) never active or linearly dependent on others; allow regularization or "
+          "pass a ridge > 0");
+    }
+    const double next = ridge < 1e-10 ? 1e-10 : ridge * 10.0;
+    if (next > 1.0) {
+      throw NotPositiveDefinite(opt.name + ": still not positive definite after " +
+                                std::to_string(info.attempts) + " attempts: " + why +
+                                ". The matrix is indefinite; it is not a valid Gram matrix");
+    }
+    ridge = next;
+    info.escalated = true;
+  }
+  info.ridge = ridge;
+  info.ridge_absolute = ridge * info.mean_diagonal;
+  const auto diag = l.diagonal();
+  info.min_pivot = diag.minCoeff();
+  info.max_pivot = diag.maxCoeff();
+  const double ratio = info.min_pivot / info.max_pivot;
+  info.rcond_estimate = ratio * ratio;
+  return info;
+}
+
+void cholesky_solve_in_place(const MatrixXd& l, Eigen::Ref<MatrixXd> b, int n_threads) {
+  const Index k = b.cols();
+  const Index n_blocks = (k + kSolveColBlock - 1) / kSolveColBlock;
+  const int threads = static_cast<int>(std::min<Index>(resolve_threads(n_threads), n_blocks));
+  const auto lower = l.triangularView<Eigen::Lower>();
+  LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(dynamic, 1))
+  for (Index cb = 0; cb < n_blocks; ++cb) {
+    const Index c0 = cb * kSolveColBlock;
+    auto block = b.middleCols(c0, std::min(kSolveColBlock, k - c0));
+    lower.solveInPlace(block);
+    lower.transpose().solveInPlace(block);
+  }
+}
+
+SolveInfo spd_solve(const Eigen::Ref<const MatrixXd>& a, Eigen::Ref<MatrixXd> b,
+                    const SolveOptions& opt) {
+  if (b.rows() != a.rows()) {
+    throw std::invalid_argument("b: has " + std::to_string(b.rows()) + " rows but the matrix is " +
+                                std::to_string(a.rows()) + " x " + std::to_string(a.cols()));
+  }
+  MatrixXd l;
+  SolveInfo info = spd_factor(a, l, opt);
+  cholesky_solve_in_place(l, b, opt.n_threads);
+  return info;
+}
+
+LMDX_NAMESPACE_END

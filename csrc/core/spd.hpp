@@ -1,0 +1,68 @@
+// Regularized solves of symmetric positive-definite systems by Cholesky factorization.
+//
+// Given symmetric A (only the lower triangle is read) and right-hand sides B:
+//   A_alpha = alpha * A + (1 - alpha) * diag(A)      (off-diagonal reduction, RegMean)
+//   A_reg   = A_alpha + ridge * mean(diag(A)) * I    (ridge relative to the mean diagonal)
+//   X       = A_reg^{-1} B                           (Cholesky, float64, no inverse)
+// If A_reg is not numerically positive definite and regularization is allowed, the
+// relative ridge is escalated (x10 from 1e-10) until the factorization succeeds.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+#include "core/config.hpp"
+
+LMDX_NAMESPACE_BEGIN
+
+/// What the solver did; returned with every solution.
+struct SolveInfo {
+  double ridge = 0.0;           // relative ridge finally used (multiple of mean diagonal)
+  double ridge_absolute = 0.0;  // ridge * mean(diag(A))
+  double mean_diagonal = 0.0;   // mean(diag(A))
+  int attempts = 0;             // factorizations tried
+  bool escalated = false;       // whether the ridge was raised above the requested one
+  double min_pivot = 0.0;       // smallest diagonal entry of the Cholesky factor L
+  double max_pivot = 0.0;       // largest diagonal entry of L
+  /// Cheap reciprocal condition estimate (min_pivot / max_pivot)^2: a rough upper bound
+  /// on 1/cond_2(A_reg); small values mean the solution is sensitive to the data.
+  double rcond_estimate = 0.0;
+};
+
+/// Thrown when the system cannot be factored (not positive definite and regularization
+/// forbidden or exhausted). Python: lmdx.NotPositiveDefiniteError (a ValueError).
+class NotPositiveDefinite : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct SolveOptions {
+  double alpha = 1.0;
+  double ridge = 0.0;
+  bool allow_regularization = true;
+  int n_threads = 0;
+  std::string name = "system";  // names the system in error messages (e.g. a layer)
+};
+
+/// Relative pivot threshold below which a factorization counts as numerically singular.
+constexpr double kSingularPivot = 1e-13;
+
+/// Factor A_reg (built from `a`, which is read, lower triangle, and not modified) into L.
+/// On success L holds the Cholesky factor in its lower triangle.
+SolveInfo spd_factor(const Eigen::Ref<const MatrixXd>& a, MatrixXd& l, const SolveOptions& opt);
+
+/// Solve L L^T X = B in place (B is d x k, column-major), threaded over column blocks.
+void cholesky_solve_in_place(const MatrixXd& l, Eigen::Ref<MatrixXd> b, int n_threads);
+
+/// X = A_reg^{-1} B. `b` is overwritten with X.
+SolveInfo spd_solve(const Eigen::Ref<const MatrixXd>& a, Eigen::Ref<MatrixXd> b,
+                    const SolveOptions& opt);
+
+/// Blocked, threaded in-place Cholesky of the lower triangle of m. Returns -1 on success,
+/// else the index of the first pivot that is not positive (or below kSingularPivot
+/// relative to `scale`; its value is stored in *bad_pivot). The block partition does not
+/// depend on n_threads.
+Index blocked_cholesky(Eigen::Ref<MatrixXd> m, double scale, int n_threads,
+                       double* bad_pivot = nullptr);
+
+LMDX_NAMESPACE_END

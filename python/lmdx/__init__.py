@@ -1,0 +1,31 @@
+"""lmdx: fast, exact linear merging (RegMean) and linear decomposition (LMD) of language
+models on CPU, with a C++/Eigen core."""
+
+from __future__ import annotations
+
+from ._core import core as _native
+from ._errors import NotPositiveDefiniteError, RegularizationWarning
+from .average import fisher_average, weighted_average
+from .config import config, default_threads, show_config
+from .moments import DEFAULT_CHUNK_ROWS, Moments
+from .regmean import RegMeanResult, regmean_merge_layer
+from .spd import SolveResult, spd_solve
+
+__version__: str = _native.__version__
+
+__all__ = [
+    "DEFAULT_CHUNK_ROWS",
+    "Moments",
+    "NotPositiveDefiniteError",
+    "RegMeanResult",
+    "RegularizationWarning",
+    "SolveResult",
+    "__version__",
+    "config",
+    "default_threads",
+    "fisher_average",
+    "regmean_merge_layer",
+    "show_config",
+    "spd_solve",
+    "weighted_average",
+]

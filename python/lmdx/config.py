@@ -1,0 +1,65 @@
+"""Thread defaults and a report of how lmdx was built and what it runs on this machine."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, TextIO
+
+from . import _core
+
+__all__ = ["config", "default_threads", "show_config"]
+
+
+def default_threads() -> int:
+    """Threads used when ``n_threads`` is None: ``$LMDX_NUM_THREADS`` or the CPUs available."""
+    env = os.environ.get("LMDX_NUM_THREADS")
+    if env:
+        try:
+            value = int(env)
+        except ValueError:
+            raise ValueError(f"LMDX_NUM_THREADS must be an integer, got {env!r}") from None
+        if value < 1:
+            raise ValueError(f"LMDX_NUM_THREADS must be >= 1, got {value}")
+        return value
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def resolve_threads(n_threads: int | None) -> int:
+    if n_threads is None:
+        return default_threads()
+    if int(n_threads) < 1:
+        raise ValueError(f"n_threads: must be >= 1 or None, got {n_threads}")
+    return int(n_threads)
+
+
+def config() -> dict[str, Any]:
+    """Build and runtime facts as a dict (see :func:`show_config`)."""
+    core = _core.core
+    features = core.cpu_features()
+    return {
+        "version": core.__version__,
+        "simd_path": core.isa(),
+        "simd_forced": os.environ.get("LMDX_SIMD") or None,
+        "built_paths": _core.built_variants(),
+        "supported_paths": _core.supported_variants(),
+        "cpu_features": [name for name, present in features.items() if present],
+        "eigen": core.eigen_version(),
+        "eigen_simd": core.eigen_simd(),
+        "compiler": core.compiler(),
+        "openmp": core.has_openmp(),
+        "default_threads": default_threads(),
+        "python": sys.version.split()[0],
+    }
+
+
+def show_config(file: TextIO | None = None) -> None:
+    """Print lmdx's version, SIMD path, OpenMP and thread settings."""
+    out = file or sys.stdout
+    for key, value in config().items():
+        if isinstance(value, list):
+            value = ", ".join(value) if value else "-"
+        print(f"{key:>16}: {value}", file=out)

@@ -1,0 +1,106 @@
+"""RegMean merge of one linear layer (Jin et al., ICLR 2023, arXiv 2212.09849)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal, NamedTuple
+
+import numpy as np
+from numpy.typing import NDArray
+
+from . import _core
+from ._tensors import as_float64, as_tensor_array
+from .config import resolve_threads
+from .moments import Moments
+from .spd import warn_if_escalated
+
+__all__ = ["RegMeanResult", "regmean_merge_layer"]
+
+
+class RegMeanResult(NamedTuple):
+    """Merged weight (float64, same layout as the inputs) and the solver's ``info``."""
+
+    weight: NDArray[np.float64]
+    info: Any
+
+
+def regmean_merge_layer(
+    grams: Sequence[Any],
+    weights: Sequence[Any],
+    counts: Sequence[float] | None = None,
+    *,
+    alpha: float = 1.0,
+    coefficients: Sequence[float] | None = None,
+    layout: Literal["linear", "conv1d"] = "linear",
+    ridge: float = 0.0,
+    allow_regularization: bool = True,
+    name: str = "layer",
+    n_threads: int | None = None,
+) -> RegMeanResult:
+    """Merge one linear layer of K models with RegMean.
+
+    With ``Ĝ_i = G_i / n_i`` and ``G̃_i = α·Ĝ_i + (1−α)·diag(Ĝ_i)``::
+
+        W_Mᵀ = (Σ_i c_i G̃_i)⁻¹ Σ_i c_i G̃_i W_iᵀ
+
+    solved in float64 by Cholesky (never an explicit inverse), without forming the K
+    reduced Grams.
+
+    Parameters
+    ----------
+    grams
+        K input Gram matrices ``G_i = Σ x xᵀ`` of shape (d_in, d_in), or :class:`Moments`
+        (then ``counts`` come from them).
+    weights
+        K weights: shape (d_out, d_in) for ``layout="linear"`` (torch ``nn.Linear``) or
+        (d_in, d_out) for ``layout="conv1d"`` (Hugging Face GPT-2 ``Conv1D``).
+    counts
+        K row counts ``n_i`` the Grams were summed over (required for arrays).
+    alpha
+        Off-diagonal scaling in [0, 1]; 1 is plain RegMean, 0 a per-input-feature
+        weighted average.
+    coefficients
+        Optional K non-negative per-model coefficients ``c_i``.
+    ridge, allow_regularization
+        As in :func:`lmdx.spd_solve`; a singular sum (an input feature never active in
+        any model) is regularized with a warning unless forbidden.
+    name
+        Layer name for errors and warnings.
+
+    Returns
+    -------
+    RegMeanResult
+        ``weight`` (float64, shape of the inputs) and ``info`` from the solver.
+    """
+    grams = list(grams)
+    gram_arrays = []
+    resolved_counts: list[float] = []
+    for i, g in enumerate(grams):
+        if isinstance(g, Moments):
+            gram_arrays.append(g.gram())
+            resolved_counts.append(g.count)
+        else:
+            gram_arrays.append(as_float64(g, f"{name}: grams[{i}]"))
+    if counts is not None:
+        if len(counts) != len(grams):
+            raise ValueError(
+                f"{name}: counts has {len(counts)} entries but there are {len(grams)} grams"
+            )
+        resolved_counts = [float(c) for c in counts]
+    elif len(resolved_counts) != len(grams):
+        raise ValueError(f"{name}: counts are required when grams are arrays")
+    weight_arrays = [as_tensor_array(w, f"{name}: weights[{i}]") for i, w in enumerate(weights)]
+    merged, info = _core.core.regmean_merge(
+        gram_arrays,
+        resolved_counts,
+        weight_arrays,
+        None if coefficients is None else [float(c) for c in coefficients],
+        float(alpha),
+        str(layout),
+        float(ridge),
+        bool(allow_regularization),
+        resolve_threads(n_threads),
+        str(name),
+    )
+    warn_if_escalated(info, name)
+    return RegMeanResult(merged, info)
