@@ -22,7 +22,7 @@ class Moments {
  public:
   /// Rows per chunk for float32 input: the float32 rank-k update over this many rows stays
   /// within 1e-6 (relative, Frobenius) of a float64 accumulation (tests/test_moments.py).
-  static constexpr Index kDefaultChunkRows = 2048;
+  static constexpr Index kDefaultChunkRows = 4096;
 
   explicit Moments(Index dim, Index chunk_rows = kDefaultChunkRows);
   /// Rebuild from a saved state; only the lower triangle of `gram` (dim x dim) is read.
