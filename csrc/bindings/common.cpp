@@ -23,7 +23,7 @@ ArrayView float_view(const py::array& a, const std::string& name, int ndim) {
   if ((!is_f32 && !is_f64) || a.ndim() != ndim || (a.flags() & py::array::c_style) == 0) {
     throw std::invalid_argument(name + ": expected a C-contiguous float32 or float64 array with " +
                                 std::to_string(ndim) + " dimension(s), got a " + describe(a) +
-                                "; convert with numpy.ascontiguousarray(x, dtype=numpy.float32)");
+                                "; convert with numpy.ascontiguousarray");
   }
   return ArrayView{a.data(), is_f32};
 }
