@@ -17,9 +17,9 @@ py::tuple regmean_merge(const std::vector<py::array>& grams, const std::vector<d
                         const std::string& layout, double ridge, bool allow_regularization,
                         int n_threads, const std::string& name) {
   const size_t k = grams.size();
-  if (k == 0) throw std::invalid_argument("grams: need at least one model");
+  if (k == 0) throw std::invalid_argument(name + ": grams: need at least one model");
   if (counts.size() != k || weights.size() != k) {
-    throw std::invalid_argument("grams, counts, weights: need one entry per model, got " +
+    throw std::invalid_argument(name + ": grams, counts, weights: need one entry per model, got " +
                                 std::to_string(k) + ", " + std::to_string(counts.size()) +
                                 ", " + std::to_string(weights.size()));
   }
@@ -29,7 +29,7 @@ py::tuple regmean_merge(const std::vector<py::array>& grams, const std::vector<d
   } else if (layout == "conv1d") {
     lay = WeightLayout::Conv1D;
   } else {
-    throw std::invalid_argument("layout: expected 'linear' ([out, in], torch nn.Linear) or "
+    throw std::invalid_argument(name + ": layout: expected 'linear' ([out, in], torch nn.Linear) or "
                                 "'conv1d' ([in, out], Hugging Face Conv1D), got '" + layout + "'");
   }
   std::vector<RegMeanModel> models(k);

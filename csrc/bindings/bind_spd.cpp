@@ -1,7 +1,9 @@
 #include <exception>
+#include <sstream>
 #include <stdexcept>
 
 #include "bindings/common.hpp"
+#include "core/checks.hpp"
 #include "core/spd.hpp"
 
 namespace lmdx_bind {
@@ -41,6 +43,7 @@ py::tuple spd_solve(const py::array& a, const py::array& b, double alpha, double
     py::gil_scoped_release release;
     lmdx::require_finite(ArrayView{a_data, false}, d * d, d, "a", n_threads);
     lmdx::require_finite(ArrayView{b_data, false}, d * k, k, "b", n_threads);
+    lmdx::require_symmetric(a_data, d, "a");
     // a is symmetric, so its row-major buffer read as column-major is the same matrix.
     const Eigen::Map<const MatrixXd> a_map(a_data, d, d);
     MatrixXd sol = RowMajorMap(b_data, d, k);
@@ -73,10 +76,12 @@ void bind_spd(py::module_& m) {
       .def_readonly("max_pivot", &SolveInfo::max_pivot)
       .def_readonly("rcond_estimate", &SolveInfo::rcond_estimate)
       .def("__repr__", [](const SolveInfo& s) {
-        return "SolveInfo(ridge=" + std::to_string(s.ridge) +
-               ", escalated=" + (s.escalated ? std::string("True") : std::string("False")) +
-               ", attempts=" + std::to_string(s.attempts) +
-               ", rcond_estimate=" + std::to_string(s.rcond_estimate) + ")";
+        std::ostringstream out;
+        out.precision(6);
+        out << "SolveInfo(ridge=" << s.ridge << ", escalated=" << (s.escalated ? "True" : "False")
+            << ", attempts=" << s.attempts << ", min_pivot=" << s.min_pivot
+            << ", max_pivot=" << s.max_pivot << ", rcond_estimate=" << s.rcond_estimate << ")";
+        return out.str();
       });
 
   m.attr("SINGULAR_PIVOT") = lmdx::kSingularPivot;

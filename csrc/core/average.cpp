@@ -84,10 +84,11 @@ void fisher_average(const std::vector<ArrayView>& params, const std::vector<Arra
   const std::vector<double> coef = checked_coefficients(coefficients, params.size());
   for (size_t i = 0; i < fishers.size(); ++i) {
     const ArrayView& f = fishers[i];
+    if (n == 0) break;
     const double lowest = f.is_float32
                               ? static_cast<double>(Eigen::Map<const Eigen::ArrayXf>(f.f32(), n).minCoeff())
                               : Eigen::Map<const ArrayXd>(f.f64(), n).minCoeff();
-    if (n > 0 && lowest < 0.0) {
+    if (lowest < 0.0) {
       throw std::invalid_argument("fishers[" + std::to_string(i) +
                                   "]: must be >= 0 (squared gradients), min is " +
                                   std::to_string(lowest));

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <limits>
+#include <sstream>
 #include <stdexcept>
 
 #include "core/parallel.hpp"
@@ -37,6 +38,19 @@ void require_finite(const T* x, Index n, Index cols, const std::string& what, in
   throw std::invalid_argument(what + ": contains " + (std::isnan(x[bad]) ? "NaN" : "Inf") +
                               " at " + where +
                               "; remove or fix non-finite values before passing them to lmdx");
+}
+
+void require_symmetric(const double* g, Index d, const std::string& what) {
+  const Eigen::Map<const MatrixXd> m(g, d, d);
+  const double scale = m.cwiseAbs().maxCoeff();
+  const double asym = (m - m.transpose()).cwiseAbs().maxCoeff();
+  if (asym > 1e-12 * scale) {
+    std::ostringstream msg;
+    msg.precision(6);
+    msg << what << ": not symmetric (max |A - A^T| = " << asym << ", max |A| = " << scale
+        << "); pass a symmetric matrix, e.g. (A + A.T) / 2";
+    throw std::invalid_argument(msg.str());
+  }
 }
 
 template Index first_nonfinite<float>(const float*, Index, int);

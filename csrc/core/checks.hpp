@@ -17,4 +17,8 @@ Index first_nonfinite(const T* x, Index n, int n_threads);
 template <typename T>
 void require_finite(const T* x, Index n, Index cols, const std::string& what, int n_threads);
 
+/// Throw std::invalid_argument("<what>: not symmetric ...") unless the d x d matrix at g
+/// equals its transpose to 1e-12 relative to its largest entry.
+void require_symmetric(const double* g, Index d, const std::string& what);
+
 LMDX_NAMESPACE_END

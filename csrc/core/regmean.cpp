@@ -30,23 +30,13 @@ void load_weight_t(const T* data, Index d_in, Index d_out, WeightLayout layout, 
   }
 }
 
-void require_symmetric(const double* g, Index d, const std::string& what) {
-  const Eigen::Map<const MatrixXd> m(g, d, d);
-  const double scale = m.cwiseAbs().maxCoeff();
-  const double asym = (m - m.transpose()).cwiseAbs().maxCoeff();
-  if (asym > 1e-12 * scale) {
-    throw std::invalid_argument(what + ": not symmetric (max |G - G^T| = " + std::to_string(asym) +
-                                ", max |G| = " + std::to_string(scale) +
-                                "); pass the full symmetric Gram matrix");
-  }
-}
-
 }  // namespace
 
-std::vector<double> checked_coefficients(const std::vector<double>& coefficients, size_t k) {
+std::vector<double> checked_coefficients(const std::vector<double>& coefficients, size_t k,
+                                         const std::string& prefix) {
   if (coefficients.empty()) return std::vector<double>(k, 1.0);
   if (coefficients.size() != k) {
-    throw std::invalid_argument("coefficients: expected " + std::to_string(k) +
+    throw std::invalid_argument(prefix + "coefficients: expected " + std::to_string(k) +
                                 " values (one per model), got " +
                                 std::to_string(coefficients.size()));
   }
@@ -54,12 +44,12 @@ std::vector<double> checked_coefficients(const std::vector<double>& coefficients
   for (size_t i = 0; i < k; ++i) {
     const double c = coefficients[i];
     if (!std::isfinite(c) || c < 0.0) {
-      throw std::invalid_argument("coefficients[" + std::to_string(i) +
+      throw std::invalid_argument(prefix + "coefficients[" + std::to_string(i) +
                                   "]: must be finite and >= 0, got " + std::to_string(c));
     }
     total += c;
   }
-  if (!(total > 0.0)) throw std::invalid_argument("coefficients: must not all be zero");
+  if (!(total > 0.0)) throw std::invalid_argument(prefix + "coefficients: must not all be zero");
   return coefficients;
 }
 
@@ -67,12 +57,13 @@ RegMeanResult regmean_merge(const std::vector<RegMeanModel>& models, Index d_in,
                             const std::vector<double>& coefficients, WeightLayout layout,
                             const SolveOptions& opt) {
   const size_t k = models.size();
-  if (k == 0) throw std::invalid_argument("models: need at least one model");
-  if (d_in < 1 || d_out < 1) throw std::invalid_argument("weights: empty weight matrix");
+  if (k == 0) throw std::invalid_argument(opt.name + ": need at least one model");
+  if (d_in < 1 || d_out < 1) throw std::invalid_argument(opt.name + ": weights: empty weight matrix");
   if (!(opt.alpha >= 0.0 && opt.alpha <= 1.0)) {
-    throw std::invalid_argument("alpha: must be in [0, 1], got " + std::to_string(opt.alpha));
+    throw std::invalid_argument(opt.name + ": alpha: must be in [0, 1], got " +
+                                std::to_string(opt.alpha));
   }
-  const std::vector<double> coef = checked_coefficients(coefficients, k);
+  const std::vector<double> coef = checked_coefficients(coefficients, k, opt.name + ": ");
   std::vector<double> scale(k);
   for (size_t i = 0; i < k; ++i) {
     const std::string tag = "[" + std::to_string(i) + "]";

@@ -9,6 +9,7 @@
 // and the system is solved by the regularized Cholesky solver (spd.hpp).
 #pragma once
 
+#include <string>
 #include <vector>
 
 #include "core/arrays.hpp"
@@ -37,7 +38,9 @@ RegMeanResult regmean_merge(const std::vector<RegMeanModel>& models, Index d_in,
                             const std::vector<double>& coefficients, WeightLayout layout,
                             const SolveOptions& opt);
 
-/// Shared validation for per-model coefficients; returns them (all 1 when empty).
-std::vector<double> checked_coefficients(const std::vector<double>& coefficients, size_t k);
+/// Shared validation for per-model coefficients; returns them (all 1 when empty). Error
+/// messages start with `prefix`.
+std::vector<double> checked_coefficients(const std::vector<double>& coefficients, size_t k,
+                                         const std::string& prefix = "");
 
 LMDX_NAMESPACE_END

@@ -143,6 +143,7 @@ SolveInfo spd_factor(const Eigen::Ref<const MatrixXd>& a, MatrixXd& l, const Sol
 
 void cholesky_solve_in_place(const MatrixXd& l, Eigen::Ref<MatrixXd> b, int n_threads) {
   const Index k = b.cols();
+  if (k == 0) return;
   const Index n_blocks = (k + kSolveColBlock - 1) / kSolveColBlock;
   const int threads = static_cast<int>(std::min<Index>(resolve_threads(n_threads), n_blocks));
   const auto lower = l.triangularView<Eigen::Lower>();

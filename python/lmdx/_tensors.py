@@ -42,12 +42,12 @@ def as_tensor_array(x: Any, name: str) -> NDArray[np.floating[Any]]:
         if arr.dtype.kind not in "biuf":
             raise ValueError(f"{name}: expected numbers, got an array of dtype {arr.dtype}")
         arr = arr.astype(np.float64)
-    return np.ascontiguousarray(arr)
+    return np.asarray(arr, order="C")  # keeps 0-d arrays 0-d, unlike ascontiguousarray
 
 
 def as_float64(x: Any, name: str) -> NDArray[np.float64]:
     """A C-contiguous float64 copy-or-view of ``x``."""
-    return np.ascontiguousarray(as_tensor_array(x, name), dtype=np.float64)
+    return np.asarray(as_tensor_array(x, name), dtype=np.float64, order="C")
 
 
 def as_rows(

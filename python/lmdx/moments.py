@@ -14,7 +14,7 @@ from .config import resolve_threads
 __all__ = ["DEFAULT_CHUNK_ROWS", "Moments"]
 
 #: Rows per float32 chunk (the accuracy bound of float32 input is tested at this size).
-DEFAULT_CHUNK_ROWS = 4096
+DEFAULT_CHUNK_ROWS = 2048
 
 
 class Moments:

@@ -1,0 +1,38 @@
+"""Shared test configuration.
+
+Every numeric check in this suite compares lmdx with a float64 NumPy reference written
+in the test module itself; nothing here computes an expected value.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+
+# The suite runs on small shared machines: few examples, no per-example deadline
+# (thread start-up and first-call scratch allocation make timings noisy).
+settings.register_profile(
+    "lmdx",
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    print_blob=True,
+)
+settings.register_profile("lmdx-thorough", parent=settings.get_profile("lmdx"), max_examples=300)
+settings.load_profile(os.environ.get("LMDX_HYPOTHESIS_PROFILE", "lmdx"))
+
+
+@pytest.fixture
+def rng(request: pytest.FixtureRequest) -> np.random.Generator:
+    """A generator seeded from the test's id: reproducible, different per test."""
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(autouse=True)
+def _default_threads_from_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests that rely on the default thread count must not see a user's override."""
+    monkeypatch.delenv("LMDX_NUM_THREADS", raising=False)

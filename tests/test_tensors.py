@@ -1,0 +1,295 @@
+"""Torch tensors and unusual arrays at the API boundary (lmdx/_tensors.py) and the raw
+bindings' refusal of anything that is not a C-contiguous float32/float64 array."""
+
+from __future__ import annotations
+
+import lmdx
+import numpy as np
+import pytest
+import scipy.linalg
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from lmdx._core import core
+
+seeds = st.integers(0, 2**32 - 1)
+TORCH_FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+def as64(t) -> np.ndarray:
+    """The float64 values a tensor/array holds (the widened reference input)."""
+    if isinstance(t, torch.Tensor):
+        return t.detach().to(torch.float64).numpy()
+    return np.asarray(t, dtype=np.float64)
+
+
+def gram_reference(x) -> np.ndarray:
+    x = as64(x).reshape(-1, np.shape(x)[-1])
+    return x.T @ x
+
+
+def assert_gram_close(m: lmdx.Moments, x, *, exact_f64: bool) -> None:
+    ref = gram_reference(x)
+    x64 = as64(x).reshape(-1, np.shape(x)[-1])
+    assert m.count == x64.shape[0]
+    np.testing.assert_allclose(m.sum, x64.sum(axis=0), rtol=1e-12, atol=1e-12)
+    if exact_f64:
+        np.testing.assert_allclose(m.gram(), ref, rtol=1e-12, atol=1e-12 * np.abs(ref).max())
+    else:  # float32 chunk products, DESIGN.md bound
+        assert np.linalg.norm(m.gram() - ref) <= 1e-6 * np.linalg.norm(ref)
+
+
+def snapshot(x):
+    return x.detach().clone() if isinstance(x, torch.Tensor) else np.array(x, copy=True)
+
+
+def unchanged(x, before) -> bool:
+    if isinstance(x, torch.Tensor):
+        return torch.equal(x, before) and x.dtype == before.dtype
+    return np.array_equal(x, before) and x.dtype == before.dtype
+
+
+# --------------------------------------------------------------------------- Moments
+
+
+@given(
+    dtype=st.sampled_from(TORCH_FLOATS),
+    layout=st.sampled_from(["contiguous", "transposed", "sliced", "expanded"]),
+    rows=st.integers(1, 40),
+    d=st.integers(1, 8),
+    seed=seeds,
+    grad=st.booleans(),
+)
+def test_moments_torch_inputs(dtype, layout, rows, d, seed, grad):
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(rows, 2 * d, generator=gen, dtype=torch.float64).to(dtype)
+    if layout == "contiguous":
+        x = base[:, :d].contiguous()
+    elif layout == "transposed":
+        x = base[:, :d].t().contiguous().t()  # column-major view
+    elif layout == "sliced":
+        x = base[:, ::2]  # every other column
+    else:
+        x = base[:1, :d].expand(rows, d)  # stride 0 rows
+    if grad and dtype.is_floating_point:
+        x = x.detach().requires_grad_(True)
+    before = snapshot(x)
+    m = lmdx.Moments(d, chunk_rows=9).update(x)
+    assert unchanged(x, before)
+    if grad:
+        assert x.grad is None
+    assert_gram_close(m, x, exact_f64=dtype == torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_moments_half_precision_values_are_widened_exactly(rng, dtype):
+    # Multiples of 1/4 up to 8: every product and partial sum is exact in float32, so the
+    # Gram of widened half-precision input must equal the float64 Gram bit for bit.
+    x = torch.from_numpy(rng.integers(-32, 33, (40, 5)) / 4.0).to(dtype)
+    m = lmdx.Moments(5, chunk_rows=16).update(x)
+    np.testing.assert_array_equal(m.gram(), gram_reference(x))
+    np.testing.assert_array_equal(m.sum, as64(x).sum(axis=0))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.int8, np.int32, np.int64, np.uint8, np.bool_])
+def test_moments_numpy_narrow_and_integer_arrays(rng, dtype):
+    if np.issubdtype(dtype, np.integer):
+        info = np.iinfo(dtype)
+        x = rng.integers(max(info.min, -100), min(info.max, 100), (25, 4), endpoint=True).astype(
+            dtype
+        )
+    else:
+        x = (rng.standard_normal((25, 4)) * 5).astype(dtype)
+    before = x.copy()
+    m = lmdx.Moments(4, chunk_rows=6).update(x)
+    assert np.array_equal(x, before) and x.dtype == before.dtype
+    # Integers become float64; float16 becomes float32 (float32 chunk bound).
+    assert_gram_close(m, x, exact_f64=dtype != np.float16)
+
+
+def test_moments_mask_and_weights_as_tensors(rng):
+    x = torch.from_numpy(rng.standard_normal((2, 6, 3)))
+    mask = torch.from_numpy(rng.random((2, 6)) < 0.5)
+    w = torch.from_numpy(rng.uniform(0, 2, (2, 6))).requires_grad_(True)
+    mask0, w0 = mask.clone(), w.detach().clone()
+    m = lmdx.Moments(3).update(x, mask=mask.t().contiguous().t(), weights=w)
+    assert torch.equal(mask, mask0) and torch.equal(w.detach(), w0)
+    keep = (mask.numpy() * w.detach().numpy()).reshape(-1)
+    x64 = x.numpy().reshape(-1, 3)
+    np.testing.assert_allclose(m.gram(), (x64 * keep[:, None]).T @ x64, rtol=1e-12, atol=1e-14)
+    assert m.count == pytest.approx(keep.sum(), rel=1e-14)
+
+
+def test_fortran_ordered_numpy_rows(rng):
+    x = np.asfortranarray(rng.standard_normal((30, 5)))
+    m = lmdx.Moments(5).update(x)
+    assert_gram_close(m, x, exact_f64=True)
+
+
+def test_complex_tensors_are_rejected():
+    with pytest.raises(ValueError, match=r"^x: complex tensors are not supported"):
+        lmdx.Moments(2).update(torch.ones(3, 2, dtype=torch.complex64))
+    with pytest.raises(
+        ValueError, match=r"^tensors\[0\]: expected numbers, got an array of dtype complex128"
+    ):
+        lmdx.weighted_average([np.ones(3, dtype=complex)])
+
+
+# --------------------------------------------------------------------------- spd_solve / regmean
+
+
+@pytest.mark.parametrize("dtype", TORCH_FLOATS)
+def test_spd_solve_torch_inputs(rng, dtype):
+    x = rng.standard_normal((20, 6))
+    a = torch.from_numpy(x.T @ x / 20).to(dtype)
+    b = torch.from_numpy(rng.standard_normal((3, 6))).to(dtype).t()  # non-contiguous (6, 3)
+    a.requires_grad_(True)
+    a0, b0 = snapshot(a), snapshot(b)
+    res = lmdx.spd_solve(a.t(), b)  # a.t(): a transposed (symmetric) view
+    assert unchanged(a, a0) and unchanged(b, b0)
+    ref = scipy.linalg.solve(as64(a), as64(b))
+    np.testing.assert_allclose(res.x, ref, rtol=1e-10, atol=1e-12)
+    assert isinstance(res.x, np.ndarray) and res.x.dtype == np.float64
+
+
+@pytest.mark.parametrize("dtype", TORCH_FLOATS)
+def test_regmean_torch_weights_and_grams(rng, dtype):
+    d_in, d_out = 6, 5
+    xs = [rng.standard_normal((30, d_in)) for _ in range(2)]
+    grams = [torch.from_numpy(x.T @ x) for x in xs]
+    # nn.Linear weights with requires_grad, one of them a non-contiguous view.
+    w0 = torch.from_numpy(rng.standard_normal((d_out, d_in))).to(dtype).requires_grad_(True)
+    w1_store = torch.from_numpy(rng.standard_normal((d_in, d_out))).to(dtype)
+    w1 = w1_store.t()
+    before = [snapshot(w0), snapshot(w1), *[snapshot(g) for g in grams]]
+    res = lmdx.regmean_merge_layer(grams, [w0, w1], [30, 30], alpha=0.9)
+    assert all(unchanged(t, b) for t, b in zip([w0, w1, *grams], before))
+    lhs, rhs = 0.0, 0.0
+    for g, w in zip(grams, [w0, w1]):
+        gt = 0.9 * as64(g) / 30 + 0.1 * np.diag(np.diag(as64(g) / 30))
+        lhs = lhs + gt
+        rhs = rhs + gt @ as64(w).T
+    ref = scipy.linalg.solve(lhs, rhs, assume_a="pos").T
+    np.testing.assert_allclose(res.weight, ref, rtol=1e-9, atol=1e-10)
+    # Hugging Face Conv1D stores [in, out]: pass the transposed views.
+    conv = lmdx.regmean_merge_layer(grams, [w0.t(), w1_store], [30, 30], alpha=0.9, layout="conv1d")
+    np.testing.assert_allclose(conv.weight, ref.T, rtol=1e-9, atol=1e-10)
+
+
+def test_regmean_integer_counts_and_lists(rng):
+    x = rng.standard_normal((12, 3))
+    g = (x.T @ x).tolist()  # nested lists
+    w = rng.integers(-5, 5, (2, 3))  # integer weights become float64
+    res = lmdx.regmean_merge_layer([g, g], [w, w], np.array([12, 12]))
+    np.testing.assert_allclose(res.weight, w.astype(np.float64), rtol=1e-12, atol=1e-12)
+
+
+# --------------------------------------------------------------------------- averages
+
+
+@pytest.mark.parametrize("dtype", TORCH_FLOATS)
+def test_averages_of_torch_tensors(rng, dtype):
+    base = [torch.from_numpy(rng.standard_normal((7, 4))).to(dtype) for _ in range(3)]
+    tensors = [base[0].requires_grad_(True), base[1].t().contiguous().t(), base[2][:, ::1]]
+    fishers = [torch.from_numpy(rng.exponential(1.0, (4, 7))).to(dtype).t() for _ in range(3)]
+    before = [snapshot(t) for t in tensors + fishers]
+    got = lmdx.weighted_average(tensors, [1.0, 2.0, 0.5])
+    fisher = lmdx.fisher_average(tensors, fishers, eps=1e-3)
+    assert all(unchanged(t, b) for t, b in zip(tensors + fishers, before))
+    p = np.array([as64(t) for t in tensors])
+    c = np.array([1.0, 2.0, 0.5])[:, None, None]
+    np.testing.assert_allclose(got, (c * p).sum(0) / c.sum(), rtol=1e-14, atol=1e-15)
+    f = np.array([as64(t) for t in fishers]) + 1e-3
+    np.testing.assert_allclose(fisher, (f * p).sum(0) / f.sum(0), rtol=1e-13, atol=1e-15)
+    assert got.shape == fisher.shape == (7, 4)
+
+
+def test_averages_of_mixed_numpy_dtypes(rng):
+    xs = [
+        rng.standard_normal(9).astype(np.float16),
+        rng.integers(-3, 3, 9),
+        rng.standard_normal(9).astype(np.float32)[::-1],  # negative stride
+        rng.standard_normal(18)[::2],  # strided
+    ]
+    before = [x.copy() for x in xs]
+    got = lmdx.weighted_average(xs)
+    assert all(np.array_equal(a, b) for a, b in zip(xs, before))
+    np.testing.assert_allclose(got, np.mean([as64(x) for x in xs], axis=0), rtol=1e-14, atol=1e-15)
+
+
+# --------------------------------------------------------------------------- raw bindings
+
+
+def test_raw_moments_rejects_non_contiguous_and_wrong_dtype(rng):
+    x = rng.standard_normal((5, 3))
+    m = core.Moments(3, 7)
+    with pytest.raises(
+        ValueError, match=r"^x: expected a C-contiguous float32 or float64 array.*not C-contiguous"
+    ):
+        m.update(np.asfortranarray(x), None, 1)
+    with pytest.raises(
+        ValueError, match=r"^x: expected a C-contiguous float32 or float64 array.*int64"
+    ):
+        m.update(x.astype(np.int64), None, 1)
+    with pytest.raises(ValueError, match=r"^x: expected .*float64.*float16"):
+        m.update(x.astype(np.float16), None, 1)
+    with pytest.raises(ValueError, match=r"^x: expected .*2 dimension"):
+        m.update(x.reshape(5, 3, 1), None, 1)
+    with pytest.raises(ValueError, match=r"^weights: expected a float64 array, got a float32"):
+        m.update(x, np.ones(5, np.float32), 1)
+    with pytest.raises(ValueError, match=r"^weights: expected 5 values \(one per row of x\)"):
+        m.update(x, np.ones(4), 1)
+    with pytest.raises(ValueError, match=r"^sum: expected a float64 array"):
+        core.Moments.from_state(1.0, np.ones(3, np.float32), np.eye(3), 7)
+    with pytest.raises(ValueError, match=r"^gram: expected a C-contiguous .*not C-contiguous"):
+        core.Moments.from_state(1.0, np.ones(3), np.asfortranarray(np.ones((3, 3))), 7)
+    assert m.count == 0.0 and not np.any(m.gram())
+
+
+def test_raw_spd_solve_rejects_non_contiguous_and_wrong_dtype():
+    a = np.eye(3)
+    with pytest.raises(ValueError, match=r"^a: expected a float64 array, got a float32"):
+        core.spd_solve(a.astype(np.float32), np.ones(3), 1.0, 0.0, True, 1, "s")
+    with pytest.raises(ValueError, match=r"^b: expected a C-contiguous .*not C-contiguous"):
+        core.spd_solve(a, np.ones((3, 4))[:, ::2], 1.0, 0.0, True, 1, "s")
+    with pytest.raises(ValueError, match=r"^a: expected a C-contiguous .*not C-contiguous"):
+        core.spd_solve(
+            np.asfortranarray(np.ones((3, 3)) + np.eye(3)), np.ones(3), 1.0, 0.0, True, 1, "s"
+        )
+
+
+def test_raw_regmean_rejects_non_contiguous_and_wrong_dtype():
+    g = np.eye(3)
+    w = np.ones((2, 3))
+    args = (None, 1.0, "linear", 0.0, True, 1, "blk.1")
+    with pytest.raises(
+        ValueError, match=r"^blk\.1: weights\[1\]: expected a C-contiguous .*not C-contiguous"
+    ):
+        core.regmean_merge([g, g], [1.0, 1.0], [w, np.asfortranarray(np.ones((2, 3)))], *args)
+    with pytest.raises(
+        ValueError,
+        match=r"^blk\.1: weights\[0\]: expected a C-contiguous float32 or float64.*int64",
+    ):
+        core.regmean_merge([g, g], [1.0, 1.0], [w.astype(np.int64), w], *args)
+    with pytest.raises(
+        ValueError, match=r"^blk\.1: grams\[1\]: expected a float64 array, got a float32"
+    ):
+        core.regmean_merge([g, g.astype(np.float32)], [1.0, 1.0], [w, w], *args)
+
+
+def test_raw_averages_reject_non_contiguous_and_wrong_dtype():
+    x = np.ones((3, 4))
+    with pytest.raises(
+        ValueError, match=r"^tensors\[1\]: expected a C-contiguous .*not C-contiguous"
+    ):
+        core.weighted_average([x, np.asfortranarray(x)], None, 1)
+    with pytest.raises(
+        ValueError, match=r"^tensors\[0\]: expected a C-contiguous float32 or float64.*int32"
+    ):
+        core.weighted_average([x.astype(np.int32)], None, 1)
+    with pytest.raises(ValueError, match=r"^fishers\[0\]: expected a C-contiguous .*float16"):
+        core.fisher_average([x], [x.astype(np.float16)], None, 0.0, 1)
+    with pytest.raises(
+        ValueError, match=r"^params\[0\]: expected a C-contiguous .*not C-contiguous"
+    ):
+        core.fisher_average([x.T], [x.T.copy()], None, 0.0, 1)
