@@ -24,9 +24,9 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import lmdx
 import numpy as np

@@ -14,11 +14,10 @@ from __future__ import annotations
 import copy
 import time
 
+import lmdx
 import numpy as np
 import torch
 from torch import nn
-
-import lmdx
 
 D_IN, D_HIDDEN, D_OUT = 32, 128, 8
 N_TASKS, N_TRAIN, N_TEST = 3, 4096, 2048
@@ -106,7 +105,7 @@ def main() -> None:
     print(f"fine-tuned {N_TASKS} models in {time.perf_counter() - start:.1f} s")
 
     start = time.perf_counter()
-    stats = [linear_input_moments(m, x) for m, (x, _, _, _) in zip(experts, tasks)]
+    stats = [linear_input_moments(m, x) for m, (x, _, _, _) in zip(experts, tasks, strict=False)]
     print(f"collected Gram statistics in {time.perf_counter() - start:.2f} s")
     start = time.perf_counter()
     candidates = {
@@ -121,9 +120,7 @@ def main() -> None:
     print(f"{'test MSE':<12}{header}{'mean':>10}")
     for label, model in candidates.items():
         with torch.no_grad():
-            losses = [
-                nn.functional.mse_loss(model(xt), yt).item() for _, _, xt, yt in tasks
-            ]
+            losses = [nn.functional.mse_loss(model(xt), yt).item() for _, _, xt, yt in tasks]
         row = "".join(f"{v:>10.4f}" for v in losses)
         print(f"{label:<12}{row}{np.mean(losses):>10.4f}")
     lmdx.show_config()

@@ -117,7 +117,9 @@ def test_each_variant_matches_numpy_reference(variant, inputs, results):
     assert r["solve_ridge"] == 1e-3
 
     lhs, rhs = 0.0, 0.0
-    for c, g, n, wt in zip([1.0, 2.0], inputs["grams"], inputs["counts"], inputs["W"]):
+    for c, g, n, wt in zip(
+        [1.0, 2.0], inputs["grams"], inputs["counts"], inputs["W"], strict=False
+    ):
         gt = 0.9 * g / n + 0.1 * np.diag(np.diag(g / n))
         lhs = lhs + c * gt
         rhs = rhs + c * gt @ wt.astype(np.float64).T

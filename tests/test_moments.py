@@ -303,7 +303,7 @@ def test_concurrent_python_threads(rng):
     assert shared.count == len(everything)
     assert np.array_equal(shared.gram(), everything.T @ everything)
     assert np.array_equal(shared.sum, everything.sum(axis=0))
-    for m, b in zip(own, batches):
+    for m, b in zip(own, batches, strict=False):
         b64 = b.astype(np.float64)
         assert np.array_equal(m.gram(), b64.T @ b64)
 

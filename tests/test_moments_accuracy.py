@@ -8,10 +8,9 @@ accumulation of the same float32 values, also for data with a large common offse
 
 from __future__ import annotations
 
+import lmdx
 import numpy as np
 import pytest
-
-import lmdx
 
 N_ROWS = 1_000_000
 DIM = 24

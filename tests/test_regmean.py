@@ -190,8 +190,8 @@ def test_inputs_not_modified(rng):
     grams, counts, weights, _ = make_models(rng, 2, 5, 4, np.float32)
     before = [g.copy() for g in grams], [w.copy() for w in weights]
     lmdx.regmean_merge_layer(grams, weights, counts, alpha=0.5)
-    assert all(np.array_equal(a, b) for a, b in zip(grams, before[0]))
-    assert all(np.array_equal(a, b) for a, b in zip(weights, before[1]))
+    assert all(np.array_equal(a, b) for a, b in zip(grams, before[0], strict=False))
+    assert all(np.array_equal(a, b) for a, b in zip(weights, before[1], strict=False))
 
 
 # --------------------------------------------------------------------------- singular sums
@@ -206,9 +206,9 @@ def test_never_active_feature_is_regularized_with_a_warning_naming_the_layer(rng
         res = lmdx.regmean_merge_layer(grams, weights, counts, name="h.0.mlp.fc")
     assert res.info.escalated
     # Reference with the ridge the solver reports, relative to mean diag of Σ c_i Ĝ_i.
-    lhs = sum(g / n for g, n in zip(grams, counts))
+    lhs = sum(g / n for g, n in zip(grams, counts, strict=False))
     ridge = res.info.ridge * np.mean(np.diag(lhs))
-    rhs = sum(g / n @ w.T for g, n, w in zip(grams, counts, weights))
+    rhs = sum(g / n @ w.T for g, n, w in zip(grams, counts, weights, strict=False))
     expected = np.linalg.solve(lhs + ridge * np.eye(6), rhs).T
     assert_merged_close(res.weight, expected, rtol=1e-6)
     with pytest.raises(
@@ -222,10 +222,12 @@ def test_never_active_feature_is_regularized_with_a_warning_naming_the_layer(rng
 def test_explicit_ridge(rng):
     grams, counts, weights, _ = make_models(rng, 2, 5, 4)
     res = lmdx.regmean_merge_layer(grams, weights, counts, alpha=0.9, ridge=0.05)
-    lhs = sum(0.9 * g / n + 0.1 * np.diag(np.diag(g / n)) for g, n in zip(grams, counts))
+    lhs = sum(
+        0.9 * g / n + 0.1 * np.diag(np.diag(g / n)) for g, n in zip(grams, counts, strict=False)
+    )
     rhs = sum(
         (0.9 * g / n + 0.1 * np.diag(np.diag(g / n))) @ w.T
-        for g, n, w in zip(grams, counts, weights)
+        for g, n, w in zip(grams, counts, weights, strict=False)
     )
     lhs_reg = lhs + 0.05 * np.mean(np.diag(lhs)) * np.eye(5)
     assert_merged_close(res.weight, np.linalg.solve(lhs_reg, rhs).T)

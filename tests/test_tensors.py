@@ -163,9 +163,9 @@ def test_regmean_torch_weights_and_grams(rng, dtype):
     w1 = w1_store.t()
     before = [snapshot(w0), snapshot(w1), *[snapshot(g) for g in grams]]
     res = lmdx.regmean_merge_layer(grams, [w0, w1], [30, 30], alpha=0.9)
-    assert all(unchanged(t, b) for t, b in zip([w0, w1, *grams], before))
+    assert all(unchanged(t, b) for t, b in zip([w0, w1, *grams], before, strict=False))
     lhs, rhs = 0.0, 0.0
-    for g, w in zip(grams, [w0, w1]):
+    for g, w in zip(grams, [w0, w1], strict=False):
         gt = 0.9 * as64(g) / 30 + 0.1 * np.diag(np.diag(as64(g) / 30))
         lhs = lhs + gt
         rhs = rhs + gt @ as64(w).T
@@ -195,7 +195,7 @@ def test_averages_of_torch_tensors(rng, dtype):
     before = [snapshot(t) for t in tensors + fishers]
     got = lmdx.weighted_average(tensors, [1.0, 2.0, 0.5])
     fisher = lmdx.fisher_average(tensors, fishers, eps=1e-3)
-    assert all(unchanged(t, b) for t, b in zip(tensors + fishers, before))
+    assert all(unchanged(t, b) for t, b in zip(tensors + fishers, before, strict=False))
     p = np.array([as64(t) for t in tensors])
     c = np.array([1.0, 2.0, 0.5])[:, None, None]
     np.testing.assert_allclose(got, (c * p).sum(0) / c.sum(), rtol=1e-14, atol=1e-15)
@@ -213,7 +213,7 @@ def test_averages_of_mixed_numpy_dtypes(rng):
     ]
     before = [x.copy() for x in xs]
     got = lmdx.weighted_average(xs)
-    assert all(np.array_equal(a, b) for a, b in zip(xs, before))
+    assert all(np.array_equal(a, b) for a, b in zip(xs, before, strict=False))
     np.testing.assert_allclose(got, np.mean([as64(x) for x in xs], axis=0), rtol=1e-14, atol=1e-15)
 
 

@@ -50,9 +50,7 @@ def as_float64(x: Any, name: str) -> NDArray[np.float64]:
     return np.asarray(as_tensor_array(x, name), dtype=np.float64, order="C")
 
 
-def as_rows(
-    x: Any, dim: int, name: str = "x"
-) -> tuple[NDArray[np.floating[Any]], tuple[int, ...]]:
+def as_rows(x: Any, dim: int, name: str = "x") -> tuple[NDArray[np.floating[Any]], tuple[int, ...]]:
     """View ``x`` of shape (..., dim) as C-contiguous (rows, dim); also return x.shape[:-1]."""
     arr = as_tensor_array(x, name)
     if arr.ndim == 0 or arr.shape[-1] != dim:
@@ -71,8 +69,7 @@ def as_weights(
         arr = as_float64(value, label)
         if arr.shape != leading_shape and arr.size != rows:
             raise ValueError(
-                f"{label}: expected shape {leading_shape} (one value per row of x), "
-                f"got {arr.shape}"
+                f"{label}: expected shape {leading_shape} (one value per row of x), got {arr.shape}"
             )
         if label == "mask" and not np.isin(arr, (0.0, 1.0)).all():
             raise ValueError("mask: expected 0/1 or boolean values; use weights= for weights")

@@ -64,6 +64,4 @@ def fisher_average(
     p = [as_tensor_array(t, f"params[{i}]") for i, t in enumerate(params)]
     f = [as_tensor_array(t, f"fishers[{i}]") for i, t in enumerate(fishers)]
     coef = None if coefficients is None else [float(c) for c in coefficients]
-    return np.asarray(
-        _core.core.fisher_average(p, f, coef, float(eps), resolve_threads(n_threads))
-    )
+    return np.asarray(_core.core.fisher_average(p, f, coef, float(eps), resolve_threads(n_threads)))
