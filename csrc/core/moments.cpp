@@ -35,19 +35,38 @@ void check_weights(const double* w, Index rows) {
 // A float32 dot product over k rows loses up to ~k ulps when the products are alike (e.g.
 // repeated padding rows), so each rank update covers at most kInnerRows rows: the chunk's
 // float32 result is then a sum of m / kInnerRows partial sums of kInnerRows products each,
-// which keeps even constant rows within 1e-6 of float64 (tests/test_moments.py).
+// which keeps even constant rows within 1e-6 of float64 (tests/test_moments*.py).
 constexpr Index kInnerRows = 64;
+// Column panel of the Gram updated by all of a chunk's row blocks before moving on, so the
+// float32 result stays in cache instead of streaming d x d floats per 64 rows (which made
+// two threads memory-bound at d = 3072).
+constexpr Index kPanel = 256;
 
 template <typename T, typename Block>
 void rank_update(MatrixX<T>& gram, const Block& block) {
   const Index m = block.cols();
-  if constexpr (std::is_same_v<T, float>) {
+  const Index d = gram.rows();
+  if constexpr (!std::is_same_v<T, float>) {
+    gram.template selfadjointView<Eigen::Lower>().rankUpdate(block);
+  } else if (d <= 2 * kPanel) {
     for (Index r = 0; r < m; r += kInnerRows) {
       gram.template selfadjointView<Eigen::Lower>().rankUpdate(
           block.middleCols(r, std::min(kInnerRows, m - r)));
     }
   } else {
-    gram.template selfadjointView<Eigen::Lower>().rankUpdate(block);
+    for (Index j0 = 0; j0 < d; j0 += kPanel) {
+      const Index w = std::min(kPanel, d - j0);
+      const Index rest = d - j0 - w;
+      auto diagonal = gram.block(j0, j0, w, w);
+      auto below = gram.block(j0 + w, j0, rest, w);
+      for (Index r = 0; r < m; r += kInnerRows) {
+        const auto rows = block.middleCols(r, std::min(kInnerRows, m - r));
+        diagonal.template selfadjointView<Eigen::Lower>().rankUpdate(rows.middleRows(j0, w));
+        if (rest > 0) {
+          below.noalias() += rows.middleRows(j0 + w, rest) * rows.middleRows(j0, w).transpose();
+        }
+      }
+    }
   }
 }
 
