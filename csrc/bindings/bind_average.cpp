@@ -19,9 +19,9 @@ std::vector<ArrayView> same_shape_views(const std::vector<py::array>& xs, const 
     bool same = xs[i].ndim() == ref.ndim();
     for (py::ssize_t j = 0; same && j < ref.ndim(); ++j) same = xs[i].shape(j) == ref.shape(j);
     if (!same) {
-      throw std::invalid_argument(tag + ": is a " + describe(xs[i]) + " but expected the shape of " +
-                                  (reference != nullptr ? "params[0]" : name + "[0]") + ", a " +
-                                  describe(ref));
+      throw std::invalid_argument(
+          tag + ": is a " + describe(xs[i]) + " but expected the shape of " +
+          (reference != nullptr ? "params[0]" : name + "[0]") + ", a " + describe(ref));
     }
   }
   return views;

@@ -21,22 +21,25 @@ void bind_config(py::module_& m) {
     return std::string("unknown");
 #endif
   });
-  m.def("cpu_features", []() {
-    const lmdx::CpuFeatures f = lmdx::cpu_features();
-    py::dict d;
-    d["avx2"] = f.avx2;
-    d["fma"] = f.fma;
-    d["f16c"] = f.f16c;
-    d["bmi2"] = f.bmi2;
-    d["avx512f"] = f.avx512f;
-    d["avx512bw"] = f.avx512bw;
-    d["avx512dq"] = f.avx512dq;
-    d["avx512vl"] = f.avx512vl;
-    d["avx512cd"] = f.avx512cd;
-    d["x86-64-v3"] = f.x86_64_v3;
-    d["x86-64-v4"] = f.x86_64_v4;
-    return d;
-  }, "CPU features detected at run time (x86-64; all False elsewhere).");
+  m.def(
+      "cpu_features",
+      []() {
+        const lmdx::CpuFeatures f = lmdx::cpu_features();
+        py::dict d;
+        d["avx2"] = f.avx2;
+        d["fma"] = f.fma;
+        d["f16c"] = f.f16c;
+        d["bmi2"] = f.bmi2;
+        d["avx512f"] = f.avx512f;
+        d["avx512bw"] = f.avx512bw;
+        d["avx512dq"] = f.avx512dq;
+        d["avx512vl"] = f.avx512vl;
+        d["avx512cd"] = f.avx512cd;
+        d["x86-64-v3"] = f.x86_64_v3;
+        d["x86-64-v4"] = f.x86_64_v4;
+        return d;
+      },
+      "CPU features detected at run time (x86-64; all False elsewhere).");
   m.def("scratch_bytes", &lmdx::scratch_bytes, "Bytes held by the kernels' scratch pool.");
   m.def("release_scratch", &lmdx::release_scratch, "Free the kernels' pooled scratch buffers.");
   m.def(

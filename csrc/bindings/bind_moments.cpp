@@ -50,8 +50,7 @@ void bind_moments(py::module_& m) {
             const ArrayView xv = float_view(x, "x", 2);
             if (x.shape(1) != self.dim()) {
               throw std::invalid_argument("x: expected " + std::to_string(self.dim()) +
-                                          " columns (the accumulator's dim), got a " +
-                                          describe(x));
+                                          " columns (the accumulator's dim), got a " + describe(x));
             }
             const Index rows = x.shape(0);
             const double* w = nullptr;

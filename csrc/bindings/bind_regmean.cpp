@@ -20,8 +20,8 @@ py::tuple regmean_merge(const std::vector<py::array>& grams, const std::vector<d
   if (k == 0) throw std::invalid_argument(name + ": grams: need at least one model");
   if (counts.size() != k || weights.size() != k) {
     throw std::invalid_argument(name + ": grams, counts, weights: need one entry per model, got " +
-                                std::to_string(k) + ", " + std::to_string(counts.size()) +
-                                ", " + std::to_string(weights.size()));
+                                std::to_string(k) + ", " + std::to_string(counts.size()) + ", " +
+                                std::to_string(weights.size()));
   }
   WeightLayout lay;
   if (layout == "linear") {
@@ -29,8 +29,10 @@ py::tuple regmean_merge(const std::vector<py::array>& grams, const std::vector<d
   } else if (layout == "conv1d") {
     lay = WeightLayout::Conv1D;
   } else {
-    throw std::invalid_argument(name + ": layout: expected 'linear' ([out, in], torch nn.Linear) or "
-                                "'conv1d' ([in, out], Hugging Face Conv1D), got '" + layout + "'");
+    throw std::invalid_argument(name +
+                                ": layout: expected 'linear' ([out, in], torch nn.Linear) or "
+                                "'conv1d' ([in, out], Hugging Face Conv1D), got '" +
+                                layout + "'");
   }
   std::vector<RegMeanModel> models(k);
   Index d_in = 0, d_out = 0;
@@ -86,9 +88,8 @@ py::tuple regmean_merge(const std::vector<py::array>& grams, const std::vector<d
 
 void bind_regmean(py::module_& m) {
   m.def("regmean_merge", &regmean_merge, py::arg("grams"), py::arg("counts"), py::arg("weights"),
-        py::arg("coefficients") = py::none(), py::arg("alpha") = 1.0,
-        py::arg("layout") = "linear", py::arg("ridge") = 0.0,
-        py::arg("allow_regularization") = true, py::arg("n_threads") = 0,
+        py::arg("coefficients") = py::none(), py::arg("alpha") = 1.0, py::arg("layout") = "linear",
+        py::arg("ridge") = 0.0, py::arg("allow_regularization") = true, py::arg("n_threads") = 0,
         py::arg("name") = "layer",
         "RegMean merge of one linear layer; returns (merged float64 weight, SolveInfo).");
 }

@@ -14,7 +14,8 @@ using lmdx::SolveOptions;
 
 namespace {
 
-using RowMajorMap = Eigen::Map<const Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
+using RowMajorMap =
+    Eigen::Map<const Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
 
 py::tuple spd_solve(const py::array& a, const py::array& b, double alpha, double ridge,
                     bool allow_regularization, int n_threads, const std::string& name) {
@@ -48,8 +49,8 @@ py::tuple spd_solve(const py::array& a, const py::array& b, double alpha, double
     const Eigen::Map<const MatrixXd> a_map(a_data, d, d);
     MatrixXd sol = RowMajorMap(b_data, d, k);
     info = lmdx::spd_solve(a_map, sol, opt);
-    Eigen::Map<Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>(x_data, d, k) =
-        sol;
+    Eigen::Map<Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>(x_data, d,
+                                                                                       k) = sol;
   }
   return py::make_tuple(x, info);
 }

@@ -4,7 +4,8 @@
 
 LMDX_NAMESPACE_BEGIN
 
-void require_finite(const ArrayView& a, Index n, Index cols, const std::string& what, int n_threads) {
+void require_finite(const ArrayView& a, Index n, Index cols, const std::string& what,
+                    int n_threads) {
   if (a.is_float32) {
     require_finite(a.f32(), n, cols, what, n_threads);
   } else {

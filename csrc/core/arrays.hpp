@@ -15,6 +15,7 @@ struct ArrayView {
 };
 
 /// require_finite for either dtype.
-void require_finite(const ArrayView& a, Index n, Index cols, const std::string& what, int n_threads);
+void require_finite(const ArrayView& a, Index n, Index cols, const std::string& what,
+                    int n_threads);
 
 LMDX_NAMESPACE_END

@@ -85,9 +85,9 @@ void fisher_average(const std::vector<ArrayView>& params, const std::vector<Arra
   for (size_t i = 0; i < fishers.size(); ++i) {
     const ArrayView& f = fishers[i];
     if (n == 0) break;
-    const double lowest = f.is_float32
-                              ? static_cast<double>(Eigen::Map<const Eigen::ArrayXf>(f.f32(), n).minCoeff())
-                              : Eigen::Map<const ArrayXd>(f.f64(), n).minCoeff();
+    const double lowest =
+        f.is_float32 ? static_cast<double>(Eigen::Map<const Eigen::ArrayXf>(f.f32(), n).minCoeff())
+                     : Eigen::Map<const ArrayXd>(f.f64(), n).minCoeff();
     if (lowest < 0.0) {
       throw std::invalid_argument("fishers[" + std::to_string(i) +
                                   "]: must be >= 0 (squared gradients), min is " +
@@ -123,9 +123,9 @@ void fisher_average(const std::vector<ArrayView>& params, const std::vector<Arra
     num /= den;
   }
   if (zero_at != std::numeric_limits<Index>::max()) {
-    throw std::invalid_argument(
-        "fishers: the weights sum to zero at element " + std::to_string(zero_at) +
-        " (every model's Fisher is 0 there); pass eps > 0");
+    throw std::invalid_argument("fishers: the weights sum to zero at element " +
+                                std::to_string(zero_at) +
+                                " (every model's Fisher is 0 there); pass eps > 0");
   }
 }
 

@@ -33,11 +33,11 @@ template <typename T>
 void require_finite(const T* x, Index n, Index cols, const std::string& what, int n_threads) {
   const Index bad = first_nonfinite(x, n, n_threads);
   if (bad < 0) return;
-  std::string where = cols > 0 ? "row " + std::to_string(bad / cols) + ", column " +
-                                     std::to_string(bad % cols)
-                               : "index " + std::to_string(bad);
-  throw std::invalid_argument(what + ": contains " + (std::isnan(x[bad]) ? "NaN" : "Inf") +
-                              " at " + where +
+  std::string where =
+      cols > 0 ? "row " + std::to_string(bad / cols) + ", column " + std::to_string(bad % cols)
+               : "index " + std::to_string(bad);
+  throw std::invalid_argument(what + ": contains " + (std::isnan(x[bad]) ? "NaN" : "Inf") + " at " +
+                              where +
                               "; remove or fix non-finite values before passing them to lmdx");
 }
 

@@ -73,7 +73,10 @@ void rank_update(MatrixX<T>& gram, const Block& block) {
 }  // namespace
 
 Moments::Moments(Index dim, Index chunk_rows)
-    : dim_(dim), chunk_rows_(chunk_rows), sum_(VectorXd::Zero(dim)), gram_(MatrixXd::Zero(dim, dim)) {
+    : dim_(dim),
+      chunk_rows_(chunk_rows),
+      sum_(VectorXd::Zero(dim)),
+      gram_(MatrixXd::Zero(dim, dim)) {
   if (dim < 1) throw std::invalid_argument("dim: must be >= 1, got " + std::to_string(dim));
   check_chunk_rows(chunk_rows);
 }
@@ -161,8 +164,7 @@ void Moments::update_impl(const T* x, Index rows, const double* weights, int n_t
     if (kept > 0) rank_update(s.gram, s.rows.leftCols(kept));
   };
 
-  LMDX_PRAGMA(omp parallel num_threads(threads))
-  {
+  LMDX_PRAGMA(omp parallel num_threads(threads)) {
     const int t = thread_id();
     for (Index round = 0; round < n_chunks; round += threads) {
       if (round + t < n_chunks) process_chunk(round + t, scratch[t]);
@@ -177,8 +179,7 @@ void Moments::update_impl(const T* x, Index rows, const double* weights, int n_t
           part.setZero();
         }
       }
-      LMDX_PRAGMA(omp single)
-      {
+      LMDX_PRAGMA(omp single) {
         for (int a = 0; a < active; ++a) {
           sum_ += scratch[a].sum;
           scratch[a].sum.setZero();

@@ -37,8 +37,7 @@ double measure(int n_threads, double seconds) {
   while (true) {
     double flops = 0.0;
     const auto start = std::chrono::steady_clock::now();
-    LMDX_PRAGMA(omp parallel num_threads(threads) reduction(+ : flops))
-    {
+    LMDX_PRAGMA(omp parallel num_threads(threads) reduction(+ : flops)) {
       T local = T(0);
       flops += fma_loop<T>(iterations, &local);
       volatile T keep = local;  // keep the result observable
@@ -54,7 +53,8 @@ double measure(int n_threads, double seconds) {
 }  // namespace
 
 double measure_peak_gflops(bool double_precision, int n_threads, double seconds) {
-  return double_precision ? measure<double>(n_threads, seconds) : measure<float>(n_threads, seconds);
+  return double_precision ? measure<double>(n_threads, seconds)
+                          : measure<float>(n_threads, seconds);
 }
 
 LMDX_NAMESPACE_END

@@ -58,7 +58,8 @@ RegMeanResult regmean_merge(const std::vector<RegMeanModel>& models, Index d_in,
                             const SolveOptions& opt) {
   const size_t k = models.size();
   if (k == 0) throw std::invalid_argument(opt.name + ": need at least one model");
-  if (d_in < 1 || d_out < 1) throw std::invalid_argument(opt.name + ": weights: empty weight matrix");
+  if (d_in < 1 || d_out < 1)
+    throw std::invalid_argument(opt.name + ": weights: empty weight matrix");
   if (!(opt.alpha >= 0.0 && opt.alpha <= 1.0)) {
     throw std::invalid_argument(opt.name + ": alpha: must be in [0, 1], got " +
                                 std::to_string(opt.alpha));
@@ -90,8 +91,7 @@ RegMeanResult regmean_merge(const std::vector<RegMeanModel>& models, Index d_in,
   std::vector<MatrixXd> w_blocks(static_cast<size_t>(threads),
                                  MatrixXd(d_in, std::min(kColBlock, d_out)));
 
-  LMDX_PRAGMA(omp parallel num_threads(threads))
-  {
+  LMDX_PRAGMA(omp parallel num_threads(threads)) {
     // lhs = sum_i s_i G_i (lower triangle), one column a task.
     LMDX_PRAGMA(omp for schedule(dynamic, 16))
     for (Index j = 0; j < d_in; ++j) {

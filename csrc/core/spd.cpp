@@ -13,8 +13,8 @@ LMDX_NAMESPACE_BEGIN
 namespace {
 
 // Fixed block sizes: results must not depend on the thread count.
-constexpr Index kFactorBlock = 256;     // Cholesky panel width
-constexpr Index kPanelRowBlock = 256;   // rows per task in the panel triangular solve
+constexpr Index kFactorBlock = 256;    // Cholesky panel width
+constexpr Index kPanelRowBlock = 256;  // rows per task in the panel triangular solve
 
 // Right-hand-side columns per task in the solve: wide blocks run Eigen's triangular solve
 // faster (measured 20 -> 26 GFLOP/s from 128 to 512 columns at d = 3072), but at least 4
@@ -77,8 +77,7 @@ Index blocked_cholesky(Eigen::Ref<MatrixXd> m, double scale, int n_threads, doub
     if (rest == 0) break;
     const Index n_row_blocks = (rest + kPanelRowBlock - 1) / kPanelRowBlock;
     const Index n_col_blocks = (rest + kFactorBlock - 1) / kFactorBlock;
-    LMDX_PRAGMA(omp parallel num_threads(threads))
-    {
+    LMDX_PRAGMA(omp parallel num_threads(threads)) {
       // Panel: A21 <- A21 L11^{-T}.
       LMDX_PRAGMA(omp for schedule(dynamic, 1))
       for (Index rb = 0; rb < n_row_blocks; ++rb) {
@@ -133,15 +132,15 @@ SolveInfo spd_factor(const Eigen::Ref<const MatrixXd>& a, MatrixXd& l, const Sol
     double bad_pivot = 0.0;
     const Index bad = blocked_cholesky(l, info.mean_diagonal, opt.n_threads, &bad_pivot);
     if (bad < 0) break;
-    const std::string why = "pivot " + std::to_string(bad) + " of " + std::to_string(d) +
-                            " is " + format_double(bad_pivot) + " (needs > " +
+    const std::string why = "pivot " + std::to_string(bad) + " of " + std::to_string(d) + " is " +
+                            format_double(bad_pivot) + " (needs > " +
                             format_double(kSingularPivot) + " x mean diagonal " +
                             format_double(info.mean_diagonal) + ") with relative ridge " +
                             format_double(ridge);
     if (!opt.allow_regularization) {
       throw NotPositiveDefinite(
-          opt.name + ": not numerically positive definite: " + why +
-          ". Input feature " + std::to_string(bad) +
+          opt.name + ": not numerically positive definite: " + why + ". Input feature " +
+          std::to_string(bad) +
           " is (nearly) never active or linearly dependent on others; allow regularization or "
           "pass a ridge > 0");
     }

@@ -18,9 +18,9 @@ LMDX_NAMESPACE_BEGIN
 template <typename T>
 struct GramScratch {
   Index dim = 0;
-  MatrixX<T> gram;            // d x d; lower triangle is zero between uses
-  MatrixX<T> rows;            // d x chunk_rows gather buffer (column = one input row)
-  VectorXd sum;               // d; zero between uses
+  MatrixX<T> gram;  // d x d; lower triangle is zero between uses
+  MatrixX<T> rows;  // d x chunk_rows gather buffer (column = one input row)
+  VectorXd sum;     // d; zero between uses
   explicit GramScratch(Index d) : dim(d), gram(MatrixX<T>::Zero(d, d)), sum(VectorXd::Zero(d)) {}
 };
 
