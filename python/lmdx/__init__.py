@@ -7,6 +7,18 @@ from ._core import core as _native
 from ._errors import NotPositiveDefiniteError, RegularizationWarning
 from .average import fisher_average, weighted_average
 from .config import config, default_threads, show_config
+from .decompose import (
+    COMPAT_ALPHA,
+    DEFAULT_RHO_GRID,
+    MIN_ROWS_PER_DIM,
+    SPLITS,
+    BlockLayout,
+    Decomposition,
+    DecompositionResult,
+    LMDFit,
+    SampleSizeWarning,
+    SplitMoments,
+)
 from .moments import DEFAULT_CHUNK_ROWS, Moments
 from .regmean import RegMeanResult, regmean_merge_layer
 from .spd import SolveResult, spd_solve
@@ -14,12 +26,22 @@ from .spd import SolveResult, spd_solve
 __version__: str = _native.__version__
 
 __all__ = [
+    "COMPAT_ALPHA",
     "DEFAULT_CHUNK_ROWS",
+    "DEFAULT_RHO_GRID",
+    "MIN_ROWS_PER_DIM",
+    "SPLITS",
+    "BlockLayout",
+    "Decomposition",
+    "DecompositionResult",
+    "LMDFit",
     "Moments",
     "NotPositiveDefiniteError",
     "RegMeanResult",
     "RegularizationWarning",
+    "SampleSizeWarning",
     "SolveResult",
+    "SplitMoments",
     "__version__",
     "config",
     "default_threads",
