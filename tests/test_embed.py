@@ -7,6 +7,7 @@ alone, without any padding, and averages its token vectors in float64 in the tes
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -215,6 +216,14 @@ def test_hf_encoder_missing_path(tmp_path: Path) -> None:
         HFEncoder(tmp_path)
     with pytest.raises(FileNotFoundError, match=r"local Hugging Face cache"):
         HFEncoder("no-such-org/no-such-model-lmdx")
+
+
+def test_hf_encoder_without_transformers(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(
+        ImportError, match=r"needs torch and transformers: pip install 'lmdx\[lmd\]'"
+    ):
+        HFEncoder(tmp_path, name="m")
 
 
 def test_hf_encoder_bad_arguments(tiny_model: Path) -> None:

@@ -9,6 +9,7 @@ ONNX copy of all-MiniLM-L6-v2 must agree with the float32 PyTorch model.
 from __future__ import annotations
 
 import json
+import sys
 import zipfile
 from importlib import metadata
 from pathlib import Path
@@ -109,6 +110,15 @@ def test_missing_distribution_says_what_to_install() -> None:
     spec = PYPI_ENCODERS["all-minilm-l6-v2"]
     with pytest.raises(ImportError, match=r"needs the PyPI package no-such-dist-lmdx: pip"):
         pypi_models._dist_file(spec, "no-such-dist-lmdx", "x/model.onnx")
+
+
+def test_missing_runtime_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    spec = PYPI_ENCODERS["universal-sentence-encoder-int8"]
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)
+    with pytest.raises(ImportError, match=r"runs on ONNX Runtime: pip install onnxruntime"):
+        pypi_models._onnx_session(spec, tmp_path / "m.onnx", 1, custom_ops=True)
 
 
 def test_cache_dir_follows_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
