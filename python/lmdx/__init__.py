@@ -20,6 +20,7 @@ from .decompose import (
     SplitMoments,
 )
 from .moments import DEFAULT_CHUNK_ROWS, Moments
+from .plots import plot_group_r2, plot_pairwise_heatmap
 from .regmean import RegMeanResult, regmean_merge_layer
 from .spd import SolveResult, spd_solve
 
@@ -46,6 +47,8 @@ __all__ = [
     "config",
     "default_threads",
     "fisher_average",
+    "plot_group_r2",
+    "plot_pairwise_heatmap",
     "regmean_merge_layer",
     "show_config",
     "spd_solve",
