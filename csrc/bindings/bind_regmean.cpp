@@ -46,8 +46,7 @@ py::tuple regmean_merge(const std::vector<py::array>& grams, const std::vector<d
       d_out = out;
     } else if (in != d_in || out != d_out) {
       throw std::invalid_argument(name + ": weights" + tag + " is a " + describe(weights[i]) +
-                                  " but weights[0] has shape " +
-                                  describe(weights[0]).substr(describe(weights[0]).find('(')) +
+                                  " but weights[0] has shape " + shape_of(weights[0]) +
                                   "; all models must have the same architecture");
     }
     const double* g = float64_data(grams[i], name + ": grams" + tag, 2);

@@ -4,16 +4,19 @@
 
 namespace lmdx_bind {
 
-std::string describe(const py::array& a) {
+std::string shape_of(const py::array& a) {
   std::string shape = "(";
   for (py::ssize_t i = 0; i < a.ndim(); ++i) {
     shape += std::to_string(a.shape(i));
     if (i + 1 < a.ndim() || a.ndim() == 1) shape += ",";
     if (i + 1 < a.ndim()) shape += " ";
   }
-  shape += ")";
+  return shape + ")";
+}
+
+std::string describe(const py::array& a) {
   const bool c_contiguous = (a.flags() & py::array::c_style) != 0;
-  return std::string(py::str(a.dtype())) + " array of shape " + shape +
+  return std::string(py::str(a.dtype())) + " array of shape " + shape_of(a) +
          (c_contiguous ? "" : " (not C-contiguous)");
 }
 

@@ -20,6 +20,8 @@ namespace py = pybind11;
 using lmdx::ArrayView;
 using lmdx::Index;
 
+/// "(2, 3)"-style shape, and "float32 array of shape (2, 3)" (+ contiguity) for errors.
+std::string shape_of(const py::array& a);
 std::string describe(const py::array& a);
 
 /// Require a C-contiguous float32/float64 array with `ndim` dimensions.

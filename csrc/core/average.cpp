@@ -8,7 +8,6 @@
 
 #include "core/checks.hpp"
 #include "core/parallel.hpp"
-#include "core/regmean.hpp"
 
 LMDX_NAMESPACE_BEGIN
 

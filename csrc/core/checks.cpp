@@ -68,6 +68,27 @@ void require_symmetric(const double* g, Index d, const std::string& what) {
   }
 }
 
+std::vector<double> checked_coefficients(const std::vector<double>& coefficients, size_t k,
+                                         const std::string& prefix) {
+  if (coefficients.empty()) return std::vector<double>(k, 1.0);
+  if (coefficients.size() != k) {
+    throw std::invalid_argument(prefix + "coefficients: expected " + std::to_string(k) +
+                                " values (one per model), got " +
+                                std::to_string(coefficients.size()));
+  }
+  double total = 0.0;
+  for (size_t i = 0; i < k; ++i) {
+    const double c = coefficients[i];
+    if (!std::isfinite(c) || c < 0.0) {
+      throw std::invalid_argument(prefix + "coefficients[" + std::to_string(i) +
+                                  "]: must be finite and >= 0, got " + std::to_string(c));
+    }
+    total += c;
+  }
+  if (!(total > 0.0)) throw std::invalid_argument(prefix + "coefficients: must not all be zero");
+  return coefficients;
+}
+
 template Index first_nonfinite<float>(const float*, Index, int);
 template Index first_nonfinite<double>(const double*, Index, int);
 template void require_finite<float>(const float*, Index, Index, const std::string&, int);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "core/config.hpp"
 
@@ -20,5 +21,10 @@ void require_finite(const T* x, Index n, Index cols, const std::string& what, in
 /// Throw std::invalid_argument("<what>: not symmetric ...") unless the d x d matrix at g
 /// equals its transpose to 1e-12 relative to its largest entry.
 void require_symmetric(const double* g, Index d, const std::string& what);
+
+/// Shared validation for per-model coefficients; returns them (all 1 when empty). Error
+/// messages start with `prefix`.
+std::vector<double> checked_coefficients(const std::vector<double>& coefficients, size_t k,
+                                         const std::string& prefix = "");
 
 LMDX_NAMESPACE_END

@@ -38,9 +38,4 @@ RegMeanResult regmean_merge(const std::vector<RegMeanModel>& models, Index d_in,
                             const std::vector<double>& coefficients, WeightLayout layout,
                             const SolveOptions& opt);
 
-/// Shared validation for per-model coefficients; returns them (all 1 when empty). Error
-/// messages start with `prefix`.
-std::vector<double> checked_coefficients(const std::vector<double>& coefficients, size_t k,
-                                         const std::string& prefix = "");
-
 LMDX_NAMESPACE_END
