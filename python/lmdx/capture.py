@@ -1,0 +1,498 @@
+"""Statistics collection from torch / Hugging Face models: Gram hooks and diagonal Fisher.
+
+RegMean needs, for every linear module, the Gram ``Σ x xᵀ`` of its inputs over the
+user's data. :func:`collect_regmean_stats` puts a forward pre-hook on every selected
+``nn.Linear`` and Hugging Face ``Conv1D``, runs the model in ``eval()`` under
+``torch.no_grad()`` and streams each input into a float64 :class:`lmdx.Moments`:
+
+* padding rows are left out using the batch's attention mask (the reference
+  implementations count them, which makes a Gram depend on how texts were batched);
+  ``include_padding=True`` counts them like the reference code;
+* modules that read the very same input tensor (attention q/k/v, MLP gate/up, ...)
+  share one Gram: it is accumulated once and stored once. Sharing is detected on a
+  one-sequence probe and verified on every batch;
+* fp32/bf16/fp16 activations are handed to the core as they are (narrow floats widened
+  to fp32) and accumulated in float64.
+
+:func:`collect_fisher` computes the diagonal Fisher: per example, the squared gradient
+of the log-likelihood of the predicted label (or the gold label), summed.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import weakref
+from collections.abc import Iterable, Mapping, Sequence, Sized
+from typing import Any
+
+import numpy as np
+
+from ._tensors import as_rows
+from .config import resolve_threads
+from .embed import _progress
+from .moments import Moments
+from .stats import Statistics, model_identity
+
+__all__ = [
+    "collect_fisher",
+    "collect_regmean_stats",
+    "find_linear_modules",
+    "text_batches",
+]
+
+
+def _matches(name: str, patterns: Sequence[str] | None) -> bool:
+    return bool(patterns) and any(fnmatch.fnmatchcase(name, p) for p in patterns or ())
+
+
+def _conv1d_type() -> type | None:
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:
+        return None
+    return Conv1D
+
+
+def find_linear_modules(
+    model: Any,
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
+) -> dict[str, tuple[Any, str]]:
+    """Linear modules of ``model`` selected by name: name -> (module, layout).
+
+    ``layout`` is ``"linear"`` for ``torch.nn.Linear`` (weight ``[out, in]``) and
+    ``"conv1d"`` for Hugging Face ``Conv1D`` (weight ``[in, out]``). ``include`` and
+    ``exclude`` are shell-style patterns (``fnmatch``) over the dotted module names;
+    a module is selected if it matches an include pattern (or there are none) and no
+    exclude pattern.
+    """
+    import torch
+
+    conv1d = _conv1d_type()
+    found: dict[str, tuple[Any, str]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            layout = "linear"
+        elif conv1d is not None and isinstance(module, conv1d):
+            layout = "conv1d"
+        else:
+            continue
+        if include and not _matches(name, include):
+            continue
+        if _matches(name, exclude):
+            continue
+        found[name] = (module, layout)
+    return found
+
+
+def text_batches(
+    texts: Sequence[str],
+    tokenizer: Any,
+    *,
+    batch_size: int = 16,
+    max_length: int = 128,
+    labels: Sequence[int] | None = None,
+) -> list[dict[str, Any]]:
+    """Tokenize ``texts`` into padded batches (dicts of tensors for ``model(**batch)``).
+
+    ``labels`` (integers), when given, are added to each batch as ``"labels"``.
+    """
+    import torch
+
+    texts = list(texts)
+    if labels is not None and len(labels) != len(texts):
+        raise ValueError(f"labels: {len(labels)} labels for {len(texts)} texts")
+    out = []
+    for start in range(0, len(texts), batch_size):
+        chunk = texts[start : start + batch_size]
+        enc = tokenizer(
+            chunk, padding=True, truncation=True, max_length=max_length, return_tensors="pt"
+        )
+        batch = dict(enc)
+        if labels is not None:
+            batch["labels"] = torch.as_tensor(list(labels[start : start + batch_size]))
+        out.append(batch)
+    return out
+
+
+def _as_kwargs(batch: Any) -> dict[str, Any]:
+    if isinstance(batch, Mapping):
+        return dict(batch)
+    if hasattr(batch, "dim"):  # a tensor of input ids
+        return {"input_ids": batch}
+    raise TypeError(
+        f"batches: expected dicts of tensors (model(**batch)) or input-id tensors, "
+        f"got {type(batch).__name__}"
+    )
+
+
+def _first_sequence(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The first row of every batched tensor (a cheap probe of the model's wiring)."""
+    ref = next((v for v in kwargs.values() if hasattr(v, "shape") and v.dim() > 0), None)
+    if ref is None:
+        return dict(kwargs)
+    b = ref.shape[0]
+    return {
+        k: (v[:1] if hasattr(v, "shape") and v.dim() > 0 and v.shape[0] == b else v)
+        for k, v in kwargs.items()
+    }
+
+
+class _Collector:
+    """Forward pre-hooks streaming module inputs into shared float64 accumulators."""
+
+    def __init__(
+        self,
+        modules: Mapping[str, tuple[Any, str]],
+        include_padding: bool,
+        share_inputs: bool,
+        mask_key: str,
+        n_threads: int,
+    ) -> None:
+        self.modules = modules
+        self.include_padding = include_padding
+        self.share_inputs = share_inputs
+        self.mask_key = mask_key
+        self.n_threads = n_threads
+        self.group_of: dict[str, str] = {}
+        self.moments: dict[str, Moments] = {}
+        # per batch: tensors accumulated per group (weak references) and calls per module
+        self._accumulated: dict[str, list[weakref.ref[Any]]] = {}
+        self._calls: dict[str, int] = {}
+        self._mask: Any = None
+        self._mask_shape: tuple[int, ...] | None = None
+        self._probe_inputs: dict[str, list[Any]] | None = None
+
+    # -- probe: which modules read the same tensor -----------------------------------
+
+    def probe(self, model: Any, kwargs: Mapping[str, Any]) -> None:
+        self._probe_inputs = {name: [] for name in self.modules}
+        handles = [
+            module.register_forward_pre_hook(self._probe_hook(name))
+            for name, (module, _) in self.modules.items()
+        ]
+        try:
+            model(**_first_sequence(kwargs))
+        finally:
+            for h in handles:
+                h.remove()
+        seen = self._probe_inputs
+        self._probe_inputs = None
+        leader_of: dict[tuple[int, ...], str] = {}
+        for name in self.modules:
+            key = tuple(id(t) for t in seen[name])
+            if not key:  # not called on the probe: a group of its own
+                self.group_of[name] = name
+                continue
+            leader = leader_of.setdefault(key, name) if self.share_inputs else name
+            self.group_of[name] = leader
+        del seen  # release the probe's activations
+
+    def _probe_hook(self, name: str) -> Any:
+        def hook(module: Any, args: tuple[Any, ...]) -> None:
+            assert self._probe_inputs is not None
+            self._probe_inputs[name].append(args[0])
+
+        return hook
+
+    # -- accumulation ------------------------------------------------------------------
+
+    def start_batch(self, kwargs: Mapping[str, Any]) -> None:
+        self._accumulated = {}
+        self._calls = {}
+        mask = None if self.include_padding else kwargs.get(self.mask_key)
+        if mask is None:
+            self._mask, self._mask_shape = None, None
+            return
+        m = mask.detach().cpu()
+        self._mask_shape = tuple(m.shape)
+        arr = m.numpy().astype(np.float64).reshape(-1)
+        if not np.isin(arr, (0.0, 1.0)).all():
+            raise ValueError(f"batches: {self.mask_key} must hold 0/1 values")
+        self._mask = np.ascontiguousarray(arr)
+
+    def hook(self, name: str) -> Any:
+        def fn(module: Any, args: tuple[Any, ...]) -> None:
+            self._accumulate(name, args[0])
+
+        return fn
+
+    def _accumulate(self, name: str, x: Any) -> None:
+        group = self.group_of[name]
+        call = self._calls.get(name, 0)
+        self._calls[name] = call + 1
+        done = self._accumulated.setdefault(group, [])
+        if call < len(done):
+            if done[call]() is not x:
+                raise RuntimeError(
+                    f"module {name!r} shares a Gram with {group!r} (they read the same input "
+                    "on the probe sequence) but read a different input in this batch; pass "
+                    "share_inputs=False"
+                )
+            return
+        d = self.modules[name][0].weight.shape[1 if self.modules[name][1] == "linear" else 0]
+        rows, leading = as_rows(x, d, f"module {name!r} input")
+        if not np.isfinite(rows).all():
+            raise ValueError(
+                f"module {name!r}: its input holds NaN or Inf; check the model and the data"
+            )
+        weights = self._row_weights(name, leading, rows.shape[0])
+        acc = self.moments.get(group)
+        if acc is None:
+            acc = self.moments[group] = Moments(d)
+        acc._native.update(rows, weights, self.n_threads)
+        done.append(weakref.ref(x))
+
+    def _row_weights(self, name: str, leading: tuple[int, ...], rows: int) -> Any:
+        if self._mask is None:
+            return None
+        assert self._mask_shape is not None
+        if leading == self._mask_shape or rows == self._mask.size:
+            return self._mask
+        if len(leading) == 1 and leading[0] == self._mask_shape[0]:
+            return None  # one row per sequence (a pooled input): no padding in it
+        raise ValueError(
+            f"module {name!r}: input rows {leading} do not line up with the attention mask "
+            f"{self._mask_shape}; pass include_padding=True or exclude this module"
+        )
+
+    def end_batch(self) -> None:
+        for name, calls in self._calls.items():
+            group = self.group_of[name]
+            if calls != len(self._accumulated.get(group, ())):
+                raise RuntimeError(
+                    f"module {name!r} shares a Gram with {group!r} but was called {calls} "
+                    f"times while the group accumulated {len(self._accumulated[group])} "
+                    "inputs in this batch; pass share_inputs=False"
+                )
+        self._accumulated = {}
+
+
+def collect_regmean_stats(
+    model: Any,
+    batches: Iterable[Any],
+    *,
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
+    include_padding: bool = False,
+    share_inputs: bool = True,
+    mask_key: str = "attention_mask",
+    description: str = "",
+    progress: bool = True,
+    n_threads: int | None = None,
+) -> Statistics:
+    """Gram statistics of every selected linear module's input over ``batches``.
+
+    Parameters
+    ----------
+    model
+        A torch module (e.g. a Hugging Face model); it is run in ``eval()`` under
+        ``torch.no_grad()`` and its training flag is restored afterwards.
+    batches
+        Iterable of dicts of tensors, each passed as ``model(**batch)`` (a ``labels``
+        entry is dropped), or of input-id tensors.
+    include, exclude
+        ``fnmatch`` patterns over module names (see :func:`find_linear_modules`).
+    include_padding
+        Count padding rows like the reference implementations (default: rows whose
+        ``attention_mask`` is 0 are left out).
+    share_inputs
+        Accumulate one Gram for modules that read the same input tensor.
+    description
+        Free text stored in the statistics file (what data, how much, from whom).
+    progress
+        Show a progress bar over batches.
+
+    Returns
+    -------
+    Statistics
+        ``kind="regmean-gram"``; save with :meth:`Statistics.save`.
+    """
+    import torch
+
+    modules = find_linear_modules(model, include, exclude)
+    if not modules:
+        raise ValueError(
+            "collect_regmean_stats: no nn.Linear / Conv1D module matches the include/exclude "
+            "patterns"
+        )
+    collector = _Collector(
+        modules, include_padding, share_inputs, mask_key, resolve_threads(n_threads)
+    )
+    total = len(batches) if isinstance(batches, Sized) else None
+    bar = _progress(total or 0, "RegMean statistics", progress)
+    was_training = model.training
+    model.eval()
+    handles: list[Any] = []
+    n_batches = 0
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                kwargs = _as_kwargs(batch)
+                kwargs.pop("labels", None)
+                if n_batches == 0:
+                    collector.probe(model, kwargs)
+                    handles = [
+                        module.register_forward_pre_hook(collector.hook(name))
+                        for name, (module, _) in modules.items()
+                    ]
+                collector.start_batch(kwargs)
+                model(**kwargs)
+                collector.end_batch()
+                n_batches += 1
+                bar.update(1)
+    finally:
+        for h in handles:
+            h.remove()
+        bar.close()
+        model.train(was_training)
+    if n_batches == 0:
+        raise ValueError("collect_regmean_stats: batches is empty")
+    missing = [n for n in modules if collector.group_of[n] not in collector.moments]
+    if missing:
+        raise ValueError(
+            f"collect_regmean_stats: modules never called during the forward pass: "
+            f"{missing[:5]}{' ...' if len(missing) > 5 else ''}; exclude them"
+        )
+    module_info = {}
+    for name, (_module, layout) in modules.items():
+        group = collector.group_of[name]
+        module_info[name] = {
+            "group": group,
+            "layout": layout,
+            "weight": f"{name}.weight",
+            "dim": collector.moments[group].dim,
+        }
+    groups = {g: {"dim": m.dim, "count": m.count} for g, m in collector.moments.items()}
+    return Statistics(
+        kind="regmean-gram",
+        model=model_identity(model),
+        data=description,
+        padding="included" if include_padding else "excluded",
+        modules=module_info,
+        groups=groups,
+        moments=collector.moments,
+        extra={"batches": n_batches, "share_inputs": share_inputs},
+    )
+
+
+def collect_fisher(
+    model: Any,
+    batches: Iterable[Any],
+    *,
+    labels: str = "predicted",
+    include: Sequence[str] | None = None,
+    exclude: Sequence[str] | None = None,
+    mask_key: str = "attention_mask",
+    description: str = "",
+    progress: bool = True,
+) -> Statistics:
+    """Diagonal Fisher: per example, squared gradients of the log-likelihood, summed.
+
+    Parameters
+    ----------
+    model
+        A model whose output has ``.logits`` of shape (batch, classes) (sequence
+        classification) or (batch, tokens, classes) (token-level; real tokens only).
+    batches
+        Iterable of dicts of tensors (``model(**batch)``); with ``labels="gold"`` each must
+        hold ``"labels"``.
+    labels
+        ``"predicted"`` (the model's argmax, the default of Fisher merging) or ``"gold"``.
+    include, exclude
+        ``fnmatch`` patterns over parameter names.
+
+    Returns
+    -------
+    Statistics
+        ``kind="fisher"``; per parameter Σ over examples of ``(∂ log p(y|x) / ∂θ)²``.
+    """
+    import torch
+
+    if labels not in ("predicted", "gold"):
+        raise ValueError(f"labels: expected 'predicted' or 'gold', got {labels!r}")
+    params = {
+        n: p
+        for n, p in model.named_parameters()
+        if (not include or _matches(n, include)) and not _matches(n, exclude)
+    }
+    if not params:
+        raise ValueError("collect_fisher: no parameter matches the include/exclude patterns")
+    sums = {n: torch.zeros(p.shape, dtype=torch.float64) for n, p in params.items()}
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    was_training = model.training
+    total = len(batches) if isinstance(batches, Sized) else 0
+    bar = _progress(total, "Fisher", progress)
+    examples = 0
+    model.eval()
+    try:
+        for n, p in model.named_parameters():
+            p.requires_grad_(n in params)
+        for batch in batches:
+            kwargs = _as_kwargs(batch)
+            gold = kwargs.pop("labels", None)
+            if labels == "gold" and gold is None:
+                raise ValueError("collect_fisher: labels='gold' but a batch has no 'labels'")
+            ref = kwargs.get("input_ids", next(iter(kwargs.values())))
+            for i in range(ref.shape[0]):
+                one = _example(kwargs, i, ref.shape[0], mask_key)
+                model.zero_grad(set_to_none=True)
+                logits = model(**one).logits
+                logp = torch.log_softmax(logits.float(), dim=-1)
+                if labels == "gold":
+                    assert gold is not None
+                    y = gold[i : i + 1].reshape(logp.shape[:-1]).long()
+                else:
+                    y = logp.argmax(dim=-1)
+                ll = logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+                if ll.dim() == 2 and mask_key in one:  # token level: real tokens only
+                    ll = ll * one[mask_key].to(ll.dtype)
+                ll.sum().backward()  # type: ignore[no-untyped-call]
+                for n, p in params.items():
+                    if p.grad is not None:
+                        sums[n] += p.grad.detach().double() ** 2
+                examples += 1
+            bar.update(1)
+    finally:
+        model.zero_grad(set_to_none=True)
+        for n, p in model.named_parameters():
+            p.requires_grad_(flags[n])
+        model.train(was_training)
+        bar.close()
+    if examples == 0:
+        raise ValueError("collect_fisher: batches is empty")
+    tensors = {f"fisher/{n}": s.numpy() for n, s in sums.items()}
+    for n, s in tensors.items():
+        if not np.isfinite(s).all():
+            raise ValueError(f"collect_fisher: {n} is not finite; check the model and data")
+    return Statistics(
+        kind="fisher",
+        model=model_identity(model),
+        data=description,
+        parameters={n: {"shape": list(p.shape)} for n, p in params.items()},
+        count=float(examples),
+        tensors=tensors,
+        extra={"labels": labels},
+    )
+
+
+def _example(kwargs: Mapping[str, Any], i: int, b: int, mask_key: str) -> dict[str, Any]:
+    """Example ``i`` of a batch, trimmed to its real tokens when padding is on the right."""
+    one = {
+        k: (v[i : i + 1] if hasattr(v, "shape") and v.dim() > 0 and v.shape[0] == b else v)
+        for k, v in kwargs.items()
+    }
+    mask = one.get(mask_key)
+    if mask is not None and mask.dim() == 2:
+        length = int(mask.sum())
+        if length > 0 and bool(mask[0, :length].all()):
+            width = mask.shape[1]
+            one = {
+                k: (
+                    v[:, :length]
+                    if hasattr(v, "shape") and v.dim() == 2 and v.shape[1] == width
+                    else v
+                )
+                for k, v in one.items()
+            }
+    return one
