@@ -6,6 +6,7 @@ from __future__ import annotations
 from ._core import core as _native
 from ._errors import NotPositiveDefiniteError, RegularizationWarning
 from .average import fisher_average, weighted_average
+from .capture import collect_fisher, collect_regmean_stats, text_batches
 from .config import config, default_threads, show_config
 from .decompose import (
     COMPAT_ALPHA,
@@ -19,10 +20,13 @@ from .decompose import (
     SampleSizeWarning,
     SplitMoments,
 )
+from .merge import MergeError, MergeResult, merge_models, save_merged
+from .merge_config import load_merge_config, run_merge
 from .moments import DEFAULT_CHUNK_ROWS, Moments
 from .plots import plot_group_r2, plot_pairwise_heatmap
 from .regmean import RegMeanResult, regmean_merge_layer
 from .spd import SolveResult, spd_solve
+from .stats import ModelMismatchError, Statistics, StatisticsFileError, add_statistics
 
 __version__: str = _native.__version__
 
@@ -36,6 +40,9 @@ __all__ = [
     "Decomposition",
     "DecompositionResult",
     "LMDFit",
+    "MergeError",
+    "MergeResult",
+    "ModelMismatchError",
     "Moments",
     "NotPositiveDefiniteError",
     "RegMeanResult",
@@ -43,14 +50,24 @@ __all__ = [
     "SampleSizeWarning",
     "SolveResult",
     "SplitMoments",
+    "Statistics",
+    "StatisticsFileError",
     "__version__",
+    "add_statistics",
+    "collect_fisher",
+    "collect_regmean_stats",
     "config",
     "default_threads",
     "fisher_average",
+    "load_merge_config",
+    "merge_models",
     "plot_group_r2",
     "plot_pairwise_heatmap",
     "regmean_merge_layer",
+    "run_merge",
+    "save_merged",
     "show_config",
     "spd_solve",
+    "text_batches",
     "weighted_average",
 ]

@@ -1,4 +1,4 @@
-"""Command line: ``lmdx info`` and ``lmdx decompose``."""
+"""Command line: ``lmdx info``, ``lmdx stats``, ``lmdx merge`` and ``lmdx decompose``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
+
+from .cli_merge import add_merge_parser, add_stats_parser, run_merge_cli, run_stats_cli
 
 __all__ = ["format_tables", "main", "split_counts"]
 
@@ -31,8 +33,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.add_parser("info", help="print version, SIMD path, OpenMP and thread settings")
+    add_stats_parser(sub)
+    add_merge_parser(sub)
     _add_decompose_parser(sub)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "stats":
+        return run_stats_cli(argv[1:])
     args = parser.parse_args(argv)
+    if args.command == "merge":
+        return run_merge_cli(args)
     if args.command == "info":
         from .config import show_config
 

@@ -127,7 +127,7 @@ def _state(model: Any, label: str) -> dict[str, Any]:
 
 def _check_architectures(states: Sequence[Mapping[str, Any]], labels: Sequence[str]) -> None:
     ref = states[0]
-    for state, label in zip(states[1:], labels[1:], strict=False):
+    for state, label in zip(states[1:], labels[1:], strict=True):
         for name in ref:
             if name not in state:
                 raise MergeError(
@@ -232,8 +232,10 @@ def merge_models(
             for i, m in enumerate(models)
         ]
     labels = list(labels)
+    if len(labels) != k:
+        raise MergeError(f"labels: {len(labels)} names for {k} models")
     loaded = [load_model(m) if isinstance(m, (str, os.PathLike)) else m for m in models]
-    states = [_state(m, lab) for m, lab in zip(loaded, labels, strict=False)]
+    states = [_state(m, lab) for m, lab in zip(loaded, labels, strict=True)]
     coef = _coefficients(coefficients, k)
     if not 0.0 <= alpha <= 1.0:
         raise MergeError(f"alpha: must be in [0, 1], got {alpha}")
@@ -243,7 +245,8 @@ def merge_models(
     _check_architectures(body, labels)
     head_states = [{n: t for n, t in s.items() if _matches(n, heads)} for s in states]
 
-    stat_objs = _load_stats(stats, method, k, loaded, labels)
+    identities = [model_identity(m) for m in loaded]
+    stat_objs = _load_stats(stats, method, k, identities, labels)
     report: dict[str, Any] = {
         "method": method,
         "models": labels,
@@ -252,6 +255,7 @@ def merge_models(
         "exclude": list(exclude),
         "heads": list(heads),
         "head_tensors": head_names,
+        "weights_sha256": [i["weights_sha256"] for i in identities],
         "layers": {},
     }
     names = list(body[0])
@@ -302,7 +306,7 @@ def merge_models(
             for name in names:
                 theta0 = _as64(base_body[name])
                 delta = np.zeros_like(theta0)
-                for ci, b in zip(c, body, strict=False):
+                for ci, b in zip(c, body, strict=True):
                     delta += ci * (_as64(b[name]) - theta0)
                 merged[name] = theta0 + float(scaling) * delta
                 bar.update(1)
@@ -355,7 +359,7 @@ def _load_stats(
     stats: Sequence[Any] | None,
     method: str,
     k: int,
-    models: Sequence[Any],
+    identities: Sequence[Mapping[str, Any]],
     labels: Sequence[str],
 ) -> list[Statistics] | None:
     if method not in ("regmean", "fisher"):
@@ -369,10 +373,10 @@ def _load_stats(
             f"{0 if stats is None else len(stats)}"
         )
     objs = [s if isinstance(s, Statistics) else Statistics.load(s) for s in stats]
-    for i, (s, m, lab) in enumerate(zip(objs, models, labels, strict=False)):
+    for i, (s, ident, lab) in enumerate(zip(objs, identities, labels, strict=True)):
         if s.kind != kind:
             raise MergeError(f"stats[{i}] ({s.source or lab}): kind {s.kind!r}, expected {kind!r}")
-        s.check_model(model_identity(m), lab)
+        s.check_model(ident, lab)
     if kind == "regmean-gram":
         pads = {s.padding for s in objs}
         if len(pads) > 1:
@@ -457,7 +461,7 @@ def _regmean(
         )
         del grams
         start = 0
-        for m, size in zip(members, sizes, strict=False):
+        for m, size in zip(members, sizes, strict=True):
             w = stats[0].modules[m]["weight"]
             if layout == "linear":
                 merged[w] = res.weight[start : start + size]
@@ -563,7 +567,7 @@ def save_merged(
             tdtype = getattr(torch, dtype)
             state = {n: t.to(tdtype) if t.is_floating_point() else t for n, t in state.items()}
             target = target.to(tdtype)
-        missing, unexpected = target.load_state_dict(state, strict=False)
+        missing, unexpected = target.load_state_dict(state, strict=True)
         if unexpected:
             raise MergeError(f"merged tensors do not fit the template model: {unexpected[:3]}")
         real_missing = [m for m in missing if m in dict(target.named_parameters())]

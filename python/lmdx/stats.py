@@ -431,7 +431,7 @@ def _validate_metadata(meta: Any, where: str) -> None:
 
 
 def _same(field: str, values: Sequence[Any], names: Sequence[str]) -> None:
-    for v, n in zip(values[1:], names[1:], strict=False):
+    for v, n in zip(values[1:], names[1:], strict=True):
         if v != values[0]:
             raise ValueError(f"cannot add statistics: {field} differs between {names[0]} and {n}")
 
@@ -448,7 +448,7 @@ def add_statistics(parts: Iterable[Statistics], *, data: str | None = None) -> S
         raise ValueError("add_statistics: nothing to add")
     names = [p.source or f"statistics #{i}" for i, p in enumerate(parts)]
     _same("kind", [p.kind for p in parts], names)
-    for p, n in zip(parts[1:], names[1:], strict=False):
+    for p, n in zip(parts[1:], names[1:], strict=True):
         if p.model["weights_sha256"] != parts[0].model["weights_sha256"]:
             raise ModelMismatchError(
                 f"cannot add statistics of different models: {names[0]} vs {n}: "

@@ -1,0 +1,341 @@
+"""Command line for the merge pipeline: ``lmdx stats`` (collect, add, show) and ``lmdx merge``."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_merge_parser", "add_stats_parser", "read_data", "run_merge_cli", "run_stats_cli"]
+
+
+class CliError(Exception):
+    """A problem with the command's inputs; printed without a traceback."""
+
+
+# --------------------------------------------------------------------------- parsers
+
+
+def add_stats_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "stats",
+        help="collect RegMean Gram or Fisher statistics of a model on data; add or show files",
+        description=(
+            "Collect the statistics a contributor shares instead of data: the Gram of every "
+            "linear module's input (RegMean) or the diagonal Fisher, over the texts in DATA, "
+            "written to one safetensors file with JSON metadata.\n\n"
+            "  lmdx stats MODEL DATA --out FILE   collect\n"
+            "  lmdx stats add FILE FILE... --out FILE   add statistics of disjoint data shards\n"
+            "  lmdx stats show FILE   print a file's metadata\n\n"
+            "DATA is a text file (one text per line), a .jsonl file (field --text-field), a "
+            ".csv file (column --text-field) or corpus:NAME (a corpus of lmdx.corpora)."
+        ),
+        epilog=(
+            "examples:\n"
+            "  lmdx stats finetuned/bbc corpus:bbc_news --max-texts 1000 --out bbc.safetensors\n"
+            "  lmdx stats finetuned/bbc train.jsonl --kind fisher --out bbc-fisher.safetensors\n"
+            "  lmdx stats add part1.safetensors part2.safetensors --out all.safetensors"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", metavar="MODEL", help="a save_pretrained model folder")
+    p.add_argument(
+        "data", metavar="DATA", help="texts: FILE.txt, FILE.jsonl, FILE.csv, corpus:NAME"
+    )
+    p.add_argument("--out", required=True, metavar="FILE", help="statistics file to write")
+    p.add_argument("--kind", choices=("regmean", "fisher"), default="regmean")
+    p.add_argument("--description", default=None, help="what the data is (stored in the file)")
+    p.add_argument("--text-field", default="text", help="field/column of .jsonl/.csv texts")
+    p.add_argument("--label-field", default="label", help="field/column of gold labels")
+    p.add_argument("--max-texts", type=int, default=None, metavar="N", help="use the first N")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--max-length", type=int, default=128, help="tokens per text (truncation)")
+    p.add_argument(
+        "--include-padding",
+        action="store_true",
+        help="count padding tokens like the reference code (default: left out)",
+    )
+    p.add_argument("--include", nargs="+", metavar="PATTERN", help="module name patterns")
+    p.add_argument("--exclude", nargs="+", metavar="PATTERN", help="module name patterns")
+    p.add_argument(
+        "--no-share-inputs", action="store_true", help="one Gram per module even for q/k/v"
+    )
+    p.add_argument(
+        "--labels",
+        choices=("predicted", "gold"),
+        default="predicted",
+        help="Fisher: log-likelihood of the predicted (default) or gold label",
+    )
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _stats_add_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lmdx stats add",
+        description="Add statistics of disjoint data shards of one model into one file.",
+    )
+    p.add_argument("files", nargs="+", metavar="FILE")
+    p.add_argument("--out", required=True, metavar="FILE")
+    p.add_argument("--description", default=None)
+    return p
+
+
+def _stats_show_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lmdx stats show", description="Print a file's metadata.")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--json", action="store_true", help="the full metadata as JSON")
+    return p
+
+
+def add_merge_parser(sub: Any) -> None:
+    from .merge_config import __doc__ as config_doc
+
+    p = sub.add_parser(
+        "merge",
+        help="merge models fine-tuned from one checkpoint (regmean, average, fisher, "
+        "task_arithmetic) as a config file says",
+        description=(config_doc or "").strip(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("config", metavar="CONFIG", help="YAML or JSON merge configuration")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder (must not exist)")
+    p.add_argument("--no-progress", action="store_true")
+
+
+# --------------------------------------------------------------------------- data
+
+
+def read_data(
+    spec: str,
+    *,
+    text_field: str = "text",
+    label_field: str = "label",
+    max_texts: int | None = None,
+) -> tuple[list[str], list[Any] | None, str]:
+    """Texts (and labels when present) from a file or ``corpus:NAME``; and a description."""
+    labels: list[Any] | None = None
+    if spec.startswith("corpus:"):
+        from . import corpora
+
+        name = spec.removeprefix("corpus:")
+        if name not in corpora.CORPORA:
+            raise CliError(f"DATA: unknown corpus {name!r}; known: {', '.join(corpora.CORPORA)}")
+        try:
+            corpus = getattr(corpora, name)()
+        except (ImportError, FileNotFoundError) as exc:
+            raise CliError(f"DATA {spec}: {exc}") from exc
+        texts, labels, source = list(corpus.texts), list(corpus.labels), corpus.source
+    else:
+        path = Path(spec)
+        if not path.is_file():
+            raise CliError(f"DATA {spec}: no such file (or use corpus:NAME)")
+        source = str(path)
+        if path.suffix == ".jsonl":
+            texts, labels = [], []
+            for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise CliError(f"DATA {spec}: line {i + 1} is not JSON ({exc})") from None
+                if not isinstance(row, dict) or text_field not in row:
+                    raise CliError(f"DATA {spec}: line {i + 1} has no field {text_field!r}")
+                texts.append(str(row[text_field]))
+                labels.append(row.get(label_field))
+        elif path.suffix == ".csv":
+            with open(path, newline="", encoding="utf-8") as f:
+                reader = csv.DictReader(f)
+                if reader.fieldnames is None or text_field not in reader.fieldnames:
+                    raise CliError(f"DATA {spec}: no column {text_field!r} (--text-field)")
+                rows = list(reader)
+            texts = [r[text_field] for r in rows]
+            labels = [r.get(label_field) for r in rows]
+        else:
+            texts = [t.strip() for t in path.read_text(encoding="utf-8").splitlines()]
+            texts = [t for t in texts if t]
+        if labels is not None and any(v is None for v in labels):
+            labels = None
+    if max_texts is not None:
+        if max_texts < 1:
+            raise CliError(f"--max-texts: must be >= 1, got {max_texts}")
+        texts = texts[:max_texts]
+        labels = None if labels is None else labels[:max_texts]
+    if not texts:
+        raise CliError(f"DATA {spec}: no texts")
+    return texts, labels, source
+
+
+def _label_ids(labels: list[Any] | None, model: Any, spec: str) -> list[int]:
+    if labels is None:
+        raise CliError(f"--labels gold: DATA {spec} has no labels (--label-field)")
+    label2id = {str(k): int(v) for k, v in (model.config.label2id or {}).items()}
+    out = []
+    for v in labels:
+        if isinstance(v, int) or (isinstance(v, str) and v.isdigit()):
+            out.append(int(v))
+        elif str(v) in label2id:
+            out.append(label2id[str(v)])
+        else:
+            raise CliError(
+                f"--labels gold: label {v!r} is neither an integer nor in the model's "
+                f"label2id {sorted(label2id)}"
+            )
+    return out
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def run_stats_cli(argv: list[str]) -> int:
+    """``lmdx stats ...`` (argv after ``stats``); returns the exit code."""
+    try:
+        if argv and argv[0] == "add":
+            return _stats_add(_stats_add_parser().parse_args(argv[1:]))
+        if argv and argv[0] == "show":
+            return _stats_show(_stats_show_parser().parse_args(argv[1:]))
+        parser = argparse.ArgumentParser(prog="lmdx")
+        add_stats_parser(parser.add_subparsers(dest="command"))
+        return _stats_collect(parser.parse_args(["stats", *argv]))
+    except CliError as exc:
+        print(f"lmdx stats: error: {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as exc:
+        print(f"lmdx stats: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _check_out_file(out: Path) -> None:
+    if out.exists():
+        raise CliError(f"--out {out}: already exists; choose a new file name")
+    if not out.parent.is_dir():
+        raise CliError(f"--out: the folder {out.parent} does not exist")
+
+
+def _stats_collect(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from .capture import collect_fisher, collect_regmean_stats, text_batches
+    from .merge import load_model
+
+    out = Path(args.out)
+    _check_out_file(out)
+    model_dir = Path(args.model)
+    if not (model_dir / "config.json").is_file():
+        raise CliError(f"MODEL {model_dir}: not a save_pretrained folder (no config.json)")
+    texts, labels, source = read_data(
+        args.data,
+        text_field=args.text_field,
+        label_field=args.label_field,
+        max_texts=args.max_texts,
+    )
+    t0 = time.perf_counter()
+    model = load_model(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    gold = (
+        _label_ids(labels, model, args.data)
+        if args.kind == "fisher" and args.labels == "gold"
+        else None
+    )
+    batches = text_batches(
+        texts, tokenizer, batch_size=args.batch_size, max_length=args.max_length, labels=gold
+    )
+    description = args.description or f"{len(texts)} texts from {source}"
+    if args.kind == "regmean":
+        stats = collect_regmean_stats(
+            model,
+            batches,
+            include=args.include,
+            exclude=args.exclude,
+            include_padding=args.include_padding,
+            share_inputs=not args.no_share_inputs,
+            description=description,
+            progress=not args.no_progress,
+            n_threads=args.threads,
+        )
+    else:
+        stats = collect_fisher(
+            model,
+            batches,
+            labels=args.labels,
+            include=args.include,
+            exclude=args.exclude,
+            description=description,
+            progress=not args.no_progress,
+        )
+    stats.save(out)
+    print(
+        f"lmdx stats: {stats!r} from {len(texts)} texts in {time.perf_counter() - t0:.1f} s; "
+        f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB)"
+    )
+    return 0
+
+
+def _stats_add(args: argparse.Namespace) -> int:
+    from .stats import Statistics, add_statistics
+
+    out = Path(args.out)
+    _check_out_file(out)
+    parts = [Statistics.load(f) for f in args.files]
+    total = add_statistics(parts, data=args.description)
+    total.save(out)
+    print(f"lmdx stats add: {len(parts)} files -> {out} ({total!r})")
+    return 0
+
+
+def _stats_show(args: argparse.Namespace) -> int:
+    from .stats import Statistics
+
+    stats = Statistics.load(args.file)
+    meta = stats.metadata()
+    if args.json:
+        print(json.dumps(meta, indent=2))
+        return 0
+    print(f"file:        {args.file}")
+    print(f"kind:        {stats.kind}  (format {meta['format']} v{meta['format_version']})")
+    print(
+        f"model:       {stats.model['architecture']}  weights sha256 "
+        f"{stats.model['weights_sha256'][:16]}…  ({len(stats.model['parameters'])} tensors)"
+    )
+    print(f"data:        {stats.data}")
+    if stats.kind == "regmean-gram":
+        print(f"padding:     {stats.padding}")
+        print(f"modules:     {len(stats.modules)} in {len(stats.groups)} input groups")
+        for g, v in stats.groups.items():
+            members = [m for m, i in stats.modules.items() if i["group"] == g]
+            print(f"  {g}: dim {v['dim']}, rows {v['count']:g}, modules {len(members)}")
+    else:
+        print(f"examples:    {stats.count():g}  labels {stats.extra.get('labels')}")
+        print(f"parameters:  {len(stats.parameters)}")
+    return 0
+
+
+def run_merge_cli(args: argparse.Namespace) -> int:
+    from .merge import MergeError
+    from .merge_config import load_merge_config, run_merge
+    from .stats import ModelMismatchError, StatisticsFileError
+
+    try:
+        out = Path(args.out)
+        if out.exists():
+            raise CliError(f"--out {out}: already exists; choose a new folder")
+        cfg = load_merge_config(args.config)
+        t0 = time.perf_counter()
+        run_merge(cfg, out, progress=not args.no_progress)
+    except (CliError, MergeError, ModelMismatchError, StatisticsFileError) as exc:
+        print(f"lmdx merge: error: {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError, FileExistsError, OSError) as exc:
+        print(f"lmdx merge: error: {exc}", file=sys.stderr)
+        return 1
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    print(
+        f"lmdx merge: {cfg.method} of {len(cfg.models)} models in "
+        f"{time.perf_counter() - t0:.1f} s; wrote {out} ({size / 1e6:.1f} MB)"
+    )
+    return 0
