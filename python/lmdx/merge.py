@@ -259,6 +259,9 @@ def merge_models(
         "layers": {},
     }
     names = list(body[0])
+    tied = _tied_names(body[0])
+    if tied:
+        report["tied"] = tied
     merged: dict[str, NDArray[Any]] = {}
     bar = _progress(len(names), f"merge ({method})", progress)
     try:
@@ -266,6 +269,7 @@ def merge_models(
             assert stat_objs is not None
             _regmean(
                 body,
+                set(tied) | set(tied.values()),
                 stat_objs,
                 merged,
                 report,
@@ -322,6 +326,8 @@ def merge_models(
                 bar.update(1)
     finally:
         bar.close()
+    for alias, canonical in tied.items():  # tied copies stay tied
+        merged[alias] = merged[canonical]
     out: dict[str, Any] = {}
     for name in names:
         ref = body[0][name]
@@ -387,8 +393,24 @@ def _load_stats(
     return objs
 
 
+def _tied_names(state: Mapping[str, Any]) -> dict[str, str]:
+    """Tensors sharing storage with an earlier one (tied weights): alias -> first name."""
+    first: dict[tuple[int, tuple[int, ...]], str] = {}
+    tied: dict[str, str] = {}
+    for name, t in state.items():
+        if not hasattr(t, "data_ptr") or t.numel() == 0:
+            continue
+        key = (t.data_ptr(), tuple(t.shape))
+        if key in first:
+            tied[name] = first[key]
+        else:
+            first[key] = name
+    return tied
+
+
 def _regmean(
     body: Sequence[Mapping[str, Any]],
+    tied: set[str],
     stats: Sequence[Statistics],
     merged: dict[str, NDArray[Any]],
     report: dict[str, Any],
@@ -412,7 +434,7 @@ def _regmean(
     selected = []
     for m in common:
         info = stats[0].modules[m]
-        if _matches(m, exclude) or _matches(info["weight"], heads):
+        if _matches(m, exclude) or _matches(info["weight"], heads) or info["weight"] in tied:
             continue
         if info["weight"] not in body[0]:
             raise MergeError(
