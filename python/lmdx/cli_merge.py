@@ -235,7 +235,7 @@ def _stats_collect(args: argparse.Namespace) -> int:
         max_texts=args.max_texts,
     )
     t0 = time.perf_counter()
-    model = load_model(model_dir)
+    model = load_model(model_dir, progress=not args.no_progress)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     gold = (
         _label_ids(labels, model, args.data)

@@ -19,13 +19,14 @@ its own (:meth:`MergeResult.model_state`) or they are dropped.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import fnmatch
 import json
 import os
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,7 +98,7 @@ def _matches(name: str, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
-def load_model(path: str | os.PathLike[str], *, dtype: Any = None) -> Any:
+def load_model(path: str | os.PathLike[str], *, dtype: Any = None, progress: bool = True) -> Any:
     """Load a Hugging Face model folder with the class named in its ``config.json``."""
     import transformers
 
@@ -114,7 +115,23 @@ def load_model(path: str | os.PathLike[str], *, dtype: Any = None) -> Any:
     if cls is None:
         cls = transformers.AutoModel
     kwargs: dict[str, Any] = {"dtype": dtype} if dtype is not None else {}
-    return cls.from_pretrained(str(path), **kwargs)
+    with hf_progress(progress):
+        return cls.from_pretrained(str(path), **kwargs)
+
+
+@contextlib.contextmanager
+def hf_progress(enabled: bool) -> Iterator[None]:
+    """Hide transformers' own progress bars (loading, saving) unless ``enabled``."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    if not enabled and was:
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    try:
+        yield
+    finally:
+        if not enabled and was:
+            hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
 
 
 def _state(model: Any, label: str) -> dict[str, Any]:
@@ -234,7 +251,9 @@ def merge_models(
     labels = list(labels)
     if len(labels) != k:
         raise MergeError(f"labels: {len(labels)} names for {k} models")
-    loaded = [load_model(m) if isinstance(m, (str, os.PathLike)) else m for m in models]
+    loaded = [
+        load_model(m, progress=progress) if isinstance(m, (str, os.PathLike)) else m for m in models
+    ]
     states = [_state(m, lab) for m, lab in zip(loaded, labels, strict=True)]
     coef = _coefficients(coefficients, k)
     if not 0.0 <= alpha <= 1.0:
@@ -302,7 +321,10 @@ def merge_models(
             if base is None:
                 raise MergeError("task_arithmetic needs base= (the pre-trained model)")
             base_state = _state(
-                load_model(base) if isinstance(base, (str, os.PathLike)) else base, "base"
+                load_model(base, progress=progress)
+                if isinstance(base, (str, os.PathLike))
+                else base,
+                "base",
             )
             base_body = {n: t for n, t in base_state.items() if not _matches(n, heads)}
             _check_architectures([body[0], base_body], [labels[0], "base"])
@@ -532,6 +554,7 @@ def save_merged(
     max_shard_size: int | str = "2GB",
     tokenizer_from: str | os.PathLike[str] | None = None,
     record: Mapping[str, Any] | None = None,
+    progress: bool = True,
 ) -> Path:
     """Write a merged model as a Hugging Face ``save_pretrained`` folder, atomically.
 
@@ -554,6 +577,8 @@ def save_merged(
         ``"float16"``.
     record
         Extra entries for ``lmdx_merge.json`` (e.g. the resolved config).
+    progress
+        Show progress bars (transformers' own included).
     """
     import torch
     from safetensors.torch import save_file
@@ -571,7 +596,7 @@ def save_merged(
     if tokenizer_from is None and isinstance(template, (str, os.PathLike)):
         tokenizer_from = template
     if isinstance(template, (str, os.PathLike)):
-        model = load_model(template)
+        model = load_model(template, progress=progress)
     else:
         model = copy.deepcopy(template)  # the caller's model is never modified
     with atomic_directory(out_dir) as tmp:
@@ -595,7 +620,8 @@ def save_merged(
         real_missing = [m for m in missing if m in dict(target.named_parameters())]
         if real_missing:
             raise MergeError(f"template parameters have no merged value: {real_missing[:3]}")
-        target.save_pretrained(str(tmp), max_shard_size=shard, safe_serialization=True)
+        with hf_progress(progress):
+            target.save_pretrained(str(tmp), max_shard_size=shard, safe_serialization=True)
         if head_policy == "keep" and any(result.heads):
             (tmp / "heads").mkdir()
             for i, head in enumerate(result.heads):

@@ -235,7 +235,7 @@ def run_merge(cfg: MergeConfig, out_dir: str | os.PathLike[str], *, progress: bo
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise MergeError(f"output {out_dir}: already exists; choose a new directory")
-    models = [load_model(m.path) for m in cfg.models]
+    models = [load_model(m.path, progress=progress) for m in cfg.models]
     labels = [m.name or m.path for m in cfg.models]
     coefficients = (
         None if cfg.models[0].coefficient is None else [m.coefficient or 0.0 for m in cfg.models]
@@ -281,4 +281,5 @@ def run_merge(cfg: MergeConfig, out_dir: str | os.PathLike[str], *, progress: bo
         max_shard_size=cfg.max_shard_size,
         tokenizer_from=cfg.models[0].path,
         record=record,
+        progress=progress,
     )
