@@ -438,7 +438,8 @@ def collect_fisher(
                 one = _example(kwargs, i, ref.shape[0], mask_key)
                 model.zero_grad(set_to_none=True)
                 logits = model(**one).logits
-                logp = torch.log_softmax(logits.float(), dim=-1)
+                wide = logits if logits.dtype == torch.float64 else logits.float()
+                logp = torch.log_softmax(wide, dim=-1)
                 if labels == "gold":
                     assert gold is not None
                     y = gold[i : i + 1].reshape(logp.shape[:-1]).long()

@@ -139,8 +139,11 @@ def atomic_directory(path: str | os.PathLike[str]) -> Iterator[Path]:
         raise
 
 
-def open_safetensors(path: str | os.PathLike[str], what: str = "file") -> Any:
-    """Open a safetensors file for lazy NumPy reads, with an error naming the file."""
+def open_safetensors(
+    path: str | os.PathLike[str], what: str = "file", error: type[Exception] = ValueError
+) -> Any:
+    """Open a safetensors file for lazy NumPy reads; ``error`` (naming the file) if it
+    cannot be read."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -149,7 +152,7 @@ def open_safetensors(path: str | os.PathLike[str], what: str = "file") -> Any:
     try:
         return safe_open(str(path), framework="numpy")
     except Exception as exc:  # SafetensorError and OSError carry little context
-        raise ValueError(
+        raise error(
             f"{what} {path}: not a readable safetensors file ({exc}); it may be truncated, "
             "corrupted or of another format"
         ) from None

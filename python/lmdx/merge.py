@@ -309,7 +309,9 @@ def merge_models(
                     continue
                 if name in stat_objs[0].parameters:
                     fishers = [s.fisher(name) / max(s.count(), 1.0) for s in stat_objs]
-                    merged[name] = fisher_average(
+                    merged[name] = _named(
+                        name,
+                        fisher_average,
                         [b[name] for b in body],
                         fishers,
                         coef,
@@ -340,8 +342,8 @@ def merge_models(
         for name in names:  # everything not merged otherwise is averaged
             if name not in merged:
                 if _is_float(body[0][name]):
-                    merged[name] = weighted_average(
-                        [b[name] for b in body], coef, n_threads=n_threads
+                    merged[name] = _named(
+                        name, weighted_average, [b[name] for b in body], coef, n_threads=n_threads
                     )
                 else:
                     merged[name] = None  # type: ignore[assignment]  # integer buffers: kept
@@ -359,6 +361,14 @@ def merge_models(
         out[name] = _like(_finite(name, merged[name]), ref)
     report["seconds"] = time.perf_counter() - t0
     return MergeResult(out, head_states, report)
+
+
+def _named(name: str, fn: Any, *args: Any, **kwargs: Any) -> NDArray[np.float64]:
+    """Call an averaging kernel; its input errors name the tensor."""
+    try:
+        return np.asarray(fn(*args, **kwargs))
+    except ValueError as exc:
+        raise MergeError(f"tensor {name!r}: {exc}") from None
 
 
 def _as64(t: Any) -> NDArray[np.float64]:
@@ -614,7 +624,10 @@ def save_merged(
             tdtype = getattr(torch, dtype)
             state = {n: t.to(tdtype) if t.is_floating_point() else t for n, t in state.items()}
             target = target.to(tdtype)
-        missing, unexpected = target.load_state_dict(state, strict=True)
+        try:
+            missing, unexpected = target.load_state_dict(state, strict=False)
+        except RuntimeError as exc:  # shape mismatches
+            raise MergeError(f"merged tensors do not fit the template model: {exc}") from None
         if unexpected:
             raise MergeError(f"merged tensors do not fit the template model: {unexpected[:3]}")
         real_missing = [m for m in missing if m in dict(target.named_parameters())]

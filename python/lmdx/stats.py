@@ -351,7 +351,7 @@ class Statistics:
     def load(cls, path: str | os.PathLike[str]) -> Statistics:
         """Open and validate a statistics file; tensors are read on demand."""
         path = Path(path)
-        handle = open_safetensors(path, "statistics file")
+        handle = open_safetensors(path, "statistics file", StatisticsFileError)
         where = f"statistics file {path}"
         raw = (handle.metadata() or {}).get("lmdx")
         if raw is None:
