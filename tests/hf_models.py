@@ -25,12 +25,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-import pytest
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-from transformers.pytorch_utils import Conv1D  # noqa: E402
+import torch
+import transformers
+from transformers.pytorch_utils import Conv1D
 
 ARCHS = ("bert", "roberta", "gpt2", "llama")
 VOCAB = 50

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import copy
 
+import hf_models as H
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
-import hf_models as H  # noqa: E402
-from lmdx.capture import (  # noqa: E402
+import torch
+import transformers  # noqa: F401
+from lmdx.capture import (
     collect_fisher,
     collect_regmean_stats,
     find_linear_modules,

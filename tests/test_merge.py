@@ -23,18 +23,16 @@ import json
 import os
 import re
 
+import hf_models as H
 import numpy as np
 import pytest
+import torch
+import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-import hf_models as H  # noqa: E402
-from lmdx.capture import collect_fisher, collect_regmean_stats  # noqa: E402
-from lmdx.merge import MergeError, load_model, merge_models, save_merged  # noqa: E402
-from lmdx.stats import ModelMismatchError  # noqa: E402
+from lmdx.capture import collect_fisher, collect_regmean_stats
+from lmdx.merge import MergeError, load_model, merge_models, save_merged
+from lmdx.stats import ModelMismatchError
 
 ALPHAS = (1.0, 0.9, 0.1)
 COEFFICIENTS = (None, (0.5, 2.0, 1.25))

@@ -12,20 +12,18 @@ import os
 import re
 from pathlib import Path
 
+import hf_models as H
 import numpy as np
 import pytest
+import safetensors.numpy as safetensors_numpy
+import torch
+import transformers  # noqa: F401
 from hypothesis import given
 from hypothesis import strategies as st
-
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-safetensors_numpy = pytest.importorskip("safetensors.numpy")
-
-import hf_models as H  # noqa: E402
-from lmdx.capture import collect_fisher, collect_regmean_stats  # noqa: E402
-from lmdx.io import TensorSpec, atomic_directory, write_safetensors  # noqa: E402
-from lmdx.merge import merge_models  # noqa: E402
-from lmdx.stats import (  # noqa: E402
+from lmdx.capture import collect_fisher, collect_regmean_stats
+from lmdx.io import TensorSpec, atomic_directory, write_safetensors
+from lmdx.merge import merge_models
+from lmdx.stats import (
     ModelMismatchError,
     Statistics,
     StatisticsFileError,
