@@ -169,6 +169,18 @@ def test_regmean_float32_models(arch):
                 check_regmean(result, models, refs, arch, alpha, coefficients, rtol=1e-6)
 
 
+@pytest.mark.parametrize("arch", H.ARCHS)
+def test_regmean_float32_models_float64_products(arch):
+    """precision="float64": the Grams of float32 activations are exact, so even α = 1
+    on these ill-conditioned tiny layers matches the independent reference."""
+    _, models, batches = H.cached_family(arch, "float32")
+    stats = _stats(models, batches, precision="float64")
+    refs = [H.reference_grams(m, list(b), False) for m, b in zip(models, batches, strict=True)]
+    for alpha in ALPHAS:
+        result = _merge(models, arch=arch, stats=stats, alpha=alpha, coefficients=[1.0, 2.0, 0.5])
+        check_regmean(result, models, refs, arch, alpha, [1.0, 2.0, 0.5], rtol=1e-6)
+
+
 @settings(max_examples=8)
 @given(
     alpha=st.floats(0.0, 1.0),

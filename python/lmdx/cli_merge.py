@@ -65,6 +65,11 @@ def add_stats_parser(sub: Any) -> None:
         "--no-share-inputs", action="store_true", help="one Gram per module even for q/k/v"
     )
     p.add_argument(
+        "--float64-products",
+        action="store_true",
+        help="multiply activations in float64 (default: float32 chunks summed in float64)",
+    )
+    p.add_argument(
         "--labels",
         choices=("predicted", "gold"),
         default="predicted",
@@ -254,6 +259,7 @@ def _stats_collect(args: argparse.Namespace) -> int:
             exclude=args.exclude,
             include_padding=args.include_padding,
             share_inputs=not args.no_share_inputs,
+            precision="float64" if args.float64_products else "mixed",
             description=description,
             progress=not args.no_progress,
             n_threads=args.threads,
