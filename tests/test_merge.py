@@ -546,3 +546,26 @@ def test_merge_from_model_folders(merged_bert, tmp_path):
     assert result.report["models"] == [str(f) for f in folders]
     for name, got in result.state_dict.items():
         assert H.rel_err(got, reference_average([s[name] for s in states], [1, 2, 3])) <= 1e-6
+
+
+def test_tied_weights_are_averaged_and_stay_tied():
+    """GPT-2's lm_head shares wte's storage: RegMean must not solve it apart from wte."""
+    cfg = transformers.GPT2Config(
+        n_embd=16, n_layer=1, n_head=2, vocab_size=H.VOCAB, n_positions=32
+    )
+    torch.manual_seed(0)
+    base = transformers.GPT2LMHeadModel(cfg).eval()
+    models = [H.finetuned(base, seed) for seed in (1, 2)]
+    assert all(m.lm_head.weight.data_ptr() == m.transformer.wte.weight.data_ptr() for m in models)
+    ids = torch.randint(0, H.VOCAB, (4, 12))
+    batches = [[{"input_ids": ids, "attention_mask": torch.ones_like(ids)}]] * 2
+    stats = _stats(models, batches)
+    result = merge_models(models, "regmean", stats=stats, progress=False, n_threads=1)
+    wte = [m.transformer.wte.weight.detach().double().numpy() for m in models]
+    ref = (wte[0] + wte[1]) / 2
+    assert H.rel_err(result.state_dict["transformer.wte.weight"], ref) <= 1e-7
+    assert torch.equal(
+        result.state_dict["lm_head.weight"], result.state_dict["transformer.wte.weight"]
+    )
+    assert "lm_head" not in result.report["layers"]
+    assert result.report["tied"] == {"lm_head.weight": "transformer.wte.weight"}
