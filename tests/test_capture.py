@@ -21,6 +21,7 @@ from lmdx.capture import (
     find_linear_modules,
     text_batches,
 )
+from lmdx.merge import merge_models
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -122,6 +123,27 @@ def test_grams_equal_float64_reference(arch, dtype, include_padding):
         assert H.rel_err(stats.sum(name), r["sum"]) <= rtol, name
     if not include_padding:
         assert tokens < _token_rows(data, True), "the data must hold padding"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("arch", ["bert", "llama"])
+def test_half_precision_models(arch, dtype):
+    """bf16/fp16 activations are widened (exactly) and accumulated like float32 ones; the
+    merge returns tensors of the model's dtype."""
+    _, models, batches = H.cached_family(arch, "float32")
+    half = [copy.deepcopy(m).to(dtype) for m in models[:2]]
+    data = [list(b) for b in batches[:2]]
+    stats = [_collect(m, d) for m, d in zip(half, data, strict=True)]
+    for s, m, d in zip(stats, half, data, strict=True):
+        ref = H.reference_grams(m, d, False)
+        for name, r in ref.items():
+            assert stats[0].count(name) > 0
+            assert s.count(name) == r["count"], name
+            assert H.rel_err(s.gram(name), r["gram"]) <= 1e-6, name
+    result = merge_models(
+        half, "regmean", stats=stats, heads=H.HEADS[arch], alpha=0.9, progress=False, n_threads=1
+    )
+    assert all(t.dtype == dtype for t in result.state_dict.values() if t.is_floating_point())
 
 
 @pytest.mark.parametrize("arch", H.ARCHS)
