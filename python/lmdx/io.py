@@ -4,8 +4,9 @@ A safetensors file is an 8-byte little-endian header length, a JSON header (name
 dtype, shape, byte range; plus ``__metadata__``, a str -> str map) and the raw bytes.
 Because every shape is known before any data exists, :func:`write_safetensors` writes
 the header first and then asks for one tensor at a time, so a file of many large
-tensors never needs them all in memory. Files are read back with the ``safetensors``
-package (memory-mapped, no pickle).
+tensors never needs them all in memory. Files are read back tensor by tensor with plain
+reads (:func:`read_safetensors_header`), not memory maps, so what was read and dropped
+does not stay resident; no pickle anywhere.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from numpy.typing import NDArray
 __all__ = [
     "atomic_directory",
     "file_sha256",
-    "open_safetensors",
+    "read_safetensors_header",
     "write_safetensors",
 ]
 
@@ -139,23 +140,90 @@ def atomic_directory(path: str | os.PathLike[str]) -> Iterator[Path]:
         raise
 
 
-def open_safetensors(
-    path: str | os.PathLike[str], what: str = "file", error: type[Exception] = ValueError
-) -> Any:
-    """Open a safetensors file for lazy NumPy reads; ``error`` (naming the file) if it
-    cannot be read."""
-    from safetensors import safe_open
+_NUMPY_OF: dict[str, str] = {v: k for k, v in _DTYPES.items()}
 
+
+class SafetensorsFile:
+    """A safetensors file read with plain reads (no memory map, so tensors read and
+    dropped do not stay resident), its header validated against the file size."""
+
+    def __init__(self, path: Path, entries: dict[str, Any], data_start: int, meta: Any) -> None:
+        self.path = path
+        self._entries = entries
+        self._data_start = data_start
+        self._metadata = meta
+
+    def metadata(self) -> dict[str, str]:
+        return dict(self._metadata or {})
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._entries[name]["shape"])
+
+    def get_tensor(self, name: str) -> NDArray[Any]:
+        e = self._entries[name]
+        dtype = np.dtype(_NUMPY_OF[e["dtype"]]).newbyteorder("<")
+        count = int(np.prod(e["shape"], dtype=np.int64))
+        arr = np.fromfile(
+            self.path, dtype=dtype, count=count, offset=self._data_start + e["data_offsets"][0]
+        )
+        if arr.size != count:
+            raise ValueError(f"{self.path}: tensor {name!r} is cut short")
+        out: NDArray[Any] = arr.reshape(e["shape"]).astype(dtype.newbyteorder("="), copy=False)
+        return out
+
+
+def read_safetensors_header(
+    path: str | os.PathLike[str], what: str = "file", error: type[Exception] = ValueError
+) -> SafetensorsFile:
+    """Parse and check a safetensors header (dtypes, shapes, byte ranges within the file);
+    ``error`` names the file and what is wrong."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{what} {path}: no such file")
-    try:
-        return safe_open(str(path), framework="numpy")
-    except Exception as exc:  # SafetensorError and OSError carry little context
-        raise error(
-            f"{what} {path}: not a readable safetensors file ({exc}); it may be truncated, "
-            "corrupted or of another format"
-        ) from None
+
+    def fail(msg: str) -> Exception:
+        return error(f"{what} {path}: {msg}; the file is truncated, corrupted or of another format")
+
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise fail(f"only {size} bytes")
+        n = int.from_bytes(prefix, "little")
+        if n < 2 or 8 + n > size:
+            raise fail(f"header length {n} does not fit in {size} bytes")
+        try:
+            header = json.loads(f.read(n).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise fail(f"header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise fail("header is not a JSON object")
+    meta = header.pop("__metadata__", None)
+    if meta is not None and not isinstance(meta, dict):
+        raise fail("__metadata__ is not an object")
+    data_start = 8 + n
+    for name, e in header.items():
+        ok = (
+            isinstance(e, dict)
+            and e.get("dtype") in _NUMPY_OF
+            and isinstance(e.get("shape"), list)
+            and all(isinstance(d, int) and d >= 0 for d in e["shape"])
+            and isinstance(e.get("data_offsets"), list)
+            and len(e["data_offsets"]) == 2
+            and all(isinstance(o, int) for o in e["data_offsets"])
+        )
+        if not ok:
+            raise fail(f"entry {name!r} of the header is malformed")
+        begin, end = e["data_offsets"]
+        nbytes = int(np.prod(e["shape"], dtype=np.int64)) * np.dtype(_NUMPY_OF[e["dtype"]]).itemsize
+        if end - begin != nbytes or begin < 0:
+            raise fail(f"tensor {name!r}: byte range does not match its shape")
+        if data_start + end > size:
+            raise fail(f"tensor {name!r} ends at byte {data_start + end} of {size}")
+    return SafetensorsFile(path, header, data_start, meta)
 
 
 def file_sha256(path: str | os.PathLike[str], chunk: int = 1 << 22) -> str:

@@ -281,7 +281,7 @@ def merge_models(
     tied = _tied_names(body[0])
     if tied:
         report["tied"] = tied
-    merged: dict[str, NDArray[Any]] = {}
+    merged = _Merged(body[0])
     bar = _progress(len(names), f"merge ({method})", progress)
     try:
         if method == "regmean":
@@ -346,21 +346,32 @@ def merge_models(
                         name, weighted_average, [b[name] for b in body], coef, n_threads=n_threads
                     )
                 else:
-                    merged[name] = None  # type: ignore[assignment]  # integer buffers: kept
+                    merged[name] = None  # integer buffers: kept from the first model
                 bar.update(1)
     finally:
         bar.close()
     for alias, canonical in tied.items():  # tied copies stay tied
-        merged[alias] = merged[canonical]
-    out: dict[str, Any] = {}
-    for name in names:
-        ref = body[0][name]
-        if merged[name] is None:
-            out[name] = ref.clone() if hasattr(ref, "clone") else np.array(ref)
-            continue
-        out[name] = _like(_finite(name, merged[name]), ref)
+        dict.__setitem__(merged, alias, merged[canonical])
+    out = {name: merged[name] for name in names}
     report["seconds"] = time.perf_counter() - t0
     return MergeResult(out, head_states, report)
+
+
+class _Merged(dict[str, Any]):
+    """Merged tensors, each checked finite and cast to its input's dtype when stored, so
+    float64 intermediates do not pile up for the whole model."""
+
+    def __init__(self, reference: Mapping[str, Any]) -> None:
+        super().__init__()
+        self._reference = reference
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        ref = self._reference[name]
+        if value is None:
+            value = ref.clone() if hasattr(ref, "clone") else np.array(ref)
+        else:
+            value = _like(_finite(name, np.asarray(value)), ref)
+        super().__setitem__(name, value)
 
 
 def _named(name: str, fn: Any, *args: Any, **kwargs: Any) -> NDArray[np.float64]:
@@ -444,7 +455,7 @@ def _regmean(
     body: Sequence[Mapping[str, Any]],
     tied: set[str],
     stats: Sequence[Statistics],
-    merged: dict[str, NDArray[Any]],
+    merged: dict[str, Any],
     report: dict[str, Any],
     labels: Sequence[str],
     alpha: float,

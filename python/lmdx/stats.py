@@ -14,8 +14,9 @@ content hash), the user's data description, the padding policy, counts and, for 
 which module reads which group and in which layout. Sums (not means) are stored, so
 statistics of disjoint data shards add exactly: :func:`add_statistics`.
 
-Loading (:meth:`Statistics.load`) validates the whole header and memory-maps the
-tensors, which are read one group at a time when merging. No pickle is involved.
+Loading (:meth:`Statistics.load`) validates the whole header against the file; tensors
+are read one group at a time when merging (plain reads, nothing stays resident). No
+pickle is involved.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from .io import TensorSpec, open_safetensors, write_safetensors
+from .io import TensorSpec, read_safetensors_header, write_safetensors
 from .moments import Moments
 
 __all__ = [
@@ -351,7 +352,7 @@ class Statistics:
     def load(cls, path: str | os.PathLike[str]) -> Statistics:
         """Open and validate a statistics file; tensors are read on demand."""
         path = Path(path)
-        handle = open_safetensors(path, "statistics file", StatisticsFileError)
+        handle = read_safetensors_header(path, "statistics file", StatisticsFileError)
         where = f"statistics file {path}"
         raw = (handle.metadata() or {}).get("lmdx")
         if raw is None:
@@ -378,7 +379,7 @@ class Statistics:
         stats._file = handle
         present = {}
         for key in handle.keys():
-            present[key] = list(handle.get_slice(key).get_shape())
+            present[key] = handle.shape(key)
         for spec in stats._specs():
             if spec.name not in present:
                 raise StatisticsFileError(f"{where}: tensor {spec.name!r} is missing")
