@@ -79,13 +79,12 @@ def unpack_upper(packed: NDArray[np.float64], d: int) -> NDArray[np.float64]:
     """Symmetric (d, d) matrix from :func:`pack_upper`'s layout."""
     if packed.shape != (d * (d + 1) // 2,):
         raise ValueError(f"packed triangle of dimension {d}: expected {d * (d + 1) // 2} values")
-    out = np.empty((d, d), dtype=np.float64)
+    out = np.zeros((d, d), dtype=np.float64)
     pos = 0
-    for i in range(d):
-        row = packed[pos : pos + d - i]
-        out[i, i:] = row
-        out[i:, i] = row
+    for i in range(d):  # contiguous row writes of the upper triangle ...
+        out[i, i:] = packed[pos : pos + d - i]
         pos += d - i
+    out += np.triu(out, 1).T  # ... then the lower one in a single vectorized pass
     return out
 
 
