@@ -62,9 +62,10 @@ def find_linear_modules(
 
     ``layout`` is ``"linear"`` for ``torch.nn.Linear`` (weight ``[out, in]``) and
     ``"conv1d"`` for Hugging Face ``Conv1D`` (weight ``[in, out]``). ``include`` and
-    ``exclude`` are shell-style patterns (``fnmatch``) over the dotted module names;
-    a module is selected if it matches an include pattern (or there are none) and no
-    exclude pattern.
+    ``exclude`` are shell-style patterns (``fnmatch``) over the dotted module names or
+    their weights' names (``classifier*`` and ``classifier.*`` both select
+    ``classifier``); a module is selected if it matches an include pattern (or there are
+    none) and no exclude pattern.
     """
     import torch
 
@@ -77,9 +78,10 @@ def find_linear_modules(
             layout = "conv1d"
         else:
             continue
-        if include and not _matches(name, include):
+        names = (name, f"{name}.weight")  # a pattern may name the module or its weight
+        if include and not any(_matches(n, include) for n in names):
             continue
-        if _matches(name, exclude):
+        if any(_matches(n, exclude) for n in names):
             continue
         found[name] = (module, layout)
     return found
@@ -463,8 +465,8 @@ def collect_fisher(
                     ll = ll * one[mask_key].to(ll.dtype)
                 ll.sum().backward()  # type: ignore[no-untyped-call]
                 for n, p in params.items():
-                    if p.grad is not None:
-                        sums[n] += p.grad.detach().double() ** 2
+                    if p.grad is not None:  # square in the grad's dtype, sum in float64
+                        sums[n].add_(p.grad.detach().square())
                 examples += 1
             bar.update(1)
     finally:

@@ -308,6 +308,7 @@ def merge_models(
                 if name in merged:
                     continue
                 if name in stat_objs[0].parameters:
+                    report.setdefault("fisher_weighted", []).append(name)
                     fishers = [s.fisher(name) / max(s.count(), 1.0) for s in stat_objs]
                     merged[name] = _named(
                         name,
