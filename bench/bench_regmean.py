@@ -136,10 +136,12 @@ def make_batches(args: argparse.Namespace, i: int, vocab: int) -> list[dict[str,
         mask[s, :n] = 1
     out = []
     for start in range(0, args.seqs, args.batch):
-        out.append({
-            "input_ids": torch.from_numpy(ids[start : start + args.batch].copy()),
-            "attention_mask": torch.from_numpy(mask[start : start + args.batch].copy()),
-        })
+        out.append(
+            {
+                "input_ids": torch.from_numpy(ids[start : start + args.batch].copy()),
+                "attention_mask": torch.from_numpy(mask[start : start + args.batch].copy()),
+            }
+        )
     return out
 
 
@@ -175,8 +177,12 @@ def fb_collect(model: Any, batches: list[dict[str, Any]], n_examples: int) -> di
     captured: dict[str, Any] = {}
     original = fbr.merging_with_regmean_weights
 
-    def keep(models_to_merge_param_dict: Any, models_to_merge_regmean_weights_list: Any,
-             reduce_non_diagonal_ratio: float = 1.0, **_: Any) -> dict[str, Any]:
+    def keep(
+        models_to_merge_param_dict: Any,
+        models_to_merge_regmean_weights_list: Any,
+        reduce_non_diagonal_ratio: float = 1.0,
+        **_: Any,
+    ) -> dict[str, Any]:
         captured["grams"] = models_to_merge_regmean_weights_list[0]
         return {}
 
@@ -194,18 +200,29 @@ def fb_collect(model: Any, batches: list[dict[str, Any]], n_examples: int) -> di
     return captured["grams"]
 
 
-def lmdx_collect(model: Any, batches: list[dict[str, Any]], include_padding: bool,
-                 threads: int, precision: str = "mixed") -> Any:
+def lmdx_collect(
+    model: Any,
+    batches: list[dict[str, Any]],
+    include_padding: bool,
+    threads: int,
+    precision: str = "mixed",
+) -> Any:
     from lmdx.capture import collect_regmean_stats
 
     return collect_regmean_stats(
-        model, batches, include_padding=include_padding, progress=False, n_threads=threads,
-        description="bench_regmean synthetic", precision=precision,
+        model,
+        batches,
+        include_padding=include_padding,
+        progress=False,
+        n_threads=threads,
+        description="bench_regmean synthetic",
+        precision=precision,
     )
 
 
-def capture_inputs(model: Any, batches: list[dict[str, Any]], names: list[str]
-                   ) -> dict[str, tuple[np.ndarray, int]]:
+def capture_inputs(
+    model: Any, batches: list[dict[str, Any]], names: list[str]
+) -> dict[str, tuple[np.ndarray, int]]:
     """float64 Gram Σ x xᵀ and row count of each named module's input (padding included)."""
     import torch
 
@@ -219,6 +236,7 @@ def capture_inputs(model: Any, batches: list[dict[str, Any]], names: list[str]
             g = x.T @ x
             grams[name] = g if name not in grams else grams[name] + g
             counts[name] += x.shape[0]
+
         return fn
 
     handles = [mods[n].register_forward_pre_hook(hook(n)) for n in names]
@@ -276,8 +294,9 @@ def merge_worker(args: argparse.Namespace) -> None:
     if impl == "fusionbench":
         from fusion_bench.method.regmean.regmean import merging_with_regmean_weights
 
-        grams = [torch.load(workdir / f"fb_grams_{i}.pt", weights_only=True)
-                 for i in range(args.models)]
+        grams = [
+            torch.load(workdir / f"fb_grams_{i}.pt", weights_only=True) for i in range(args.models)
+        ]
         params: dict[str, list[Any]] = defaultdict(list)
         for m in models:
             for name, p in m.named_parameters():
@@ -297,13 +316,21 @@ def merge_worker(args: argparse.Namespace) -> None:
         prefix = "lmdx_incl64" if impl == "lmdx64" else "lmdx_incl"
 
         def run() -> dict[str, Any]:
-            stats = [Statistics.load(workdir / f"{prefix}_{i}.safetensors")
-                     for i in range(args.models)]
-            res = merge_models(models, method="regmean", stats=stats, alpha=_ALPHA[0],
-                               progress=False, n_threads=args.threads)
+            stats = [
+                Statistics.load(workdir / f"{prefix}_{i}.safetensors") for i in range(args.models)
+            ]
+            res = merge_models(
+                models,
+                method="regmean",
+                stats=stats,
+                alpha=_ALPHA[0],
+                progress=False,
+                n_threads=args.threads,
+            )
             layers = res.report.get("layers", {})
             solver["regularized"] = sorted(
-                n for n, v in layers.items() if v.get("ridge", 0) > 0 or v.get("attempts", 1) > 1)
+                n for n, v in layers.items() if v.get("ridge", 0) > 0 or v.get("attempts", 1) > 1
+            )
             solver["layers"] = len(layers)
             return res.state_dict
 
@@ -311,8 +338,14 @@ def merge_worker(args: argparse.Namespace) -> None:
         merge_alpha(args, impl, alpha, workdir, run, solver)
 
 
-def merge_alpha(args: argparse.Namespace, impl: str, alpha: float, workdir: Path, run: Any,
-                solver: dict[str, Any]) -> None:
+def merge_alpha(
+    args: argparse.Namespace,
+    impl: str,
+    alpha: float,
+    workdir: Path,
+    run: Any,
+    solver: dict[str, Any],
+) -> None:
     """Time --merge-reps merges at one α (``run`` reads α from ``_ALPHA``); keep the first."""
     _ALPHA[0] = alpha
     times, peaks, before, method = [], [], [], "VmHWM reset"
@@ -332,18 +365,35 @@ def merge_alpha(args: argparse.Namespace, impl: str, alpha: float, workdir: Path
         if r == 0:
             from safetensors.torch import save_file
 
-            save_file({k: v.detach().float().contiguous() for k, v in out.items()},
-                      str(workdir / f"merged_{impl}_{alpha}.safetensors"))
+            save_file(
+                {k: v.detach().float().contiguous() for k, v in out.items()},
+                str(workdir / f"merged_{impl}_{alpha}.safetensors"),
+            )
         del out
-    json.dump({"times": times, "peak_kib": peaks, "rss_before_kib": before,
-               "rss_method": method, "solver": dict(solver)},
-              open(workdir / f"merge_{impl}_{alpha}.json", "w"))
+    json.dump(
+        {
+            "times": times,
+            "peak_kib": peaks,
+            "rss_before_kib": before,
+            "rss_method": method,
+            "solver": dict(solver),
+        },
+        open(workdir / f"merge_{impl}_{alpha}.json", "w"),
+    )
 
 
 def run_merges(args: argparse.Namespace, impl: str, workdir: Path) -> dict[float, dict[str, Any]]:
     """One worker subprocess per implementation; it merges at every α in turn."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", impl, "--workdir", str(workdir),
-           "--alphas", *map(repr, args.alphas)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        impl,
+        "--workdir",
+        str(workdir),
+        "--alphas",
+        *map(repr, args.alphas),
+    ]
     for k in ("merge_reps", "models", "layers", "hidden", "threads", "seed", "noise"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     log(f"merges {impl} alphas={args.alphas} ...")
@@ -354,8 +404,9 @@ def run_merges(args: argparse.Namespace, impl: str, workdir: Path) -> dict[float
 # --------------------------------------------------------------------------- reference
 
 
-def reference_merge(grams: list[np.ndarray], counts: list[int], weights: list[np.ndarray],
-                    alpha: float) -> tuple[np.ndarray, float]:
+def reference_merge(
+    grams: list[np.ndarray], counts: list[int], weights: list[np.ndarray], alpha: float
+) -> tuple[np.ndarray, float]:
     a = np.zeros_like(grams[0])
     b = np.zeros((grams[0].shape[0], weights[0].shape[0]))
     for g, n, w in zip(grams, counts, weights, strict=True):
@@ -427,10 +478,18 @@ def med(xs: list[float]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reps", type=int, default=3,
-                    help="forward / lmdx collections of model 0 (models 1.. once)")
-    ap.add_argument("--fb-reps", type=int, default=1,
-                    help="FusionBench collections of model 0 (models 1.. once)")
+    ap.add_argument(
+        "--reps",
+        type=int,
+        default=3,
+        help="forward / lmdx collections of model 0 (models 1.. once)",
+    )
+    ap.add_argument(
+        "--fb-reps",
+        type=int,
+        default=1,
+        help="FusionBench collections of model 0 (models 1.. once)",
+    )
     ap.add_argument("--merge-reps", type=int, default=2, help="timed merges per α and method")
     ap.add_argument("--seqs", type=int, default=64, help="sequences per model")
     ap.add_argument("--seq-len", type=int, default=128)
@@ -440,11 +499,20 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--alphas", type=float, nargs="+", default=[0.1, 1.0],
-                    help="α = FusionBench's reduce_non_diagonal_ratio (its config default "
-                         "0.1) and plain RegMean 1.0")
-    ap.add_argument("--no-float64", dest="float64", action="store_false",
-                    help="skip the lmdx precision='float64' collection and its merge")
+    ap.add_argument(
+        "--alphas",
+        type=float,
+        nargs="+",
+        default=[0.1, 1.0],
+        help="α = FusionBench's reduce_non_diagonal_ratio (its config default "
+        "0.1) and plain RegMean 1.0",
+    )
+    ap.add_argument(
+        "--no-float64",
+        dest="float64",
+        action="store_false",
+        help="skip the lmdx precision='float64' collection and its merge",
+    )
     ap.add_argument("--noise", type=float, default=0.1, help="fine-tuning noise (× tensor std)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--check", nargs="*", default=None, help="modules for the float64 reference")
@@ -482,8 +550,10 @@ def main() -> None:
     check = [c for c in (args.check if args.check is not None else CHECK) if c in names_linear]
     real = [int(sum(int(b["attention_mask"].sum()) for b in d)) for d in data]
     padded = args.seqs * args.seq_len
-    log(f"{args.models} models, {len(names_linear)} linear modules; real tokens per model "
-        f"{real} of {padded}")
+    log(
+        f"{args.models} models, {len(names_linear)} linear modules; real tokens per model "
+        f"{real} of {padded}"
+    )
 
     samples: dict[str, list[float]] = defaultdict(list)
     per_model: dict[str, list[float]] = defaultdict(list)
@@ -511,10 +581,12 @@ def main() -> None:
         if args.float64:
             t, s64 = timed(lmdx_collect, m, d, True, args.threads, "float64")
             sample("lmdx_incl64", t)
-        log(f"model {i}: forward {per_model['forward'][-1]:.2f}s  FusionBench "
+        log(
+            f"model {i}: forward {per_model['forward'][-1]:.2f}s  FusionBench "
             f"{per_model['fusionbench'][-1]:.2f}s  lmdx excl {per_model['lmdx_excl'][-1]:.2f}s"
             f"  lmdx incl {per_model['lmdx_incl'][-1]:.2f}s"
-            + (f"  lmdx incl float64 {per_model['lmdx_incl64'][-1]:.2f}s" if args.float64 else ""))
+            + (f"  lmdx incl float64 {per_model['lmdx_incl64'][-1]:.2f}s" if args.float64 else "")
+        )
         ref = capture_inputs(m, d, check)  # untimed, independent float64 Grams
         ref_in.append(ref)
         # Gram sanity: all three against the float64 reference Gram (padding included)
@@ -550,15 +622,23 @@ def main() -> None:
         if r < args.reps:
             samples["lmdx_excl"].append(timed(lmdx_collect, m0, d0, False, args.threads)[0])
             samples["lmdx_incl"].append(timed(lmdx_collect, m0, d0, True, args.threads)[0])
-        log(f"model 0 rep {r}: " + ", ".join(
-            f"{k} {v[-1]:.2f}s" for k, v in samples.items() if len(v) > len(per_model[k]) + r - 1))
+        log(
+            f"model 0 rep {r}: "
+            + ", ".join(
+                f"{k} {v[-1]:.2f}s"
+                for k, v in samples.items()
+                if len(v) > len(per_model[k]) + r - 1
+            )
+        )
 
     from lmdx.stats import model_identity
 
     t_hash = timed(model_identity, m0)[0]
 
-    weights = {c: [dict(mm.named_parameters())[c + ".weight"].detach().double().numpy()
-                   for mm in models] for c in check}
+    weights = {
+        c: [dict(mm.named_parameters())[c + ".weight"].detach().double().numpy() for mm in models]
+        for c in check
+    }
     del models, data, m0, d0
     gc.collect()
 
@@ -584,8 +664,11 @@ def main() -> None:
                 continue
             per_tensor[name] = rel_max(a_fb[name].astype(np.float64), v.astype(np.float64))
         missing = sorted(set(a_fb) ^ set(a_lx))
-        lin = {k: v for k, v in per_tensor.items() if k[: -len(".weight")] in names_linear
-               and k.endswith(".weight")}
+        lin = {
+            k: v
+            for k, v in per_tensor.items()
+            if k[: -len(".weight")] in names_linear and k.endswith(".weight")
+        }
         other = {k: v for k, v in per_tensor.items() if k not in lin}
         refs = {}
         for c in check:
@@ -595,8 +678,9 @@ def main() -> None:
             key = c + ".weight"
             from lmdx import regmean_merge_layer
 
-            w_solver = regmean_merge_layer(grams, weights[c], counts, alpha=alpha,
-                                           n_threads=args.threads, name=c).weight
+            w_solver = regmean_merge_layer(
+                grams, weights[c], counts, alpha=alpha, n_threads=args.threads, name=c
+            ).weight
             refs[c] = {
                 "cond": cond,
                 "fusionbench_max": rel_max(a_fb[key].astype(np.float64), wref),
@@ -612,9 +696,13 @@ def main() -> None:
             }
         worst = sorted(lin.items(), key=lambda kv: -kv[1])[:3]
         agreement[str(alpha)] = {
-            "linear_max": max(lin.values()), "linear_median": med(list(lin.values())),
-            "linear_worst": worst, "other_max": max(other.values()) if other else None,
-            "n_linear": len(lin), "n_other": len(other), "names_differ": missing,
+            "linear_max": max(lin.values()),
+            "linear_median": med(list(lin.values())),
+            "linear_worst": worst,
+            "other_max": max(other.values()) if other else None,
+            "n_linear": len(lin),
+            "n_other": len(other),
+            "names_differ": missing,
             "reference": refs,
         }
         for impl in ("fusionbench", "lmdx", "lmdx64"):
@@ -624,63 +712,89 @@ def main() -> None:
 
     # ----------------------------------------------------------------------- report
     fw = med(samples["forward"])
-    col = {k: med(samples[k]) for k in ("fusionbench", "lmdx_excl", "lmdx_incl", "lmdx_incl64")
-           if samples.get(k)}
+    col = {
+        k: med(samples[k])
+        for k in ("fusionbench", "lmdx_excl", "lmdx_incl", "lmdx_incl64")
+        if samples.get(k)
+    }
     ov = {k: v - fw for k, v in col.items()}
     K = args.models
     lines: list[str] = []
     P = lines.append
     P("### RegMean pipeline vs FusionBench (`bench_regmean.py`)")
     P("")
-    P(f"`{' '.join(['python', 'bench/bench_regmean.py', *sys.argv[1:]])}` — {info['date']}, "
-      f"total {total / 60:.1f} min")
+    P(
+        f"`{' '.join(['python', 'bench/bench_regmean.py', *sys.argv[1:]])}` — {info['date']}, "
+        f"total {total / 60:.1f} min"
+    )
     P("")
-    P(f"* machine: {info['cpu']}, {info['cores']} cores, AVX2 {info['avx2']}, AVX-512 "
-      f"{info['avx512f']}; lmdx {info['lmdx']} ({info['lmdx_simd']} path), torch "
-      f"{info['torch']}, transformers {info['transformers']}, NumPy {info['numpy']}, "
-      f"fusion-bench {info['fusion_bench']}; {args.threads} threads for all (torch "
-      f"`set_num_threads`, lmdx `n_threads`); load average at start "
-      f"{[round(x, 2) for x in info['load_average']]}, at end "
-      f"{[round(x, 2) for x in os.getloadavg()]}")
-    P(f"* model: BertModel (no pooler), hidden {args.hidden}, {args.layers} layers, "
-      f"intermediate {4 * args.hidden}, {len(names_linear)} `nn.Linear` (lmdx: "
-      f"{groups_lmdx} distinct input Grams per model, q/k/v share one); K = {K} copies, "
-      f"noise {args.noise} × tensor std")
-    P(f"* data per model: {args.seqs} sequences × {args.seq_len} = {padded} positions, real "
-      f"tokens {real} ({100 * np.mean(real) / padded:.1f} %), batches of {args.batch}")
-    P("* collection samples: " + ", ".join(f"{k} {len(v)}" for k, v in samples.items())
-      + " (every model once, then model 0 again; float64 products: each model once); medians")
+    P(
+        f"* machine: {info['cpu']}, {info['cores']} cores, AVX2 {info['avx2']}, AVX-512 "
+        f"{info['avx512f']}; lmdx {info['lmdx']} ({info['lmdx_simd']} path), torch "
+        f"{info['torch']}, transformers {info['transformers']}, NumPy {info['numpy']}, "
+        f"fusion-bench {info['fusion_bench']}; {args.threads} threads for all (torch "
+        f"`set_num_threads`, lmdx `n_threads`); load average at start "
+        f"{[round(x, 2) for x in info['load_average']]}, at end "
+        f"{[round(x, 2) for x in os.getloadavg()]}"
+    )
+    P(
+        f"* model: BertModel (no pooler), hidden {args.hidden}, {args.layers} layers, "
+        f"intermediate {4 * args.hidden}, {len(names_linear)} `nn.Linear` (lmdx: "
+        f"{groups_lmdx} distinct input Grams per model, q/k/v share one); K = {K} copies, "
+        f"noise {args.noise} × tensor std"
+    )
+    P(
+        f"* data per model: {args.seqs} sequences × {args.seq_len} = {padded} positions, real "
+        f"tokens {real} ({100 * np.mean(real) / padded:.1f} %), batches of {args.batch}"
+    )
+    P(
+        "* collection samples: "
+        + ", ".join(f"{k} {len(v)}" for k, v in samples.items())
+        + " (every model once, then model 0 again; float64 products: each model once); medians"
+    )
     P("")
     P("**Collection, per model**")
     P("")
-    P("| method | time | overhead over forward | overhead / forward "
-      "| FusionBench overhead / this |")
+    P(
+        "| method | time | overhead over forward | overhead / forward "
+        "| FusionBench overhead / this |"
+    )
     P("|---|---|---|---|---|")
     P(f"| forward only (`torch.no_grad`) | {fmt_t(fw)} | | | |")
-    labels = {"fusionbench": "FusionBench hook (fp32 `x.T@x`, padding incl.)",
-              "lmdx_excl": "lmdx `collect_regmean_stats` (padding excluded)",
-              "lmdx_incl": "lmdx `collect_regmean_stats(include_padding=True)`",
-              "lmdx_incl64": "lmdx `(include_padding=True, precision=\"float64\")`"}
+    labels = {
+        "fusionbench": "FusionBench hook (fp32 `x.T@x`, padding incl.)",
+        "lmdx_excl": "lmdx `collect_regmean_stats` (padding excluded)",
+        "lmdx_incl": "lmdx `collect_regmean_stats(include_padding=True)`",
+        "lmdx_incl64": 'lmdx `(include_padding=True, precision="float64")`',
+    }
     for k, lab in labels.items():
         if k not in col:
             continue
         ratio = ov["fusionbench"] / ov[k] if ov[k] > 0 else float("inf")
         P(f"| {lab} | {fmt_t(col[k])} | {fmt_t(ov[k])} | {ov[k] / fw:.2f}× | {ratio:.2f}× |")
     P("")
-    P("Per model (pass A), s: " + "; ".join(
-        f"{k} " + ", ".join(f"{x:.1f}" for x in per_model[k]) for k in per_model))
-    P(f"lmdx's collection includes one probe forward of one sequence and a content hash of "
-      f"the weights (`model_identity`: {fmt_t(t_hash)} for one model).")
+    P(
+        "Per model (pass A), s: "
+        + "; ".join(f"{k} " + ", ".join(f"{x:.1f}" for x in per_model[k]) for k in per_model)
+    )
+    P(
+        f"lmdx's collection includes one probe forward of one sequence and a content hash of "
+        f"the weights (`model_identity`: {fmt_t(t_hash)} for one model)."
+    )
     P("")
-    P(f"**Merge** (K = {K}, whole model; one worker subprocess per method; median of "
-      f"{args.merge_reps})")
+    P(
+        f"**Merge** (K = {K}, whole model; one worker subprocess per method; median of "
+        f"{args.merge_reps})"
+    )
     P("")
     P("| α | method | time | FusionBench / this | RSS before → peak (Δ) |")
     P("|---|---|---|---|---|")
     gib = lambda k: k / 2**20  # noqa: E731
-    mlabels = {"fusionbench": "FusionBench `merging_with_regmean_weights`",
-               "lmdx": "lmdx `merge_models`",
-               "lmdx64": "lmdx `merge_models` (float64-product statistics)"}
+    mlabels = {
+        "fusionbench": "FusionBench `merging_with_regmean_weights`",
+        "lmdx": "lmdx `merge_models`",
+        "lmdx64": "lmdx `merge_models` (float64-product statistics)",
+    }
     for alpha in args.alphas:
         tf = med(merges[f"fusionbench|{alpha}"]["times"])
         for impl, lab in mlabels.items():
@@ -688,78 +802,124 @@ def main() -> None:
                 continue
             mm = merges[f"{impl}|{alpha}"]
             t = med(mm["times"])
-            P(f"| {alpha} | {lab} | {fmt_t(t)} | {tf / t:.2f}× | "
-              f"{gib(mm['rss_before_kib'][0]):.2f} → {gib(max(mm['peak_kib'])):.2f} GiB "
-              f"(+{gib(max(mm['peak_kib']) - mm['rss_before_kib'][0]):.2f}) |")
+            P(
+                f"| {alpha} | {lab} | {fmt_t(t)} | {tf / t:.2f}× | "
+                f"{gib(mm['rss_before_kib'][0]):.2f} → {gib(max(mm['peak_kib'])):.2f} GiB "
+                f"(+{gib(max(mm['peak_kib']) - mm['rss_before_kib'][0]):.2f}) |"
+            )
     P("")
-    P("Merge times: " + "; ".join(f"{k} " + ", ".join(f"{x:.2f}" for x in v["times"])
-                                 for k, v in merges.items()) + " s.")
+    P(
+        "Merge times: "
+        + "; ".join(f"{k} " + ", ".join(f"{x:.2f}" for x in v["times"]) for k, v in merges.items())
+        + " s."
+    )
     for key, mm in merges.items():
         if key.startswith("lmdx"):
             sv = mm.get("solver", {})
-            P(f"{key}: {sv.get('layers')} layers solved, regularized (ridge added): "
-              f"{sv.get('regularized') or 'none'}.")
-    P(f"Peak RSS: {merges[next(iter(merges))]['rss_method']} — the worker's RSS high-water "
-      "mark during the merge call alone; 'before' = its RSS just before (models, and for "
-      "FusionBench its Grams, already in memory; lmdx reads its statistics files lazily "
-      "inside the merge).")
+            P(
+                f"{key}: {sv.get('layers')} layers solved, regularized (ridge added): "
+                f"{sv.get('regularized') or 'none'}."
+            )
+    P(
+        f"Peak RSS: {merges[next(iter(merges))]['rss_method']} — the worker's RSS high-water "
+        "mark during the merge call alone; 'before' = its RSS just before (models, and for "
+        "FusionBench its Grams, already in memory; lmdx reads its statistics files lazily "
+        "inside the merge)."
+    )
     P("")
-    P("End to end (K collections + one merge, padding included for both, "
-      f"α = {args.alphas[0]}): FusionBench "
-      f"{K * col['fusionbench'] + med(merges[f'fusionbench|{args.alphas[0]}']['times']):.1f} s, "
-      f"lmdx {K * col['lmdx_incl'] + med(merges[f'lmdx|{args.alphas[0]}']['times']):.1f} s; "
-      "overhead only (collection − forward, + merge): FusionBench "
-      f"{K * ov['fusionbench'] + med(merges[f'fusionbench|{args.alphas[0]}']['times']):.1f} s, "
-      f"lmdx {K * ov['lmdx_incl'] + med(merges[f'lmdx|{args.alphas[0]}']['times']):.1f} s.")
+    P(
+        "End to end (K collections + one merge, padding included for both, "
+        f"α = {args.alphas[0]}): FusionBench "
+        f"{K * col['fusionbench'] + med(merges[f'fusionbench|{args.alphas[0]}']['times']):.1f} s, "
+        f"lmdx {K * col['lmdx_incl'] + med(merges[f'lmdx|{args.alphas[0]}']['times']):.1f} s; "
+        "overhead only (collection − forward, + merge): FusionBench "
+        f"{K * ov['fusionbench'] + med(merges[f'fusionbench|{args.alphas[0]}']['times']):.1f} s, "
+        f"lmdx {K * ov['lmdx_incl'] + med(merges[f'lmdx|{args.alphas[0]}']['times']):.1f} s."
+    )
     P("")
     P("**Agreement**")
     P("")
-    P("Grams vs the float64 Gram of the captured inputs (‖·‖_F relative, model 0): " + "; ".join(
-        f"`{c}` FB {gram_check[0][f'{c}|fusionbench']:.1e}, lmdx "
-        f"{gram_check[0][f'{c}|lmdx_incl']:.1e}"
-        + (f", lmdx float64 products {gram_check[0][f'{c}|lmdx_incl64']:.1e}"
-           if f"{c}|lmdx_incl64" in gram_check[0] else "") for c in check)
-      + f". Rows: included {gram_check[0][f'{check[0]}|count_incl']:.0f}, excluded "
-      f"{gram_check[0][f'{check[0]}|count_excl']:.0f} (model 0).")
+    P(
+        "Grams vs the float64 Gram of the captured inputs (‖·‖_F relative, model 0): "
+        + "; ".join(
+            f"`{c}` FB {gram_check[0][f'{c}|fusionbench']:.1e}, lmdx "
+            f"{gram_check[0][f'{c}|lmdx_incl']:.1e}"
+            + (
+                f", lmdx float64 products {gram_check[0][f'{c}|lmdx_incl64']:.1e}"
+                if f"{c}|lmdx_incl64" in gram_check[0]
+                else ""
+            )
+            for c in check
+        )
+        + f". Rows: included {gram_check[0][f'{check[0]}|count_incl']:.0f}, excluded "
+        f"{gram_check[0][f'{check[0]}|count_excl']:.0f} (model 0)."
+    )
     P("")
-    P("| α | FB vs lmdx, RegMean weights: max (median) of max\\|a−b\\|/max\\|b\\| | "
-      "worst tensor | other tensors (averaged): max |")
+    P(
+        "| α | FB vs lmdx, RegMean weights: max (median) of max\\|a−b\\|/max\\|b\\| | "
+        "worst tensor | other tensors (averaged): max |"
+    )
     P("|---|---|---|---|")
     for alpha in args.alphas:
         a = agreement[str(alpha)]
-        P(f"| {alpha} | {a['linear_max']:.1e} ({a['linear_median']:.1e}) over {a['n_linear']} | "
-          f"`{a['linear_worst'][0][0]}` | "
-          f"{a['other_max']:.1e} over {a['n_other']} |")
+        P(
+            f"| {alpha} | {a['linear_max']:.1e} ({a['linear_median']:.1e}) over {a['n_linear']} | "
+            f"`{a['linear_worst'][0][0]}` | "
+            f"{a['other_max']:.1e} over {a['n_other']} |"
+        )
     P("")
-    P("float64 reference `W_Mᵀ = (Σ G̃_i)⁻¹ Σ G̃_i W_iᵀ` (max\\|W−W_ref\\|/max\\|W_ref\\|; "
-      "‖·‖_F relative in brackets). FusionBench and lmdx: their whole pipelines (own Grams, "
-      "own solve, float32 output); 'lmdx solver': `lmdx.regmean_merge_layer` on the "
-      "reference's own float64 Grams (float64 output), i.e. the solve alone; 'fp32' = "
-      "rounding W_ref itself to float32:")
+    P(
+        "float64 reference `W_Mᵀ = (Σ G̃_i)⁻¹ Σ G̃_i W_iᵀ` (max\\|W−W_ref\\|/max\\|W_ref\\|; "
+        "‖·‖_F relative in brackets). FusionBench and lmdx: their whole pipelines (own Grams, "
+        "own solve, float32 output); 'lmdx solver': `lmdx.regmean_merge_layer` on the "
+        "reference's own float64 Grams (float64 output), i.e. the solve alone; 'fp32' = "
+        "rounding W_ref itself to float32:"
+    )
     P("")
-    P("| α | layer | cond(Σ G̃) | FusionBench | lmdx | lmdx, float64 products | "
-      "lmdx solver | fp32 |")
+    P(
+        "| α | layer | cond(Σ G̃) | FusionBench | lmdx | lmdx, float64 products | "
+        "lmdx solver | fp32 |"
+    )
     P("|---|---|---|---|---|---|---|---|")
     for alpha in args.alphas:
         for c, r in agreement[str(alpha)]["reference"].items():
-            l64 = (f"{r['lmdx64_max']:.1e} ({r['lmdx64_fro']:.1e})"
-                   if r["lmdx64_max"] is not None else "—")
-            P(f"| {alpha} | `{c}` | {r['cond']:.1e} | {r['fusionbench_max']:.1e} "
-              f"({r['fusionbench_fro']:.1e}) | {r['lmdx_max']:.1e} ({r['lmdx_fro']:.1e}) | "
-              f"{l64} | {r['solver_max']:.1e} ({r['solver_fro']:.1e}) | "
-              f"{r['fp32_rounding_max']:.1e} |")
+            l64 = (
+                f"{r['lmdx64_max']:.1e} ({r['lmdx64_fro']:.1e})"
+                if r["lmdx64_max"] is not None
+                else "—"
+            )
+            P(
+                f"| {alpha} | `{c}` | {r['cond']:.1e} | {r['fusionbench_max']:.1e} "
+                f"({r['fusionbench_fro']:.1e}) | {r['lmdx_max']:.1e} ({r['lmdx_fro']:.1e}) | "
+                f"{l64} | {r['solver_max']:.1e} ({r['solver_fro']:.1e}) | "
+                f"{r['fp32_rounding_max']:.1e} |"
+            )
     P("")
     report = "\n".join(lines)
     print(report)
     if args.markdown:
         Path(args.markdown).write_text(report + "\n")
     if args.json:
-        Path(args.json).write_text(json.dumps({
-            "args": vars(args), "machine": info, "samples": samples, "per_model": per_model,
-            "merges": merges, "agreement": agreement, "gram_check": gram_check,
-            "real_tokens": real, "model_identity_s": t_hash, "fb_gram_bytes": fb_bytes,
-            "lmdx_stats_file_bytes": lmdx_file_bytes, "total_s": total,
-        }, indent=1, default=str))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "args": vars(args),
+                    "machine": info,
+                    "samples": samples,
+                    "per_model": per_model,
+                    "merges": merges,
+                    "agreement": agreement,
+                    "gram_check": gram_check,
+                    "real_tokens": real,
+                    "model_identity_s": t_hash,
+                    "fb_gram_bytes": fb_bytes,
+                    "lmdx_stats_file_bytes": lmdx_file_bytes,
+                    "total_s": total,
+                },
+                indent=1,
+                default=str,
+            )
+        )
     if tmp is not None:
         tmp.cleanup()
 
