@@ -17,7 +17,9 @@ Measured per model (every collection runs the whole model under ``torch.no_grad(
   ``merging_with_regmean_weights`` is replaced for the timing by one that only keeps the
   Grams (the merge is timed separately);
 * ``lmdx (padding excluded)`` / ``lmdx (padding included)``:
-  ``lmdx.capture.collect_regmean_stats`` (float64 Grams, one Gram per shared input).
+  ``lmdx.capture.collect_regmean_stats`` (float64 Grams, one Gram per shared input);
+* ``lmdx (padding included, float64 products)``: the same with ``precision="float64"``
+  (each model once; merged by a third worker; ``--no-float64`` skips it).
 
 Overhead = collection − forward. Every model is collected once by every method (that
 gives the Grams for the merge); model 0 is then timed ``--reps − 1`` more times (and
