@@ -36,3 +36,14 @@ def rng(request: pytest.FixtureRequest) -> np.random.Generator:
 def _default_threads_from_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tests that rely on the default thread count must not see a user's override."""
     monkeypatch.delenv("LMDX_NUM_THREADS", raising=False)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models: torch's intra-op threads only contend on a 2-core machine."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

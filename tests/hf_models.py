@@ -1,8 +1,8 @@
 """Tiny Hugging Face models built from configs, fine-tuned stand-ins and float64 references.
 
-Shared by test_capture.py, test_stats_files.py and test_merge.py. Nothing here calls lmdx:
-the references (module-input Grams captured by this module's own forward hooks) are
-independent of the code under test.
+Shared by test_capture.py, test_stats_files.py and test_merge.py. No reference here calls
+lmdx: they (module-input Grams captured by this module's own forward hooks) are
+independent of the code under test; ``collect`` is only a shorthand for calling it.
 
 * four architectures with a 3-class sequence-classification head: BERT, RoBERTa, GPT-2
   (``Conv1D`` layers, weight ``[in, out]``) and a Llama-style model (q/k/v with grouped
@@ -102,6 +102,13 @@ _CLASSES = {
     "gpt2": "GPT2ForSequenceClassification",
     "llama": "LlamaForSequenceClassification",
 }
+
+
+def collect(model: Any, batches: Any, **kwargs: Any) -> Any:
+    """lmdx's statistics of ``model`` on ``batches``, without a progress bar."""
+    from lmdx.capture import collect_regmean_stats
+
+    return collect_regmean_stats(model, batches, progress=False, **kwargs)
 
 
 def pad_id(arch: str) -> int:

@@ -17,24 +17,15 @@ import torch
 import transformers  # noqa: F401
 from lmdx.capture import (
     collect_fisher,
-    collect_regmean_stats,
     find_linear_modules,
     text_batches,
 )
 from lmdx.merge import merge_models
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models: torch's intra-op threads only contend on a 2-core machine."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _collect(model, batches, **kwargs):
-    return collect_regmean_stats(model, batches, progress=False, **kwargs)
+_collect = H.collect
 
 
 def _token_rows(batches, include_padding):

@@ -38,12 +38,7 @@ ALPHAS = (1.0, 0.9, 0.1)
 COEFFICIENTS = (None, (0.5, 2.0, 1.25))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # --------------------------------------------------------------------------- references

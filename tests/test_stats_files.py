@@ -16,11 +16,10 @@ import hf_models as H
 import numpy as np
 import pytest
 import safetensors.numpy as safetensors_numpy
-import torch
 import transformers  # noqa: F401
 from hypothesis import given
 from hypothesis import strategies as st
-from lmdx.capture import collect_fisher, collect_regmean_stats
+from lmdx.capture import collect_fisher
 from lmdx.io import TensorSpec, atomic_directory, write_safetensors
 from lmdx.merge import merge_models
 from lmdx.stats import (
@@ -33,17 +32,10 @@ from lmdx.stats import (
     unpack_upper,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _collect(model, batches, **kwargs):
-    return collect_regmean_stats(model, batches, progress=False, **kwargs)
+_collect = H.collect
 
 
 def read_file(path):

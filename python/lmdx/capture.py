@@ -238,15 +238,19 @@ class _Collector:
         rows, leading = as_rows(x, d, f"module {name!r} input")
         if self.float64:
             rows = rows.astype(np.float64)
-        if not np.isfinite(rows).all():
-            raise ValueError(
-                f"module {name!r}: its input holds NaN or Inf; check the model and the data"
-            )
         weights = self._row_weights(name, leading, rows.shape[0])
         acc = self.moments.get(group)
         if acc is None:
             acc = self.moments[group] = Moments(d)
-        acc._native.update(rows, weights, self.n_threads)
+        try:  # the core checks every value (threaded) before adding anything
+            acc._native.update(rows, weights, self.n_threads)
+        except ValueError as exc:
+            if str(exc).startswith("x: contains"):
+                raise ValueError(
+                    f"module {name!r}: its input holds NaN or Inf ({exc}); check the model "
+                    "and the data"
+                ) from None
+            raise ValueError(f"module {name!r}: {exc}") from None
         done.append(weakref.ref(x))
 
     def _row_weights(self, name: str, leading: tuple[int, ...], rows: int) -> Any:
@@ -307,10 +311,12 @@ def collect_regmean_stats(
         Accumulate one Gram for modules that read the same input tensor.
     precision
         ``"mixed"`` (default): float32 activations are multiplied in float32 in chunks of
-        ≤ 64 rows and summed in float64 (within ~1e-7 relative of a float64 Gram);
-        ``"float64"``: activations are widened and multiplied in float64 (half the
-        speed; for RegMean at α = 1 on ill-conditioned Grams, where the solve amplifies
-        the Gram's relative error by the condition number).
+        ≤ 64 rows and summed in float64 (4e-8–7e-8 relative to a float64 Gram in
+        ``bench/bench_regmean.py``; the tests bound it by 1e-6);
+        ``"float64"``: activations are widened and multiplied in float64 (about twice
+        the collection overhead in ``bench/bench_regmean.py``; for RegMean at α = 1 on
+        ill-conditioned Grams, where the solve amplifies the Gram's relative error by the
+        condition number).
     description
         Free text stored in the statistics file (what data, how much, from whom).
     progress

@@ -15,16 +15,19 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from .cli_merge import add_merge_parser, add_stats_parser, run_merge_cli, run_stats_cli
+from .cli_merge import (
+    CliError,
+    add_merge_parser,
+    add_stats_parser,
+    load_corpus,
+    run_merge_cli,
+    run_stats_cli,
+)
 
 __all__ = ["format_tables", "main", "split_counts"]
 
 #: Texts embedded per step by every model: bounds the memory held for embeddings.
 CHUNK_TEXTS = 8192
-
-
-class CliError(Exception):
-    """A problem with the command's inputs; printed without a traceback."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,18 +178,7 @@ def _read_texts(args: argparse.Namespace) -> tuple[list[str], str]:
         lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
         return [t for t in lines if t], str(path)
     if args.corpus is not None:
-        from . import corpora
-
-        if args.corpus not in corpora.CORPORA:
-            raise CliError(
-                f"--corpus: unknown corpus {args.corpus!r}; known: "
-                f"{', '.join(sorted(corpora.CORPORA))} (installed: "
-                f"{', '.join(corpora.available_corpora()) or 'none'})"
-            )
-        try:
-            corpus = getattr(corpora, args.corpus)()
-        except (ImportError, FileNotFoundError) as exc:
-            raise CliError(f"--corpus {args.corpus}: {exc}") from exc
+        corpus = load_corpus(args.corpus, "--corpus")
         return corpus.texts, corpus.source
     raise CliError("--models needs the texts to embed: --texts FILE or --corpus NAME")
 

@@ -10,7 +10,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_merge_parser", "add_stats_parser", "read_data", "run_merge_cli", "run_stats_cli"]
+__all__ = [
+    "CliError",
+    "add_merge_parser",
+    "add_stats_parser",
+    "load_corpus",
+    "read_data",
+    "run_merge_cli",
+    "run_stats_cli",
+]
 
 
 class CliError(Exception):
@@ -115,6 +123,21 @@ def add_merge_parser(sub: Any) -> None:
 # --------------------------------------------------------------------------- data
 
 
+def load_corpus(name: str, option: str) -> Any:
+    """A corpus of :mod:`lmdx.corpora` by reader name; errors name ``option``."""
+    from . import corpora
+
+    if name not in corpora.CORPORA:
+        raise CliError(
+            f"{option}: unknown corpus {name!r}; known: {', '.join(sorted(corpora.CORPORA))} "
+            f"(installed: {', '.join(corpora.available_corpora()) or 'none'})"
+        )
+    try:
+        return getattr(corpora, name)()
+    except (ImportError, FileNotFoundError) as exc:
+        raise CliError(f"{option} {name}: {exc}") from exc
+
+
 def read_data(
     spec: str,
     *,
@@ -125,15 +148,7 @@ def read_data(
     """Texts (and labels when present) from a file or ``corpus:NAME``; and a description."""
     labels: list[Any] | None = None
     if spec.startswith("corpus:"):
-        from . import corpora
-
-        name = spec.removeprefix("corpus:")
-        if name not in corpora.CORPORA:
-            raise CliError(f"DATA: unknown corpus {name!r}; known: {', '.join(corpora.CORPORA)}")
-        try:
-            corpus = getattr(corpora, name)()
-        except (ImportError, FileNotFoundError) as exc:
-            raise CliError(f"DATA {spec}: {exc}") from exc
+        corpus = load_corpus(spec.removeprefix("corpus:"), "DATA")
         texts, labels, source = list(corpus.texts), list(corpus.labels), corpus.source
     else:
         path = Path(spec)
@@ -250,30 +265,24 @@ def _stats_collect(args: argparse.Namespace) -> int:
     batches = text_batches(
         texts, tokenizer, batch_size=args.batch_size, max_length=args.max_length, labels=gold
     )
-    description = args.description or f"{len(texts)} texts from {source}"
+    common: dict[str, Any] = {
+        "include": args.include,
+        "exclude": args.exclude,
+        "description": args.description or f"{len(texts)} texts from {source}",
+        "progress": not args.no_progress,
+    }
     if args.kind == "regmean":
         stats = collect_regmean_stats(
             model,
             batches,
-            include=args.include,
-            exclude=args.exclude,
             include_padding=args.include_padding,
             share_inputs=not args.no_share_inputs,
             precision="float64" if args.float64_products else "mixed",
-            description=description,
-            progress=not args.no_progress,
             n_threads=args.threads,
+            **common,
         )
     else:
-        stats = collect_fisher(
-            model,
-            batches,
-            labels=args.labels,
-            include=args.include,
-            exclude=args.exclude,
-            description=description,
-            progress=not args.no_progress,
-        )
+        stats = collect_fisher(model, batches, labels=args.labels, **common)
     stats.save(out)
     print(
         f"lmdx stats: {stats!r} from {len(texts)} texts in {time.perf_counter() - t0:.1f} s; "

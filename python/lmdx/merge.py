@@ -34,9 +34,10 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from ._tensors import as_tensor_array
 from .average import fisher_average, weighted_average
 from .embed import _progress
-from .io import atomic_directory, file_sha256
+from .io import atomic_directory
 from .regmean import regmean_merge_layer
 from .stats import Statistics, model_identity
 
@@ -497,7 +498,7 @@ def _regmean(
         for b in body:
             ws = [b[stats[0].modules[m]["weight"]] for m in members]
             sizes = [int(w.shape[0] if layout == "linear" else w.shape[1]) for w in ws]
-            arrays = [_as_solve_input(w) for w in ws]
+            arrays = [as_tensor_array(w, f"{m}.weight") for m, w in zip(members, ws, strict=True)]
             weights_k.append(
                 np.concatenate(arrays, axis=0 if layout == "linear" else 1)
                 if len(arrays) > 1
@@ -540,12 +541,6 @@ def _regmean(
                 "shared_with": members[0] if m != members[0] else None,
             }
             bar.update(1)
-
-
-def _as_solve_input(t: Any) -> NDArray[Any]:
-    from ._tensors import as_tensor_array
-
-    return as_tensor_array(t, "weight")
 
 
 # --------------------------------------------------------------------------- saving
@@ -669,8 +664,3 @@ def save_merged(
         }
         (tmp / "lmdx_merge.json").write_text(json.dumps(full_record, indent=2, default=str))
     return out_dir
-
-
-def stats_file_hashes(paths: Sequence[str | os.PathLike[str]]) -> dict[str, str]:
-    """SHA-256 of each statistics file, for the merge record."""
-    return {str(p): file_sha256(p) for p in paths}

@@ -455,7 +455,6 @@ def add_statistics(parts: Iterable[Statistics], *, data: str | None = None) -> S
                 f"{describe_mismatch(parts[0].model, p.model)}"
             )
     first = parts[0]
-    tensors: dict[str, Callable[[], NDArray[Any]]] = {}
 
     def summed(name: str) -> Callable[[], NDArray[Any]]:
         def read() -> NDArray[Any]:
@@ -466,38 +465,28 @@ def add_statistics(parts: Iterable[Statistics], *, data: str | None = None) -> S
 
         return read
 
-    description = data if data is not None else " + ".join(p.data for p in parts)
+    kwargs: dict[str, Any] = {}
     if first.kind == "regmean-gram":
         _same("padding policy", [p.padding for p in parts], names)
         _same("module layout", [p.modules for p in parts], names)
         _same(
             "group dimensions", [{g: v["dim"] for g, v in p.groups.items()} for p in parts], names
         )
-        groups = {
+        kwargs["padding"] = first.padding
+        kwargs["modules"] = first.modules
+        kwargs["groups"] = {
             g: {"dim": v["dim"], "count": sum(p._group_count(g) for p in parts)}
             for g, v in first.groups.items()
         }
-        for spec in first._specs():
-            tensors[spec.name] = summed(spec.name)
-        return Statistics(
-            kind=first.kind,
-            model=first.model,
-            data=description,
-            padding=first.padding,
-            modules=first.modules,
-            groups=groups,
-            tensors=tensors,
-            extra={"added_from": names},
-        )
-    _same("parameter set", [p.parameters for p in parts], names)
-    for spec in first._specs():
-        tensors[spec.name] = summed(spec.name)
+    else:
+        _same("parameter set", [p.parameters for p in parts], names)
+        kwargs["parameters"] = first.parameters
+        kwargs["count"] = sum(p.count() for p in parts)
     return Statistics(
         kind=first.kind,
         model=first.model,
-        data=description,
-        parameters=first.parameters,
-        count=sum(p.count() for p in parts),
-        tensors=tensors,
+        data=data if data is not None else " + ".join(p.data for p in parts),
+        tensors={spec.name: summed(spec.name) for spec in first._specs()},
         extra={"added_from": names},
+        **kwargs,
     )
