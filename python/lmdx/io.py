@@ -2,20 +2,28 @@
 
 A safetensors file is an 8-byte little-endian header length, a JSON header (name ->
 dtype, shape, byte range; plus ``__metadata__``, a str -> str map) and the raw bytes.
-Because every shape is known before any data exists, :func:`write_safetensors` writes
-the header first and then asks for one tensor at a time, so a file of many large
-tensors never needs them all in memory. Files are read back tensor by tensor with plain
-reads (:func:`read_safetensors_header`), not memory maps, so what was read and dropped
-does not stay resident; no pickle anywhere.
+Because every shape is known before any data exists, :class:`SafetensorsWriter` writes
+the header first, reserves the whole file on disk (so a full disk is reported before
+any work, not after) and then takes tensors one at a time, in any order, at their
+offsets; a file of many large tensors never needs them all in memory. Files are read
+back tensor by tensor with plain reads (:func:`read_safetensors_header`), not memory
+maps, so what was read and dropped does not stay resident; no pickle anywhere.
+
+Temporary files and folders carry this host's and process's identity in their names;
+leftovers of a killed run (its process no longer alive) are removed by the next run
+writing the same output.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -25,37 +33,210 @@ import numpy as np
 from numpy.typing import NDArray
 
 __all__ = [
+    "DiskFullError",
+    "SafetensorsFile",
+    "SafetensorsWriter",
+    "TensorSpec",
     "atomic_directory",
+    "atomic_file",
     "file_sha256",
     "read_safetensors_header",
     "write_safetensors",
 ]
 
-_DTYPES: dict[str, str] = {
-    "float64": "F64",
-    "float32": "F32",
-    "float16": "F16",
-    "int64": "I64",
-    "int32": "I32",
-    "uint8": "U8",
+#: safetensors dtype -> NumPy dtype of the stored bytes (bfloat16 is kept as raw uint16).
+ST_NUMPY: dict[str, str] = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "uint16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
 }
+_ST_OF: dict[str, str] = {v: k for k, v in ST_NUMPY.items() if k != "BF16"}
+_ST_OF["bfloat16"] = "BF16"
+
+
+class DiskFullError(OSError):
+    """No space left for an output file; nothing was written (the message says where)."""
 
 
 class TensorSpec:
-    """Name, NumPy dtype and shape of one tensor of a file being written."""
+    """Name, dtype and shape of one tensor of a file being written.
 
-    __slots__ = ("dtype", "name", "shape")
+    ``dtype`` is a NumPy dtype or ``"bfloat16"`` (then arrays are given as raw uint16).
+    """
+
+    __slots__ = ("dtype", "name", "shape", "st_dtype")
 
     def __init__(self, name: str, dtype: Any, shape: Sequence[int]) -> None:
         self.name = name
-        self.dtype = np.dtype(dtype)
+        if isinstance(dtype, str) and dtype == "bfloat16":
+            self.st_dtype = "BF16"
+            self.dtype = np.dtype(np.uint16)
+        else:
+            self.dtype = np.dtype(dtype)
+            if self.dtype.name not in _ST_OF:
+                raise ValueError(f"{name}: dtype {self.dtype} cannot be written")
+            self.st_dtype = _ST_OF[self.dtype.name]
         self.shape = tuple(int(s) for s in shape)
-        if self.dtype.name not in _DTYPES:
-            raise ValueError(f"{name}: dtype {self.dtype} cannot be written")
 
     @property
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * int(self.dtype.itemsize)
+
+
+def _disk_full(path: Path, exc: OSError, needed: int | None = None) -> DiskFullError:
+    try:
+        free = shutil.disk_usage(path.parent).free
+        room = f"{free / 1e9:.2f} GB free"
+    except OSError:
+        room = "free space unknown"
+    need = f"{needed / 1e9:.2f} GB needed, " if needed is not None else ""
+    return DiskFullError(
+        exc.errno,
+        f"disk full while writing {path} ({need}{room} in {path.parent}); nothing was "
+        "written: free some space or write elsewhere",
+    )
+
+
+class SafetensorsWriter:
+    """Write one safetensors file whose tensors arrive one at a time, in any order.
+
+    The header is written and the file's full size reserved when the writer opens;
+    :meth:`write` puts a tensor at its offset; :meth:`close` checks every tensor was
+    written and renames the temporary file to ``path``. Use as a context manager: on any
+    error (including KeyboardInterrupt) the temporary file is removed and ``path`` is
+    untouched.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        specs: Sequence[TensorSpec],
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self._specs = {s.name: s for s in specs}
+        if len(self._specs) != len(specs):
+            dup = next(s.name for s in specs if sum(t.name == s.name for t in specs) > 1)
+            raise ValueError(f"{self.path}: tensor {dup!r} listed twice")
+        header: dict[str, Any] = {}
+        if metadata:
+            header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+        offset = 0
+        self._offsets: dict[str, int] = {}
+        for spec in specs:
+            header[spec.name] = {
+                "dtype": spec.st_dtype,
+                "shape": list(spec.shape),
+                "data_offsets": [offset, offset + spec.nbytes],
+            }
+            self._offsets[spec.name] = offset
+            offset += spec.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self._data_start = 8 + len(raw)
+        self.size = self._data_start + offset
+        self._written: set[str] = set()
+        self._tmp_cm = atomic_file(self.path)
+        self._tmp = self._tmp_cm.__enter__()
+        try:
+            self._fd = os.open(self._tmp, os.O_WRONLY)
+            try:
+                _reserve(self._fd, self.size)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise _disk_full(self.path, exc, self.size) from None
+                raise
+            self._pwrite(len(raw).to_bytes(8, "little") + raw, 0)
+        except BaseException as exc:
+            self._abort(exc)
+            raise
+
+    def _pwrite(self, data: Any, offset: int) -> None:
+        view = memoryview(data).cast("B")
+        try:
+            while view:
+                n = os.pwrite(self._fd, view, offset)
+                view = view[n:]
+                offset += n
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise _disk_full(self.path, exc, self.size) from None
+            raise
+
+    def write(self, name: str, arr: NDArray[Any]) -> None:
+        """Write tensor ``name`` (announced dtype and shape)."""
+        spec = self._specs.get(name)
+        if spec is None:
+            raise ValueError(f"{self.path}: tensor {name!r} was not announced")
+        if name in self._written:
+            raise ValueError(f"{self.path}: tensor {name!r} written twice")
+        arr = np.asarray(arr)
+        if arr.dtype != spec.dtype or arr.shape != spec.shape:
+            raise ValueError(
+                f"{self.path}: tensor {name!r} announced as {spec.dtype}{list(spec.shape)}, "
+                f"got {arr.dtype}{list(arr.shape)}"
+            )
+        little = np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<"), copy=False)
+        if little.size:
+            self._pwrite(little.reshape(-1), self._data_start + self._offsets[name])
+        self._written.add(name)
+
+    def missing(self) -> list[str]:
+        return [n for n in self._specs if n not in self._written]
+
+    def close(self) -> Path:
+        """Check completeness, flush and rename to the final name."""
+        try:
+            missing = self.missing()
+            if missing:
+                raise ValueError(
+                    f"{self.path}: {len(missing)} tensors never written (e.g. {missing[0]!r})"
+                )
+            os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+        except BaseException as exc:
+            self._abort(exc)
+            raise
+        self._tmp_cm.__exit__(None, None, None)
+        return self.path
+
+    def _abort(self, exc: BaseException) -> None:
+        if getattr(self, "_fd", -1) >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        with contextlib.suppress(BaseException):
+            self._tmp_cm.__exit__(type(exc), exc, exc.__traceback__)
+
+    def __enter__(self) -> SafetensorsWriter:
+        return self
+
+    def __exit__(self, typ: Any, exc: Any, tb: Any) -> None:
+        if exc is None:
+            self.close()
+        else:
+            self._abort(exc)
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Allocate ``size`` bytes for the file now (posix_fallocate where the filesystem
+    supports it), so a full disk fails here, before any work."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            os.ftruncate(fd, size)
+        else:
+            raise
+    except AttributeError:  # pragma: no cover - platforms without posix_fallocate
+        os.ftruncate(fd, size)
 
 
 def write_safetensors(
@@ -70,34 +251,52 @@ def write_safetensors(
     announced dtype and shape. The file appears at ``path`` only when complete; on any
     error the temporary file is removed and ``path`` is untouched.
     """
-    path = Path(path)
-    header: dict[str, Any] = {}
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    offset = 0
-    for spec in specs:
-        if spec.name in header:
-            raise ValueError(f"{path}: tensor {spec.name!r} listed twice")
-        header[spec.name] = {
-            "dtype": _DTYPES[spec.dtype.name],
-            "shape": list(spec.shape),
-            "data_offsets": [offset, offset + spec.nbytes],
-        }
-        offset += spec.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with atomic_file(path) as tmp, open(tmp, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
+    with SafetensorsWriter(path, specs, metadata) as writer:
         for spec in specs:
-            arr = np.asarray(produce(spec.name))
-            if arr.dtype != spec.dtype or arr.shape != spec.shape:
-                raise ValueError(
-                    f"{path}: tensor {spec.name!r} announced as {spec.dtype}{list(spec.shape)}, "
-                    f"got {arr.dtype}{list(arr.shape)}"
-                )
-            little = np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<"), copy=False)
-            f.write(little.tobytes() if little.ndim == 0 else memoryview(little.reshape(-1)))  # type: ignore[arg-type]
+            writer.write(spec.name, produce(spec.name))
+
+
+# --------------------------------------------------------------------------- temporaries
+
+_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+_TMP_RE = re.compile(r"\.lmdx-([0-9a-f]{8})-(\d+)-[^.]*\.tmp$")
+
+
+def _tmp_prefix(name: str) -> str:
+    return f".{name}.lmdx-{_HOST}-{os.getpid()}-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temporaries(path: str | os.PathLike[str]) -> list[Path]:
+    """Remove temporary files/folders beside ``path`` left by killed lmdx runs on this
+    host (their process is gone); return what was removed."""
+    path = Path(path)
+    removed = []
+    if not path.parent.is_dir():
+        return removed
+    for entry in path.parent.glob(f".{glob_escape(path.name)}.lmdx-*.tmp"):
+        m = _TMP_RE.search(entry.name)
+        if m is None or m.group(1) != _HOST or _alive(int(m.group(2))):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+        removed.append(entry)
+    return removed
+
+
+def glob_escape(name: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", name)
 
 
 @contextlib.contextmanager
@@ -107,7 +306,8 @@ def atomic_file(path: str | os.PathLike[str]) -> Iterator[Path]:
     if path.is_dir():
         raise IsADirectoryError(f"{path}: is a directory; give a file name")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    remove_stale_temporaries(path)
+    fd, tmp_name = tempfile.mkstemp(prefix=_tmp_prefix(path.name), suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp = Path(tmp_name)
     try:
@@ -123,13 +323,15 @@ def atomic_directory(path: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield an empty temporary directory beside ``path``; rename it to ``path`` on success.
 
     ``path`` must not exist (nothing the user has is replaced). On any error, including
-    KeyboardInterrupt, the temporary directory is removed.
+    KeyboardInterrupt, the temporary directory is removed; one left by a killed process
+    is removed by the next run.
     """
     path = Path(path)
     if path.exists():
         raise FileExistsError(f"{path}: already exists; choose a new output directory")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    remove_stale_temporaries(path)
+    tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(path.name), suffix=".tmp", dir=path.parent))
     try:
         yield tmp
         if path.exists():
@@ -140,7 +342,7 @@ def atomic_directory(path: str | os.PathLike[str]) -> Iterator[Path]:
         raise
 
 
-_NUMPY_OF: dict[str, str] = {v: k for k, v in _DTYPES.items()}
+# --------------------------------------------------------------------------- reading
 
 
 class SafetensorsFile:
@@ -159,12 +361,24 @@ class SafetensorsFile:
     def keys(self) -> list[str]:
         return list(self._entries)
 
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
     def shape(self, name: str) -> list[int]:
         return list(self._entries[name]["shape"])
 
-    def get_tensor(self, name: str) -> NDArray[Any]:
+    def dtype(self, name: str) -> str:
+        """The safetensors dtype (``"F32"``, ``"BF16"``, ...)."""
+        return str(self._entries[name]["dtype"])
+
+    def nbytes(self, name: str) -> int:
+        begin, end = self._entries[name]["data_offsets"]
+        return int(end - begin)
+
+    def get_raw(self, name: str) -> NDArray[Any]:
+        """The stored values as a NumPy array (bfloat16 as raw uint16)."""
         e = self._entries[name]
-        dtype = np.dtype(_NUMPY_OF[e["dtype"]]).newbyteorder("<")
+        dtype = np.dtype(ST_NUMPY[e["dtype"]]).newbyteorder("<")
         count = int(np.prod(e["shape"], dtype=np.int64))
         arr = np.fromfile(
             self.path, dtype=dtype, count=count, offset=self._data_start + e["data_offsets"][0]
@@ -173,6 +387,29 @@ class SafetensorsFile:
             raise ValueError(f"{self.path}: tensor {name!r} is cut short")
         out: NDArray[Any] = arr.reshape(e["shape"]).astype(dtype.newbyteorder("="), copy=False)
         return out
+
+    def get_tensor(self, name: str) -> NDArray[Any]:
+        """The values as NumPy (bfloat16 widened to float32)."""
+        arr = self.get_raw(name)
+        if self.dtype(name) == "BF16":
+            return (arr.astype(np.uint32) << 16).view(np.float32)
+        return arr
+
+    def sha256(self, name: str) -> str:
+        """SHA-256 of a tensor's stored bytes (equal to hashing the tensor in memory)."""
+        e = self._entries[name]
+        begin, end = e["data_offsets"]
+        h = hashlib.sha256()
+        with open(self.path, "rb") as f:
+            f.seek(self._data_start + begin)
+            left = end - begin
+            while left > 0:
+                block = f.read(min(left, 1 << 24))
+                if not block:
+                    raise ValueError(f"{self.path}: tensor {name!r} is cut short")
+                h.update(block)
+                left -= len(block)
+        return h.hexdigest()
 
 
 def read_safetensors_header(
@@ -208,7 +445,7 @@ def read_safetensors_header(
     for name, e in header.items():
         ok = (
             isinstance(e, dict)
-            and e.get("dtype") in _NUMPY_OF
+            and e.get("dtype") in ST_NUMPY
             and isinstance(e.get("shape"), list)
             and all(isinstance(d, int) and d >= 0 for d in e["shape"])
             and isinstance(e.get("data_offsets"), list)
@@ -218,7 +455,7 @@ def read_safetensors_header(
         if not ok:
             raise fail(f"entry {name!r} of the header is malformed")
         begin, end = e["data_offsets"]
-        nbytes = int(np.prod(e["shape"], dtype=np.int64)) * np.dtype(_NUMPY_OF[e["dtype"]]).itemsize
+        nbytes = int(np.prod(e["shape"], dtype=np.int64)) * np.dtype(ST_NUMPY[e["dtype"]]).itemsize
         if end - begin != nbytes or begin < 0:
             raise fail(f"tensor {name!r}: byte range does not match its shape")
         if data_start + end > size:
