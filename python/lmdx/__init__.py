@@ -20,6 +20,7 @@ from .decompose import (
     SampleSizeWarning,
     SplitMoments,
 )
+from .distributed import collect_regmean_stats_ray  # imports Ray only when called
 from .merge import MergeError, MergeResult, merge_models, save_merged
 from .merge_config import load_merge_config, run_merge
 from .moments import DEFAULT_CHUNK_ROWS, Moments
@@ -56,6 +57,7 @@ __all__ = [
     "add_statistics",
     "collect_fisher",
     "collect_regmean_stats",
+    "collect_regmean_stats_ray",
     "config",
     "default_threads",
     "fisher_average",
