@@ -1,0 +1,876 @@
+"""Out-of-core merging: sharded safetensors in, sharded safetensors out, one layer at a time.
+
+:func:`stream_merge` never loads a whole model. It reads the K input checkpoints (Hugging
+Face folders with ``model.safetensors`` or ``model.safetensors.index.json`` + shards)
+tensor by tensor with plain reads, merges one *step* at a time — a RegMean input group
+(e.g. q/k/v, which share one Gram: all K models' weights for it plus the K Grams read
+from the statistics files) or one averaged tensor — and writes each result straight
+into its output shard. Output shards are planned before any work from the known shapes
+(names and an ``model.safetensors.index.json`` as ``save_pretrained`` writes them),
+reserved on disk (a full disk fails before the merge starts), filled tensor by tensor
+and renamed with the whole folder at the end. Peak memory is one step's inputs and
+statistics plus the step's result, independent of depth and of K × model size.
+
+The arithmetic is the in-memory :func:`lmdx.merge.merge_models`' (same kernels, same
+float64 intermediates, same casts), so both give bit-identical tensors
+(``tests/test_stream.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._tensors import as_tensor_array
+from .average import fisher_average, weighted_average
+from .embed import _progress
+from .io import (
+    DiskFullError,
+    SafetensorsFile,
+    SafetensorsWriter,
+    TensorSpec,
+    atomic_directory,
+    file_sha256,
+    read_safetensors_header,
+)
+from .merge import (
+    METHODS,
+    TOKENIZER_FILES,
+    MergeError,
+    _coefficients,
+    _finite,
+    _matches,
+    _parse_size,
+)
+from .regmean import regmean_merge_layer
+from .stats import ModelMismatchError, Statistics, describe_mismatch
+
+__all__ = ["Checkpoint", "MergePlan", "StreamMergeResult", "peak_rss_bytes", "stream_merge"]
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_TORCH_OF = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+_OUT_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def _current_rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return peak_rss_bytes()
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+class Checkpoint:
+    """The weights of a Hugging Face model folder, read one tensor at a time.
+
+    ``path`` is a ``save_pretrained`` folder holding ``model.safetensors`` or
+    ``model.safetensors.index.json`` with its shards (or a single ``.safetensors``
+    file). Every shard's header is validated against its size when opened; a shard
+    missing, cut short or not holding what the index says raises :class:`MergeError`
+    naming the file.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], label: str | None = None) -> None:
+        self.path = Path(path)
+        self.label = label or str(path)
+        self.config: dict[str, Any] = {}
+        self._files: dict[str, SafetensorsFile] = {}
+        self._where: dict[str, SafetensorsFile] = {}
+        self._sha: dict[str, str] = {}
+        if self.path.is_file():
+            self._open_single(self.path)
+            return
+        if not self.path.is_dir():
+            raise MergeError(f"model {self.path}: no such folder")
+        cfg = self.path / "config.json"
+        if cfg.is_file():
+            try:
+                self.config = json.loads(cfg.read_text())
+            except json.JSONDecodeError as exc:
+                raise MergeError(
+                    f"model {self.path}: config.json is not valid JSON ({exc})"
+                ) from None
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            self._open_index(index)
+        elif (self.path / SINGLE_FILE).is_file():
+            self._open_single(self.path / SINGLE_FILE)
+        else:
+            found = sorted(p.name for p in self.path.iterdir() if p.suffix in (".bin", ".pt"))
+            hint = (
+                f" (it has {found[0]}: a pickle checkpoint; re-save the model with "
+                "save_pretrained(..., safe_serialization=True), or use the in-memory merge)"
+                if found
+                else ""
+            )
+            raise MergeError(f"model {self.path}: no {SINGLE_FILE} or {INDEX_FILE}{hint}")
+
+    def _open(self, file: Path, index: Path | None = None) -> SafetensorsFile:
+        if file not in self._files:
+            if not file.is_file():
+                raise MergeError(
+                    f"model {self.path}: shard {file.name} listed in {index or 'the index'} "
+                    "is missing; copy the complete checkpoint"
+                )
+            self._files[file] = read_safetensors_header(file, "shard", MergeError)
+        return self._files[file]
+
+    def _open_single(self, file: Path) -> None:
+        handle = self._open(file)
+        for name in handle.keys():
+            self._where[name] = handle
+
+    def _open_index(self, index: Path) -> None:
+        try:
+            data = json.loads(index.read_text())
+            weight_map = data["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise MergeError(
+                f"model {self.path}: {index.name} is not a valid index ({exc!s}); re-save the model"
+            ) from None
+        for name, shard in weight_map.items():
+            if not isinstance(shard, str) or "/" in shard or shard.startswith(".."):
+                raise MergeError(f"model {self.path}: {index.name} names a bad shard {shard!r}")
+            handle = self._open(self.path / shard, index)
+            if name not in handle:
+                raise MergeError(
+                    f"model {self.path}: shard {shard} lacks tensor {name!r} that {index.name} "
+                    "places there; the shard is from another checkpoint or was overwritten"
+                )
+            self._where[name] = handle
+
+    # -- queries --------------------------------------------------------------------
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).shape(name))
+
+    def dtype(self, name: str) -> str:
+        """torch dtype name (``"float32"``, ``"bfloat16"``, ``"int64"``, ...)."""
+        return _TORCH_OF[self._handle(name).dtype(name)]
+
+    def is_float(self, name: str) -> bool:
+        return self.dtype(name) in _ITEMSIZE
+
+    def nbytes(self, name: str) -> int:
+        return self._handle(name).nbytes(name)
+
+    def file_of(self, name: str) -> Path:
+        return self._handle(name).path
+
+    def total_bytes(self) -> int:
+        return sum(f.path.stat().st_size for f in self._files.values())
+
+    def _handle(self, name: str) -> SafetensorsFile:
+        try:
+            return self._where[name]
+        except KeyError:
+            raise MergeError(f"model {self.label}: no tensor {name!r}") from None
+
+    def read(self, name: str) -> Any:
+        """One tensor as a torch tensor in its stored dtype."""
+        import torch
+
+        handle = self._handle(name)
+        try:
+            raw = handle.get_raw(name)
+        except ValueError as exc:
+            raise MergeError(f"model {self.label}: {exc}") from None
+        t = torch.from_numpy(np.ascontiguousarray(raw))
+        if handle.dtype(name) == "BF16":
+            t = t.view(torch.bfloat16)
+        return t
+
+    def sha256(self, name: str) -> str:
+        if name not in self._sha:
+            self._sha[name] = self._handle(name).sha256(name)
+        return self._sha[name]
+
+    def architecture(self) -> str | None:
+        archs = self.config.get("architectures") or []
+        return str(archs[0]) if archs else None
+
+
+def _check_stats_model(ckpt: Checkpoint, stats: Statistics) -> dict[str, str]:
+    """Verify ``stats`` were computed on the weights stored in ``ckpt`` (per-tensor
+    SHA-256 of the stored bytes); return the tied aliases: parameters of the statistics'
+    model not stored in the checkpoint because they equal a stored one."""
+    ident = stats.model
+    params: Mapping[str, Any] = ident["parameters"]
+    where = f"statistics {stats.source}" if stats.source else "statistics"
+    arch = ckpt.architecture()
+
+    def fail(msg: str) -> ModelMismatchError:
+        return ModelMismatchError(
+            f"{where} do not belong to {ckpt.label}: {msg}. Collect statistics on the model "
+            "being merged (lmdx stats MODEL DATA --out FILE)."
+        )
+
+    if arch and ident.get("architecture") not in (arch, "state_dict"):
+        raise fail(f"architecture {ident.get('architecture')} (statistics) vs {arch} (model)")
+    stored = {}
+    for name in ckpt.names():
+        if name not in params:
+            raise fail(f"parameter {name!r} is in this model but not in the statistics' model")
+        p = params[name]
+        here = {"shape": list(ckpt.shape(name)), "dtype": ckpt.dtype(name)}
+        if p["shape"] != here["shape"] or p["dtype"] != here["dtype"]:
+            here["sha256"] = p["sha256"]
+            raise fail(describe_mismatch({"parameters": {name: p}}, {"parameters": {name: here}}))
+        h = ckpt.sha256(name)
+        if h != p["sha256"]:
+            raise fail(
+                f"parameter {name!r} has different values (sha256 {p['sha256'][:12]}… there, "
+                f"{h[:12]}… here)"
+            )
+        stored[h] = name
+    tied = {}
+    for name, p in params.items():
+        if name in ckpt:
+            continue
+        if p["sha256"] in stored:
+            tied[name] = stored[p["sha256"]]
+        elif p["dtype"] in _ITEMSIZE:
+            raise fail(f"parameter {name!r} is in the statistics' model but not in this model")
+    return tied
+
+
+# --------------------------------------------------------------------------- plan
+
+
+@dataclass
+class Step:
+    """One unit of work: a RegMean input group or one tensor."""
+
+    kind: str  # "regmean" | "average" | "fisher" | "task_arithmetic" | "copy"
+    tensors: list[str]  # input tensor names (RegMean: the members' weights)
+    modules: list[str] = field(default_factory=list)
+    layout: str = "linear"
+    dim: int = 0
+    memory: int = 0  # estimated bytes while the step runs
+
+
+@dataclass
+class MergePlan:
+    """What :func:`stream_merge` will do, and how much memory and disk it needs."""
+
+    method: str
+    labels: list[str]
+    steps: list[Step]
+    outputs: list[tuple[str, str, str, tuple[int, ...]]]  # (out name, source, dtype, shape)
+    shards: list[tuple[str, list[int]]]  # (file name, indices into outputs)
+    heads: list[str]
+    input_bytes: int
+    output_bytes: int
+    baseline_rss: int
+
+    @property
+    def peak_memory(self) -> int:
+        """Estimated peak resident memory: the process now plus the largest step."""
+        return self.baseline_rss + max((s.memory for s in self.steps), default=0)
+
+    def describe(self) -> str:
+        """The plan in words (``lmdx merge --dry-run``)."""
+        kinds: dict[str, int] = {}
+        for s in self.steps:
+            kinds[s.kind] = kinds.get(s.kind, 0) + 1
+        biggest = sorted(self.steps, key=lambda s: s.memory, reverse=True)[:3]
+        lines = [
+            f"method:   {self.method} of {len(self.labels)} models",
+            *(f"  model {i}: {lab}" for i, lab in enumerate(self.labels)),
+            f"inputs:   {self.input_bytes / 1e9:.2f} GB in all (read tensor by tensor)",
+            "steps:    "
+            + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+            + f" ({len(self.heads)} head tensors kept per model)",
+            f"output:   {len(self.outputs)} tensors, {self.output_bytes / 1e9:.2f} GB in "
+            f"{len(self.shards)} shard(s)",
+            f"memory:   ~{self.peak_memory / 1e9:.2f} GB peak estimated "
+            f"({self.baseline_rss / 1e9:.2f} GB process now + largest step); largest steps:",
+        ]
+        for s in biggest:
+            what = s.modules[0] if s.modules else s.tensors[0]
+            more = f" (+{len(s.modules) - 1} sharing its input)" if len(s.modules) > 1 else ""
+            lines.append(f"  {s.memory / 1e6:9.1f} MB  {s.kind} {what}{more}")
+        return "\n".join(lines)
+
+
+def _plan_regmean(
+    ckpts: Sequence[Checkpoint],
+    stats: Sequence[Statistics],
+    body: Sequence[str],
+    tied: set[str],
+    exclude: Sequence[str],
+    heads: Sequence[str],
+    labels: Sequence[str],
+) -> list[Step]:
+    for i, s in enumerate(stats):
+        missing = [m for m in stats[0].modules if m not in s.modules]
+        if missing:
+            raise MergeError(
+                f"statistics of {labels[i]} lack module {missing[0]!r} that {labels[0]}'s have"
+            )
+    body_set = set(body)
+    by_group: dict[tuple[str, ...], list[str]] = {}
+    for m, info in stats[0].modules.items():
+        w = info["weight"]
+        if _matches(m, exclude) or _matches(w, heads) or w in tied:
+            continue
+        if w not in body_set:
+            raise MergeError(f"statistics name module {m!r} but the models have no {w!r}")
+        key = (*(s.group_of(m) for s in stats), info["layout"])
+        by_group.setdefault(key, []).append(m)
+    steps = []
+    for members in by_group.values():
+        info = stats[0].modules[members[0]]
+        steps.append(
+            Step(
+                "regmean",
+                [stats[0].modules[m]["weight"] for m in members],
+                members,
+                info["layout"],
+                int(stats[0].groups[stats[0].group_of(members[0])]["dim"]),
+            )
+        )
+    return steps
+
+
+def _step_memory(step: Step, ckpt: Checkpoint, k: int, out_size: int) -> int:
+    n = sum(int(np.prod(ckpt.shape(t))) for t in step.tensors)
+    read = sum(ckpt.nbytes(t) for t in step.tensors)
+    widened = 4 * n if any(ckpt.dtype(t) in ("bfloat16", "float16") for t in step.tensors) else 0
+    if step.kind == "regmean":
+        d = step.dim
+        # K reads + K concatenated float32 copies, K float64 Grams (+ one packed read),
+        # the summed system, float64 right-hand side and result, the cast result
+        return (
+            k * (read + widened + 4 * n) + (k + 1) * 8 * d * d + 4 * d * d + 16 * n + n * out_size
+        )
+    # K reads (+ widened copies), float64 result (+ Fisher weights), the cast result
+    extra = 2 * k * 8 * n if step.kind == "fisher" else 0
+    return k * (read + widened) + 16 * n + extra + n * out_size
+
+
+def _shards(
+    outputs: Sequence[tuple[str, str, str, tuple[int, ...]]], max_shard: int
+) -> list[tuple[str, list[int]]]:
+    groups: list[list[int]] = []
+    size = 0
+    for i, (_, _, dtype, shape) in enumerate(outputs):
+        nbytes = int(np.prod(shape, dtype=np.int64)) * _itemsize(dtype)
+        if not groups or (size + nbytes > max_shard and groups[-1]):
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += nbytes
+    if len(groups) == 1:
+        return [(SINGLE_FILE, groups[0])]
+    n = len(groups)
+    return [(f"model-{j + 1:05d}-of-{n:05d}.safetensors", g) for j, g in enumerate(groups)]
+
+
+def _itemsize(dtype: str) -> int:
+    import torch
+
+    return int(torch.empty((), dtype=getattr(torch, dtype)).element_size())
+
+
+def _base_model_info(config: Mapping[str, Any]) -> tuple[str, str | None]:
+    """(prefix of the backbone's parameters, class name of the backbone)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    archs = config.get("architectures") or []
+    cls = getattr(transformers, archs[0], None) if archs else None
+    prefix = getattr(cls, "base_model_prefix", "") if cls is not None else ""
+    base = MODEL_MAPPING_NAMES.get(str(config.get("model_type")))
+    if isinstance(base, (list, tuple)):
+        base = base[0]
+    return str(prefix), base
+
+
+# --------------------------------------------------------------------------- merge
+
+
+@dataclass
+class StreamMergeResult:
+    """Output folder (None for a dry run), the plan, the report written to
+    ``lmdx_merge.json`` and the process's peak RSS."""
+
+    out_dir: Path | None
+    plan: MergePlan
+    report: dict[str, Any]
+    peak_rss: int
+
+
+def stream_merge(
+    models: Sequence[str | os.PathLike[str]],
+    out_dir: str | os.PathLike[str],
+    method: str = "regmean",
+    *,
+    stats: Sequence[Statistics | str | os.PathLike[str]] | None = None,
+    alpha: float = 1.0,
+    coefficients: Sequence[float] | None = None,
+    exclude: Sequence[str] = (),
+    heads: Sequence[str] = (),
+    head_policy: str = "keep",
+    base: str | os.PathLike[str] | None = None,
+    scaling: float = 0.3,
+    fisher_eps: float = 1e-8,
+    ridge: float = 0.0,
+    allow_regularization: bool = True,
+    dtype: str = "auto",
+    max_shard_size: int | str = "2GB",
+    labels: Sequence[str] | None = None,
+    record: Mapping[str, Any] | None = None,
+    dry_run: bool = False,
+    progress: bool = True,
+    n_threads: int | None = None,
+) -> StreamMergeResult:
+    """Merge K checkpoints out of core into a ``save_pretrained`` folder.
+
+    Parameters are those of :func:`lmdx.merge.merge_models` and
+    :func:`lmdx.merge.save_merged` (``models`` and ``base`` are model folders). With
+    ``dry_run=True`` nothing is read beyond headers (and, with statistics, the weights
+    they are checked against) and nothing is written: the result's ``plan`` says what
+    would be done and how much memory and disk it needs.
+
+    The output folder holds ``config.json`` (the first model's, with ``architectures``
+    and the dtype updated as needed), the weights as ``model.safetensors`` or shards of
+    at most ``max_shard_size`` with ``model.safetensors.index.json``, the tokenizer
+    files, ``heads/<i>.safetensors`` (``head_policy="keep"``) and ``lmdx_merge.json``
+    (configuration, per-layer solver information, input hashes, peak RSS). It appears
+    only when complete.
+    """
+    t0 = time.perf_counter()
+    if method not in METHODS:
+        raise MergeError(f"method: expected one of {METHODS}, got {method!r}")
+    if head_policy not in ("keep", "drop"):
+        raise MergeError(f"head_policy: expected 'keep' or 'drop', got {head_policy!r}")
+    if dtype not in _OUT_DTYPES:
+        raise MergeError(f"dtype: expected one of {_OUT_DTYPES}, got {dtype!r}")
+    if not 0.0 <= alpha <= 1.0:
+        raise MergeError(f"alpha: must be in [0, 1], got {alpha}")
+    models = list(models)
+    k = len(models)
+    if k < 2:
+        raise MergeError(f"need at least 2 models to merge, got {k}")
+    labels = list(labels) if labels is not None else [str(m) for m in models]
+    if len(labels) != k:
+        raise MergeError(f"labels: {len(labels)} names for {k} models")
+    coef = _coefficients(coefficients, k)
+    out_dir = Path(out_dir)
+    if not dry_run and out_dir.exists():
+        raise MergeError(f"output {out_dir}: already exists; choose a new directory")
+    max_shard = _parse_size(max_shard_size)
+
+    ckpts = [Checkpoint(m, lab) for m, lab in zip(models, labels, strict=True)]
+    names = ckpts[0].names()
+    head_names = [n for n in names if _matches(n, heads)]
+    body = [n for n in names if not _matches(n, heads)]
+    _check_same_layout(ckpts, body, heads)
+    stat_objs = _stats_for(stats, method, k)
+    tied: dict[str, str] = {}
+    if stat_objs is not None:
+        for c, s in zip(ckpts, stat_objs, strict=True):
+            tied = _check_stats_model(c, s)
+    base_ckpt = None
+    if method == "task_arithmetic":
+        if base is None:
+            raise MergeError("task_arithmetic needs base= (the pre-trained model)")
+        base_ckpt = Checkpoint(base, "base")
+        _check_same_layout([ckpts[0], base_ckpt], body, heads)
+    elif base is not None:
+        raise MergeError(f"method {method!r} takes no base model")
+
+    # ---- plan: steps, outputs, shards, estimates
+    out_size = 8 if dtype == "auto" else _ITEMSIZE[dtype]
+    steps: list[Step] = []
+    covered: set[str] = set()
+    if method == "regmean":
+        assert stat_objs is not None
+        tied_set = set(tied) | set(tied.values())
+        steps = _plan_regmean(ckpts, stat_objs, body, tied_set, exclude, heads, labels)
+        for s in steps:
+            covered.update(s.tensors)
+    for n in body:
+        if n in covered:
+            continue
+        if not ckpts[0].is_float(n):
+            kind = "copy"
+        elif method == "fisher" and n in stat_objs[0].parameters:  # type: ignore[index]
+            kind = "fisher"
+        elif method == "task_arithmetic":
+            kind = "task_arithmetic"
+        else:
+            kind = "average"
+        steps.append(Step(kind, [n]))
+    for s in steps:
+        s.memory = _step_memory(s, ckpts[0], k, out_size)
+
+    prefix, base_class = ("", None)
+    if head_policy == "drop":
+        prefix, base_class = _base_model_info(ckpts[0].config)
+    outputs = []
+    for n in names:
+        if n in head_names and head_policy == "drop":
+            continue
+        out_name = n
+        if head_policy == "drop" and prefix:
+            if not n.startswith(prefix + "."):
+                continue
+            out_name = n.removeprefix(prefix + ".")
+        src_dtype = ckpts[0].dtype(n)
+        out_dtype = dtype if dtype != "auto" and src_dtype in _ITEMSIZE else src_dtype
+        outputs.append((out_name, n, out_dtype, ckpts[0].shape(n)))
+    shards = _shards(outputs, max_shard)
+    output_bytes = sum(int(np.prod(s, dtype=np.int64)) * _itemsize(d) for _, _, d, s in outputs)
+    if head_policy == "keep":
+        output_bytes += sum(c.nbytes(h) for c in ckpts for h in head_names)
+    plan = MergePlan(
+        method=method,
+        labels=labels,
+        steps=steps,
+        outputs=outputs,
+        shards=shards,
+        heads=head_names,
+        input_bytes=sum(c.total_bytes() for c in ckpts),
+        output_bytes=output_bytes,
+        baseline_rss=_current_rss_bytes(),
+    )
+    if dry_run:
+        return StreamMergeResult(None, plan, {}, peak_rss_bytes())
+    _check_disk(out_dir, output_bytes)
+
+    # ---- run
+    report: dict[str, Any] = {
+        "method": method,
+        "streaming": True,
+        "models": labels,
+        "alpha": alpha if method == "regmean" else None,
+        "coefficients": coef,
+        "exclude": list(exclude),
+        "heads": list(heads),
+        "head_tensors": head_names,
+        "layers": {},
+    }
+    if tied:
+        report["tied"] = tied
+    if method == "task_arithmetic":
+        report["scaling"] = float(scaling)
+    worker = _Worker(
+        ckpts, stat_objs, base_ckpt, steps, report, labels, alpha, coef, scaling,
+        fisher_eps, ridge, allow_regularization, n_threads,
+    )  # fmt: skip
+    by_source = {src: (out, d, shape) for out, src, d, shape in outputs}
+    bar = _progress(len(outputs), f"merge ({method}, streaming)", progress)
+    try:
+        with atomic_directory(out_dir) as tmp:
+            index: dict[str, str] = {}
+            for fname, members in shards:
+                specs = [
+                    TensorSpec(outputs[i][0], _np_dtype(outputs[i][2]), outputs[i][3])
+                    for i in members
+                ]
+                with SafetensorsWriter(tmp / fname, specs, {"format": "pt"}) as w:
+                    for i in members:
+                        out_name, src, out_dtype, _ = outputs[i]
+                        w.write(out_name, _to_numpy(worker.result(src), out_dtype))
+                        index[out_name] = fname
+                        bar.update(1)
+            assert set(by_source) <= set(worker.done), "every output was computed"
+            if len(shards) > 1:
+                total = sum(
+                    int(np.prod(s, dtype=np.int64)) * _itemsize(d) for _, _, d, s in outputs
+                )
+                (tmp / INDEX_FILE).write_text(
+                    json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=2)
+                )
+            if head_policy == "keep" and head_names:
+                (tmp / "heads").mkdir()
+                for i, c in enumerate(ckpts):
+                    specs = [TensorSpec(h, _np_dtype(c.dtype(h)), c.shape(h)) for h in head_names]
+                    with SafetensorsWriter(tmp / "heads" / f"{i}.safetensors", specs) as w:
+                        for h in head_names:
+                            w.write(h, _to_numpy(c.read(h), c.dtype(h)))
+            _write_config(ckpts[0], tmp, dtype, base_class if head_policy == "drop" else None)
+            report["seconds"] = time.perf_counter() - t0
+            report["peak_rss_bytes"] = peak_rss_bytes()
+            report["estimated_peak_bytes"] = plan.peak_memory
+            from . import __version__
+
+            full = {
+                "lmdx_version": __version__,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "head_policy": head_policy,
+                "dtype": dtype,
+                "report": report,
+                "inputs": {
+                    lab: {"architecture": c.architecture(), "bytes": c.total_bytes()}
+                    for lab, c in zip(labels, ckpts, strict=True)
+                },
+                "stats_sha256": [
+                    file_sha256(s.source) if s.source and Path(s.source).is_file() else None
+                    for s in stat_objs or []
+                ],
+                **(dict(record) if record else {}),
+            }
+            (tmp / "lmdx_merge.json").write_text(json.dumps(full, indent=2, default=str))
+    finally:
+        bar.close()
+    return StreamMergeResult(out_dir, plan, report, peak_rss_bytes())
+
+
+def _check_same_layout(
+    ckpts: Sequence[Checkpoint], body: Sequence[str], heads: Sequence[str]
+) -> None:
+    ref = ckpts[0]
+    for c in ckpts[1:]:
+        for n in body:
+            if n not in c:
+                raise MergeError(
+                    f"{c.label} has no tensor {n!r} that {ref.label} has (in "
+                    f"{ref.file_of(n).name}): the models do not share one architecture"
+                )
+            if c.shape(n) != ref.shape(n):
+                raise MergeError(
+                    f"tensor {n!r}: shape {ref.shape(n)} in {ref.label} ({ref.file_of(n).name}) "
+                    f"but {c.shape(n)} in {c.label} ({c.file_of(n).name}); models must be "
+                    "fine-tuned from one checkpoint (exclude differing task heads with heads)"
+                )
+        extra = [n for n in c.names() if n not in set(body) and not _matches(n, heads)]
+        if extra:
+            raise MergeError(
+                f"{c.label} has tensors {ref.label} lacks (e.g. {extra[0]!r}): the models do "
+                "not share one architecture"
+            )
+
+
+def _stats_for(stats: Sequence[Any] | None, method: str, k: int) -> list[Statistics] | None:
+    if method not in ("regmean", "fisher"):
+        if stats:
+            raise MergeError(f"method {method!r} takes no statistics")
+        return None
+    kind = "regmean-gram" if method == "regmean" else "fisher"
+    if stats is None or len(stats) != k:
+        raise MergeError(
+            f"method {method!r} needs one {kind} statistics per model ({k}), got "
+            f"{0 if stats is None else len(stats)}"
+        )
+    objs = [s if isinstance(s, Statistics) else Statistics.load(s) for s in stats]
+    for i, s in enumerate(objs):
+        if s.kind != kind:
+            raise MergeError(f"stats[{i}] ({s.source}): kind {s.kind!r}, expected {kind!r}")
+    if kind == "regmean-gram" and len({s.padding for s in objs}) > 1:
+        raise MergeError(
+            "statistics mix padding policies (excluded and included); collect them all the same way"
+        )
+    return objs
+
+
+def _check_disk(out_dir: Path, nbytes: int) -> None:
+    parent = out_dir.parent if out_dir.parent.exists() else Path.cwd()
+    free = shutil.disk_usage(parent).free
+    if free < nbytes * 1.01 + (1 << 20):
+        raise DiskFullError(
+            28,
+            f"output {out_dir}: needs {nbytes / 1e9:.2f} GB but {parent} has "
+            f"{free / 1e9:.2f} GB free; nothing was written: free some space or write elsewhere",
+        )
+
+
+def _np_dtype(dtype: str) -> Any:
+    return "bfloat16" if dtype == "bfloat16" else np.dtype(dtype)
+
+
+def _to_numpy(t: Any, dtype: str) -> Any:
+    """A torch tensor in ``dtype`` as the NumPy array to store (bfloat16 as raw uint16)."""
+    import torch
+
+    t = t.to(getattr(torch, dtype)).contiguous()
+    if dtype == "bfloat16":
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def _write_config(ckpt: Checkpoint, tmp: Path, dtype: str, architecture: str | None) -> None:
+    if ckpt.path.is_dir():
+        cfg = dict(ckpt.config)
+        if cfg:
+            if dtype != "auto":
+                key = "torch_dtype" if "torch_dtype" in cfg and "dtype" not in cfg else "dtype"
+                cfg[key] = dtype
+            if architecture:
+                cfg["architectures"] = [architecture]
+            (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        for fname in (*TOKENIZER_FILES, "generation_config.json"):
+            src = ckpt.path / fname
+            if src.is_file():
+                shutil.copy2(src, tmp / fname)
+
+
+class _Worker:
+    """Computes merged tensors on demand, one step at a time; a RegMean group's other
+    members wait (already cast to their dtype) until written."""
+
+    def __init__(
+        self,
+        ckpts: Sequence[Checkpoint],
+        stats: Sequence[Statistics] | None,
+        base: Checkpoint | None,
+        steps: Sequence[Step],
+        report: dict[str, Any],
+        labels: Sequence[str],
+        alpha: float,
+        coef: list[float] | None,
+        scaling: float,
+        fisher_eps: float,
+        ridge: float,
+        allow_regularization: bool,
+        n_threads: int | None,
+    ) -> None:
+        self.ckpts, self.stats, self.base = ckpts, stats, base
+        self.step_of = {t: s for s in steps for t in s.tensors}
+        self.report, self.labels = report, labels
+        self.alpha, self.coef, self.scaling, self.fisher_eps = alpha, coef, scaling, fisher_eps
+        self.ridge, self.allow_regularization, self.n_threads = (
+            ridge,
+            allow_regularization,
+            n_threads,
+        )
+        self.ready: dict[str, Any] = {}
+        self.done: set[str] = set()
+
+    def result(self, name: str) -> Any:
+        if name not in self.ready:
+            self._run(name)
+        self.done.add(name)
+        return self.ready.pop(name)
+
+    def _cast(self, name: str, arr: Any) -> Any:
+        import torch
+
+        dtype = getattr(torch, self.ckpts[0].dtype(name))
+        return torch.from_numpy(np.ascontiguousarray(_finite(name, np.asarray(arr)))).to(dtype)
+
+    def _run(self, name: str) -> None:
+        step = self.step_of.get(name)
+        if step is None:  # a head tensor (kept from the first model)
+            self.ready[name] = self.ckpts[0].read(name)
+            return
+        if step.kind == "regmean":
+            self._regmean(step)
+            return
+        reads = [c.read(name) for c in self.ckpts]
+        if step.kind == "copy":
+            self.ready[name] = reads[0]
+            return
+        try:
+            if step.kind == "average":
+                value = weighted_average(reads, self.coef, n_threads=self.n_threads)
+            elif step.kind == "fisher":
+                assert self.stats is not None
+                fishers = [s.fisher(name) / max(s.count(), 1.0) for s in self.stats]
+                self.report.setdefault("fisher_weighted", []).append(name)
+                value = fisher_average(
+                    reads, fishers, self.coef, eps=self.fisher_eps, n_threads=self.n_threads
+                )
+            else:  # task arithmetic
+                assert self.base is not None
+                theta0 = self.base.read(name).double().numpy()
+                delta = np.zeros_like(theta0)
+                for ci, r in zip(self.coef or [1.0] * len(reads), reads, strict=True):
+                    delta += ci * (r.double().numpy() - theta0)
+                value = theta0 + float(self.scaling) * delta
+        except ValueError as exc:
+            raise MergeError(f"tensor {name!r}: {exc}") from None
+        self.ready[name] = self._cast(name, value)
+
+    def _regmean(self, step: Step) -> None:
+        assert self.stats is not None
+        members, layout = step.modules, step.layout
+        axis = 0 if layout == "linear" else 1
+        weights_k = []
+        sizes: list[int] = []
+        for c in self.ckpts:
+            arrays = [as_tensor_array(c.read(w), w) for w in step.tensors]
+            sizes = [int(a.shape[axis]) for a in arrays]
+            weights_k.append(np.concatenate(arrays, axis=axis) if len(arrays) > 1 else arrays[0])
+            del arrays
+        counts = [s.count(members[0]) for s in self.stats]
+        for i, n in enumerate(counts):
+            if n <= 0:
+                raise MergeError(
+                    f"statistics of {self.labels[i]}: module {members[0]!r} saw no rows"
+                )
+        grams = [s.gram(members[0]) for s in self.stats]
+        label = (
+            members[0]
+            if len(members) == 1
+            else f"{members[0]} (+{len(members) - 1} sharing its input)"
+        )
+        res = regmean_merge_layer(
+            grams,
+            weights_k,
+            counts,
+            alpha=self.alpha,
+            coefficients=self.coef,
+            layout=layout,  # type: ignore[arg-type]
+            ridge=self.ridge,
+            allow_regularization=self.allow_regularization,
+            name=label,
+            n_threads=self.n_threads,
+        )
+        del grams, weights_k
+        start = 0
+        for m, w, size in zip(members, step.tensors, sizes, strict=True):
+            part = (
+                res.weight[start : start + size]
+                if axis == 0
+                else res.weight[:, start : start + size]
+            )
+            self.ready[w] = self._cast(w, part)
+            start += size
+            self.report["layers"][m] = {
+                "ridge": float(res.info.ridge),
+                "attempts": int(res.info.attempts),
+                "shared_with": members[0] if m != members[0] else None,
+            }
