@@ -84,6 +84,25 @@ def add_stats_parser(sub: Any) -> None:
         help="Fisher: log-likelihood of the predicted (default) or gold label",
     )
     p.add_argument("--threads", type=int, default=None)
+    ray = p.add_argument_group(
+        "Ray (RegMean only; pip install 'lmdx[ray]')",
+        "split the batches into contiguous shards collected by Ray workers that each load "
+        "MODEL once; the shards' statistics are added in float64 (the same file as without "
+        "Ray, Grams to <= 1e-12 relative, plus extra.ray naming the shards)",
+    )
+    ray.add_argument(
+        "--ray",
+        nargs="?",
+        const="local",
+        default=None,
+        metavar="ADDRESS",
+        help="collect with Ray: no value starts a local Ray; 'auto', HOST:PORT or "
+        "ray://HOST:PORT joins a cluster (MODEL must be readable on every node)",
+    )
+    ray.add_argument("--workers", type=int, default=None, metavar="N", help="Ray workers (2)")
+    ray.add_argument(
+        "--threads-per-worker", type=int, default=None, metavar="T", help="CPUs per worker (1)"
+    )
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -245,6 +264,7 @@ def _stats_collect(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     _check_out_file(out)
+    ray_address = _ray_options(args)
     model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file():
         raise CliError(f"MODEL {model_dir}: not a save_pretrained folder (no config.json)")
@@ -255,7 +275,8 @@ def _stats_collect(args: argparse.Namespace) -> int:
         max_texts=args.max_texts,
     )
     t0 = time.perf_counter()
-    model = load_model(model_dir, progress=not args.no_progress)
+    # with Ray the workers load the model; here only the tokenizer is needed
+    model = None if args.ray else load_model(model_dir, progress=not args.no_progress)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     gold = (
         _label_ids(labels, model, args.data)
@@ -271,24 +292,70 @@ def _stats_collect(args: argparse.Namespace) -> int:
         "description": args.description or f"{len(texts)} texts from {source}",
         "progress": not args.no_progress,
     }
-    if args.kind == "regmean":
-        stats = collect_regmean_stats(
-            model,
+    regmean_options: dict[str, Any] = {
+        "include_padding": args.include_padding,
+        "share_inputs": not args.no_share_inputs,
+        "precision": "float64" if args.float64_products else "mixed",
+    }
+    where = ""
+    if args.ray:
+        from .distributed import collect_regmean_stats_ray
+
+        workers, threads = args.workers or 2, args.threads_per_worker or 1
+        stats = collect_regmean_stats_ray(
+            model_dir,
             batches,
-            include_padding=args.include_padding,
-            share_inputs=not args.no_share_inputs,
-            precision="float64" if args.float64_products else "mixed",
-            n_threads=args.threads,
+            address=ray_address,
+            num_workers=workers,
+            threads_per_worker=threads,
+            **regmean_options,
             **common,
+        )
+        where = f" on Ray ({stats.extra['ray']['workers']} workers × {threads} threads)"
+    elif args.kind == "regmean":
+        stats = collect_regmean_stats(
+            model, batches, n_threads=args.threads, **regmean_options, **common
         )
     else:
         stats = collect_fisher(model, batches, labels=args.labels, **common)
     stats.save(out)
     print(
-        f"lmdx stats: {stats!r} from {len(texts)} texts in {time.perf_counter() - t0:.1f} s; "
-        f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB)"
+        f"lmdx stats: {stats!r} from {len(texts)} texts{where} in "
+        f"{time.perf_counter() - t0:.1f} s; wrote {out} ({out.stat().st_size / 1e6:.1f} MB)"
     )
     return 0
+
+
+def _ray_options(args: argparse.Namespace) -> str | None:
+    """Check the Ray options; the address to pass on (None: a local Ray)."""
+    if args.ray is None:
+        for flag, value in (
+            ("--workers", args.workers),
+            ("--threads-per-worker", args.threads_per_worker),
+        ):
+            if value is not None:
+                raise CliError(f"{flag}: only with --ray")
+        return None
+    if args.kind != "regmean":
+        raise CliError(
+            "--ray: only for --kind regmean (Fisher statistics are collected in one process); "
+            "drop --ray or use --kind regmean"
+        )
+    if args.threads is not None:
+        raise CliError("--threads: with --ray, set --threads-per-worker instead")
+    for flag, value in (
+        ("--workers", args.workers),
+        ("--threads-per-worker", args.threads_per_worker),
+    ):
+        if value is not None and value < 1:
+            raise CliError(f"{flag}: must be >= 1, got {value}")
+    from .distributed import _import_ray
+
+    try:
+        _import_ray()
+    except ImportError as exc:
+        raise CliError(f"--ray: {exc}") from None
+    return None if args.ray == "local" else str(args.ray)
 
 
 def _stats_add(args: argparse.Namespace) -> int:
