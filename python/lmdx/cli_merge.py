@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -136,6 +137,17 @@ def add_merge_parser(sub: Any) -> None:
     )
     p.add_argument("config", metavar="CONFIG", help="YAML or JSON merge configuration")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (must not exist)")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the plan (steps, output shards, memory and disk estimates) and stop",
+    )
+    p.add_argument(
+        "--in-memory",
+        action="store_true",
+        help="load the models whole instead of streaming them tensor by tensor (needed for "
+        "pickle .bin checkpoints)",
+    )
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -398,26 +410,50 @@ def _stats_show(args: argparse.Namespace) -> int:
 
 
 def run_merge_cli(args: argparse.Namespace) -> int:
+    from .io import DiskFullError
     from .merge import MergeError
-    from .merge_config import load_merge_config, run_merge
+    from .merge_config import load_merge_config, plan_merge, run_merge
     from .stats import ModelMismatchError, StatisticsFileError
+    from .stream import peak_rss_bytes
 
     try:
         out = Path(args.out)
         if out.exists():
             raise CliError(f"--out {out}: already exists; choose a new folder")
         cfg = load_merge_config(args.config)
+        if args.dry_run:
+            if args.in_memory:
+                raise CliError("--dry-run plans the streaming merge; drop --in-memory")
+            plan = plan_merge(cfg)
+            free = shutil.disk_usage(_existing_parent(out)).free
+            print(plan.describe())
+            print(f"disk:     {free / 1e9:.2f} GB free at {_existing_parent(out)}")
+            if free < plan.output_bytes:
+                print("lmdx merge: warning: not enough free disk for the output", file=sys.stderr)
+            print(f"lmdx merge: dry run; nothing written (would write {out})")
+            return 0
         t0 = time.perf_counter()
-        run_merge(cfg, out, progress=not args.no_progress)
+        run_merge(cfg, out, progress=not args.no_progress, streaming=not args.in_memory)
     except (CliError, MergeError, ModelMismatchError, StatisticsFileError) as exc:
         print(f"lmdx merge: error: {exc}", file=sys.stderr)
         return 2
-    except (ValueError, FileNotFoundError, FileExistsError, OSError) as exc:
+    except (ValueError, FileNotFoundError, FileExistsError, DiskFullError, OSError) as exc:
         print(f"lmdx merge: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("lmdx merge: interrupted; nothing was written", file=sys.stderr)
+        return 130
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(
         f"lmdx merge: {cfg.method} of {len(cfg.models)} models in "
-        f"{time.perf_counter() - t0:.1f} s; wrote {out} ({size / 1e6:.1f} MB)"
+        f"{time.perf_counter() - t0:.1f} s; wrote {out} ({size / 1e6:.1f} MB); "
+        f"peak RSS {peak_rss_bytes() / 1e9:.2f} GB"
     )
     return 0
+
+
+def _existing_parent(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path

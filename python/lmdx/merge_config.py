@@ -33,7 +33,7 @@ from typing import Any
 
 from .merge import METHODS, MergeError
 
-__all__ = ["MergeConfig", "ModelEntry", "load_merge_config", "run_merge"]
+__all__ = ["MergeConfig", "ModelEntry", "load_merge_config", "plan_merge", "run_merge"]
 
 _TOP_KEYS = {
     "method",
@@ -227,37 +227,88 @@ def load_merge_config(path: str | os.PathLike[str]) -> MergeConfig:
     return cfg
 
 
-def run_merge(cfg: MergeConfig, out_dir: str | os.PathLike[str], *, progress: bool = True) -> Path:
-    """Merge as ``cfg`` says and write the result to ``out_dir`` (atomically)."""
+def _stream_kwargs(cfg: MergeConfig) -> dict[str, Any]:
+    labels = [m.name or m.path for m in cfg.models]
+    coefficients = (
+        None if cfg.models[0].coefficient is None else [m.coefficient or 0.0 for m in cfg.models]
+    )
+    stats = [m.stats for m in cfg.models] if cfg.method in ("regmean", "fisher") else None
+    return {
+        "method": cfg.method,
+        "stats": stats,
+        "alpha": cfg.alpha,
+        "coefficients": coefficients,
+        "exclude": cfg.exclude,
+        "heads": cfg.head_patterns,
+        "base": cfg.base,
+        "scaling": cfg.scaling,
+        "fisher_eps": cfg.fisher_eps,
+        "ridge": cfg.ridge,
+        "allow_regularization": cfg.allow_regularization,
+        "labels": labels,
+        "n_threads": cfg.threads,
+    }
+
+
+def plan_merge(cfg: MergeConfig) -> Any:
+    """The streaming merge's plan for ``cfg`` (:class:`lmdx.stream.MergePlan`): steps,
+    output shards, memory and disk estimates. Reads headers (and, with statistics, hashes
+    the weights they are checked against); writes nothing."""
+    from .stream import stream_merge
+
+    kwargs = _stream_kwargs(cfg)
+    result = stream_merge(
+        [m.path for m in cfg.models],
+        Path(os.devnull),
+        head_policy=cfg.head_policy,
+        dtype=cfg.dtype,
+        max_shard_size=cfg.max_shard_size,
+        dry_run=True,
+        progress=False,
+        **kwargs,
+    )
+    return result.plan
+
+
+def run_merge(
+    cfg: MergeConfig,
+    out_dir: str | os.PathLike[str],
+    *,
+    progress: bool = True,
+    streaming: bool = True,
+) -> Path:
+    """Merge as ``cfg`` says and write the result to ``out_dir`` (atomically).
+
+    ``streaming=True`` (default): out of core with :func:`lmdx.stream.stream_merge`
+    (safetensors checkpoints; memory bounded by the largest layer); ``False``: load all
+    models with transformers and merge in memory (:func:`lmdx.merge.merge_models`; also
+    reads pickle ``.bin`` checkpoints that transformers accepts).
+    """
     from .io import file_sha256
     from .merge import load_model, merge_models, save_merged
 
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise MergeError(f"output {out_dir}: already exists; choose a new directory")
+    if streaming:
+        from .stream import stream_merge
+
+        result = stream_merge(
+            [m.path for m in cfg.models],
+            out_dir,
+            head_policy=cfg.head_policy,
+            dtype=cfg.dtype,
+            max_shard_size=cfg.max_shard_size,
+            record={"config": cfg.to_dict()},
+            progress=progress,
+            **_stream_kwargs(cfg),
+        )
+        assert result.out_dir is not None
+        return result.out_dir
     models = [load_model(m.path, progress=progress) for m in cfg.models]
-    labels = [m.name or m.path for m in cfg.models]
-    coefficients = (
-        None if cfg.models[0].coefficient is None else [m.coefficient or 0.0 for m in cfg.models]
-    )
-    stats = [m.stats for m in cfg.models] if cfg.method in ("regmean", "fisher") else None
-    result = merge_models(
-        models,
-        cfg.method,
-        stats=stats,  # type: ignore[arg-type]
-        alpha=cfg.alpha,
-        coefficients=coefficients,
-        exclude=cfg.exclude,
-        heads=cfg.head_patterns,
-        base=cfg.base,
-        scaling=cfg.scaling,
-        fisher_eps=cfg.fisher_eps,
-        ridge=cfg.ridge,
-        allow_regularization=cfg.allow_regularization,
-        labels=labels,
-        progress=progress,
-        n_threads=cfg.threads,
-    )
+    kwargs = _stream_kwargs(cfg)
+    labels = kwargs["labels"]
+    result_mem = merge_models(models, progress=progress, **kwargs)
     record = {
         "config": cfg.to_dict(),
         "inputs": {
@@ -268,12 +319,12 @@ def run_merge(cfg: MergeConfig, out_dir: str | os.PathLike[str], *, progress: bo
                 "stats_sha256": file_sha256(m.stats) if m.stats else None,
             }
             for label, m, sha in zip(
-                labels, cfg.models, result.report["weights_sha256"], strict=True
+                labels, cfg.models, result_mem.report["weights_sha256"], strict=True
             )
         },
     }
     return save_merged(
-        result,
+        result_mem,
         out_dir,
         models[0],
         head_policy=cfg.head_policy,

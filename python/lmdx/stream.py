@@ -644,13 +644,21 @@ def stream_merge(
                 "dtype": dtype,
                 "report": report,
                 "inputs": {
-                    lab: {"architecture": c.architecture(), "bytes": c.total_bytes()}
-                    for lab, c in zip(labels, ckpts, strict=True)
+                    lab: {
+                        "path": str(c.path),
+                        "architecture": c.architecture(),
+                        "bytes": c.total_bytes(),
+                        "stats": s.source if s else None,
+                        "stats_sha256": (
+                            file_sha256(s.source)
+                            if s and s.source and Path(s.source).is_file()
+                            else None
+                        ),
+                    }
+                    for lab, c, s in zip(
+                        labels, ckpts, stat_objs or [None] * len(ckpts), strict=True
+                    )
                 },
-                "stats_sha256": [
-                    file_sha256(s.source) if s.source and Path(s.source).is_file() else None
-                    for s in stat_objs or []
-                ],
                 **(dict(record) if record else {}),
             }
             (tmp / "lmdx_merge.json").write_text(json.dumps(full, indent=2, default=str))
