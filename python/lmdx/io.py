@@ -119,6 +119,8 @@ class SafetensorsWriter:
         path: str | os.PathLike[str],
         specs: Sequence[TensorSpec],
         metadata: Mapping[str, str] | None = None,
+        *,
+        header_reserve: int = 0,
     ) -> None:
         self.path = Path(path)
         self._specs = {s.name: s for s in specs}
@@ -138,8 +140,9 @@ class SafetensorsWriter:
             }
             self._offsets[spec.name] = offset
             offset += spec.nbytes
+        self._header = header
         raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
+        raw += b" " * (header_reserve + (-(len(raw) + header_reserve) % 8))
         self._data_start = 8 + len(raw)
         self.size = self._data_start + offset
         self._written: set[str] = set()
@@ -169,6 +172,19 @@ class SafetensorsWriter:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise _disk_full(self.path, exc, self.size) from None
             raise
+
+    def set_metadata(self, metadata: Mapping[str, str]) -> None:
+        """Replace the ``__metadata__`` written at open (e.g. counts known only at the end);
+        the new header must fit in the space reserved with ``header_reserve``."""
+        header = dict(self._header)
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        room = self._data_start - 8
+        if len(raw) > room:
+            raise ValueError(
+                f"{self.path}: new header needs {len(raw)} bytes, {room} were reserved"
+            )
+        self._pwrite(raw + b" " * (room - len(raw)), 8)
 
     def write(self, name: str, arr: NDArray[Any]) -> None:
         """Write tensor ``name`` (announced dtype and shape)."""

@@ -21,9 +21,11 @@ pickle is involved.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,7 +33,13 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from .io import TensorSpec, read_safetensors_header, write_safetensors
+from .io import (
+    SafetensorsFile,
+    SafetensorsWriter,
+    TensorSpec,
+    atomic_directory,
+    read_safetensors_header,
+)
 from .moments import Moments
 
 __all__ = [
@@ -41,6 +49,7 @@ __all__ = [
     "ModelMismatchError",
     "Statistics",
     "StatisticsFileError",
+    "StatisticsWriter",
     "add_statistics",
     "model_identity",
     "pack_upper",
@@ -49,6 +58,9 @@ __all__ = [
 
 FORMAT = "lmdx-stats"
 FORMAT_VERSION = 1
+INDEX_FORMAT = "lmdx-stats-index"
+#: The index of a sharded statistics folder (shards ``stats-00001-of-0000N.safetensors``).
+INDEX_NAME = "lmdx_stats.index.json"
 KINDS = ("regmean-gram", "fisher")
 PADDING_POLICIES = ("excluded", "included")
 
@@ -341,27 +353,45 @@ class Statistics:
             return pack_upper(m.gram()) if kind == "gram" else m.sum
         return np.asarray(self._tensor(name), dtype=np.float64)
 
-    def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write to ``path`` (safetensors), one tensor at a time, atomically."""
+    def save(
+        self, path: str | os.PathLike[str], *, max_shard_size: int | str | None = None
+    ) -> Path:
+        """Write to ``path``, one tensor at a time, atomically.
+
+        Without ``max_shard_size``: one safetensors file. With it: a folder ``path``
+        holding shards of at most that size (``"2GB"`` or bytes; a tensor larger than
+        that gets a shard of its own) and the index ``lmdx_stats.index.json``.
+        """
         path = Path(path)
-        write_safetensors(path, self._specs(), self._packed, {"lmdx": json.dumps(self.metadata())})
+        specs = self._specs()
+        meta = self.metadata()
+        with StatisticsWriter(path, specs, meta, max_shard_size=max_shard_size) as w:
+            for spec in specs:
+                w.write(spec.name, self._packed(spec.name))
+            w.close(meta)
         return path
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Statistics:
         """Open and validate a statistics file; tensors are read on demand."""
         path = Path(path)
-        handle = read_safetensors_header(path, "statistics file", StatisticsFileError)
-        where = f"statistics file {path}"
-        raw = (handle.metadata() or {}).get("lmdx")
-        if raw is None:
-            raise StatisticsFileError(
-                f"{where}: no lmdx metadata; this is not an lmdx statistics file"
-            )
-        try:
-            meta = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise StatisticsFileError(f"{where}: metadata is not valid JSON ({exc})") from None
+        handle: SafetensorsFile | _ShardedStatistics
+        if path.is_dir():
+            handle = _ShardedStatistics(path)
+            where = f"statistics folder {path}"
+            meta = handle.meta
+        else:
+            handle = read_safetensors_header(path, "statistics file", StatisticsFileError)
+            where = f"statistics file {path}"
+            raw = (handle.metadata() or {}).get("lmdx")
+            if raw is None:
+                raise StatisticsFileError(
+                    f"{where}: no lmdx metadata; this is not an lmdx statistics file"
+                )
+            try:
+                meta = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise StatisticsFileError(f"{where}: metadata is not valid JSON ({exc})") from None
         _validate_metadata(meta, where)
         stats = cls(
             kind=meta["kind"],
@@ -388,6 +418,195 @@ class Statistics:
                     f"metadata says {list(spec.shape)}"
                 )
         return stats
+
+
+class _ShardedStatistics:
+    """The shards of a statistics folder behind one ``get_tensor``/``keys``/``shape``."""
+
+    def __init__(self, folder: Path) -> None:
+        index = folder / INDEX_NAME
+        where = f"statistics folder {folder}"
+        if not index.is_file():
+            raise StatisticsFileError(
+                f"{where}: no {INDEX_NAME}; give a statistics file or a folder written by "
+                "lmdx (stats ... --max-shard-size)"
+            )
+        try:
+            data = json.loads(index.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise StatisticsFileError(f"{where}: {INDEX_NAME} is not valid JSON ({exc})") from None
+        if not isinstance(data, dict) or data.get("format") != INDEX_FORMAT:
+            raise StatisticsFileError(f"{where}: {INDEX_NAME} is not an lmdx statistics index")
+        weight_map, self.id = data.get("weight_map"), data.get("id")
+        if not isinstance(weight_map, dict) or not isinstance(self.id, str):
+            raise StatisticsFileError(f"{where}: {INDEX_NAME} lacks weight_map/id")
+        self.meta = data.get("metadata")
+        self._where: dict[str, SafetensorsFile] = {}
+        files: dict[str, SafetensorsFile] = {}
+        for name, shard in weight_map.items():
+            if not isinstance(shard, str) or "/" in shard or shard.startswith(".."):
+                raise StatisticsFileError(f"{where}: {INDEX_NAME} names a bad shard {shard!r}")
+            if shard not in files:
+                file = folder / shard
+                if not file.is_file():
+                    raise StatisticsFileError(
+                        f"{where}: shard {file} is missing; copy the complete folder"
+                    )
+                handle = read_safetensors_header(file, "statistics shard", StatisticsFileError)
+                try:
+                    tag = json.loads(handle.metadata().get("lmdx_shard", "{}"))
+                except json.JSONDecodeError:
+                    tag = {}
+                if not isinstance(tag, dict) or tag.get("id") != self.id:
+                    raise StatisticsFileError(
+                        f"statistics shard {file}: belongs to another statistics collection "
+                        f"(id {tag.get('id') if isinstance(tag, dict) else None!r}, the index "
+                        f"says {self.id!r}); the folder mixes files of different runs"
+                    )
+                files[shard] = handle
+            if name not in files[shard]:
+                raise StatisticsFileError(
+                    f"statistics shard {files[shard].path}: lacks tensor {name!r} that "
+                    f"{INDEX_NAME} places there"
+                )
+            self._where[name] = files[shard]
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def shape(self, name: str) -> list[int]:
+        return self._where[name].shape(name)
+
+    def get_tensor(self, name: str) -> NDArray[Any]:
+        return self._where[name].get_tensor(name)
+
+
+def _size(size: int | str) -> int:
+    if isinstance(size, int):
+        return size
+    text = str(size).strip().upper()
+    for unit, mult in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)):
+        if text.endswith(unit):
+            with contextlib.suppress(ValueError):
+                return int(float(text[: -len(unit)]) * mult)
+            break
+    raise ValueError(f"size: expected e.g. '2GB' or a number of bytes, got {size!r}")
+
+
+class StatisticsWriter:
+    """Write statistics tensor by tensor, in any order, to one file or a sharded folder.
+
+    All tensors are announced up front (their shapes are known before any data is seen)
+    and disk space is reserved then; each tensor is written as soon as it is final; the
+    metadata, whose counts are known only at the end, is given to :meth:`close`. The
+    file (or folder) appears only when complete; on any error (including Ctrl-C)
+    nothing is left behind.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        specs: Sequence[TensorSpec],
+        metadata: Mapping[str, Any],
+        *,
+        max_shard_size: int | str | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self._stack = contextlib.ExitStack()
+        self._writers: dict[str, SafetensorsWriter] = {}
+        self._left: dict[str, int] = {}
+        self._shard_of: dict[str, str] = {}
+        try:
+            if max_shard_size is None:
+                # room for the counts and anything else that grows by the end
+                reserve = 4096 + 64 * len(specs)
+                w = SafetensorsWriter(
+                    self.path, specs, {"lmdx": json.dumps(metadata)}, header_reserve=reserve
+                )
+                self._single = w
+                return
+            self._single = None
+            limit = _size(max_shard_size)
+            if self.path.suffix == ".safetensors":
+                raise ValueError(
+                    f"{self.path}: sharded statistics are a folder; give a name without "
+                    ".safetensors"
+                )
+            self._tmp = self._stack.enter_context(atomic_directory(self.path))
+            self.id = uuid.uuid4().hex
+            shards: list[list[TensorSpec]] = [[]]
+            size = 0
+            for spec in specs:
+                if shards[-1] and size + spec.nbytes > limit:
+                    shards.append([])
+                    size = 0
+                shards[-1].append(spec)
+                size += spec.nbytes
+            n = len(shards)
+            for j, members in enumerate(shards):
+                fname = f"stats-{j + 1:05d}-of-{n:05d}.safetensors"
+                tag = json.dumps({"id": self.id, "shard": j + 1, "of": n})
+                self._writers[fname] = SafetensorsWriter(
+                    self._tmp / fname, members, {"lmdx_shard": tag}
+                )
+                self._left[fname] = len(members)
+                for spec in members:
+                    self._shard_of[spec.name] = fname
+        except BaseException as exc:
+            self.abort(exc)
+            raise
+
+    def write(self, name: str, arr: NDArray[Any]) -> None:
+        if self._single is not None:
+            self._single.write(name, arr)
+            return
+        fname = self._shard_of.get(name)
+        if fname is None:
+            raise ValueError(f"{self.path}: tensor {name!r} was not announced")
+        self._writers[fname].write(name, arr)
+        self._left[fname] -= 1
+        if self._left[fname] == 0:  # shard complete: flush and close it now
+            self._writers[fname].close()
+
+    def close(self, metadata: Mapping[str, Any]) -> Path:
+        """Finish with the final metadata (counts included)."""
+        try:
+            if self._single is not None:
+                self._single.set_metadata({"lmdx": json.dumps(metadata)})
+                self._single.close()
+                return self.path
+            missing = [n for n, left in self._left.items() if left]
+            if missing:
+                raise ValueError(f"{self.path}: shard {missing[0]} was never completed")
+            index = {
+                "format": INDEX_FORMAT,
+                "id": self.id,
+                "metadata": dict(metadata),
+                "weight_map": self._shard_of,
+            }
+            (self._tmp / INDEX_NAME).write_text(json.dumps(index, indent=1))
+        except BaseException as exc:
+            self.abort(exc)
+            raise
+        self._stack.close()
+        return self.path
+
+    def abort(self, exc: BaseException) -> None:
+        single = getattr(self, "_single", None)
+        if single is not None:
+            single._abort(exc)
+        for w in self._writers.values():
+            if w.missing() or getattr(w, "_fd", -1) >= 0:
+                w._abort(exc)
+        with contextlib.suppress(BaseException):
+            self._stack.__exit__(type(exc), exc, exc.__traceback__)
+
+    def __enter__(self) -> StatisticsWriter:
+        return self
+
+    def __exit__(self, typ: Any, exc: Any, tb: Any) -> None:
+        if exc is not None:
+            self.abort(exc)
 
 
 def _validate_metadata(meta: Any, where: str) -> None:
