@@ -21,6 +21,8 @@ of the log-likelihood of the predicted label (or the gold label), summed.
 from __future__ import annotations
 
 import fnmatch
+import itertools
+import os
 import weakref
 from collections.abc import Iterable, Mapping, Sequence, Sized
 from typing import Any
@@ -31,7 +33,7 @@ from ._tensors import as_rows
 from .config import resolve_threads
 from .embed import _progress
 from .moments import Moments
-from .stats import Statistics, model_identity
+from .stats import Statistics, model_identity, pack_upper
 
 __all__ = [
     "collect_fisher",
@@ -171,6 +173,7 @@ class _Collector:
 
     def probe(self, model: Any, kwargs: Mapping[str, Any]) -> None:
         self._probe_inputs = {name: [] for name in self.modules}
+        self._first_call: dict[str, int] = {}
         handles = [
             module.register_forward_pre_hook(self._probe_hook(name))
             for name, (module, _) in self.modules.items()
@@ -182,6 +185,8 @@ class _Collector:
                 h.remove()
         seen = self._probe_inputs
         self._probe_inputs = None
+        self.order = sorted((n for n in self.modules if seen[n]), key=self._first_call.__getitem__)
+        self.calls_on_probe = {n: len(seen[n]) for n in self.modules}
         leader_of: dict[tuple[int, ...], str] = {}
         for name in self.modules:
             key = tuple(id(t) for t in seen[name])
@@ -196,6 +201,7 @@ class _Collector:
         def hook(module: Any, args: tuple[Any, ...]) -> None:
             assert self._probe_inputs is not None
             self._probe_inputs[name].append(args[0])
+            self._first_call.setdefault(name, len(self._first_call))
 
         return hook
 
@@ -278,6 +284,55 @@ class _Collector:
         self._accumulated = {}
 
 
+class _StopForward(Exception):
+    """Raised by a hook once every module of the current pass has seen its input."""
+
+
+def _groups_in_order(collector: _Collector) -> list[str]:
+    """Input groups in the order their first module is called (uncalled ones last)."""
+    out: list[str] = []
+    for name in [*collector.order, *collector.modules]:
+        g = collector.group_of[name]
+        if g not in out:
+            out.append(g)
+    return out
+
+
+def _plan_passes(
+    groups: Sequence[str], dims: Mapping[str, int], budget: int | None
+) -> list[list[str]]:
+    """Split the groups (in call order) into passes whose accumulators fit ``budget``."""
+    if budget is None:
+        return [list(groups)]
+    passes: list[list[str]] = [[]]
+    used = 0
+    for g in groups:
+        need = _moments_bytes(dims[g])
+        if passes[-1] and used + need > budget:
+            passes.append([])
+            used = 0
+        passes[-1].append(g)
+        used += need
+    return passes
+
+
+def _moments_bytes(d: int) -> int:
+    return 8 * d * d + 8 * d
+
+
+def _stop_module(collector: _Collector, members: set[str]) -> str | None:
+    """The first module called after every module of ``members`` (None: run to the end).
+
+    Only when every module is called exactly once per forward pass (no weight sharing
+    across calls), so that stopping there cannot skip a later call of a member."""
+    if any(c != 1 for c in collector.calls_on_probe.values()):
+        return None
+    if any(m not in collector.order for m in members):
+        return None
+    last = max(collector.order.index(m) for m in members)
+    return collector.order[last + 1] if last + 1 < len(collector.order) else None
+
+
 def collect_regmean_stats(
     model: Any,
     batches: Iterable[Any],
@@ -289,6 +344,9 @@ def collect_regmean_stats(
     mask_key: str = "attention_mask",
     precision: str = "mixed",
     description: str = "",
+    out: str | os.PathLike[str] | None = None,
+    max_memory: int | str | None = None,
+    max_shard_size: int | str | None = None,
     progress: bool = True,
     n_threads: int | None = None,
 ) -> Statistics:
@@ -301,7 +359,8 @@ def collect_regmean_stats(
         ``torch.no_grad()`` and its training flag is restored afterwards.
     batches
         Iterable of dicts of tensors, each passed as ``model(**batch)`` (a ``labels``
-        entry is dropped), or of input-id tensors.
+        entry is dropped), or of input-id tensors. Must be re-iterable (a list) when
+        ``max_memory`` asks for more than one pass.
     include, exclude
         ``fnmatch`` patterns over module names (see :func:`find_linear_modules`).
     include_padding
@@ -319,18 +378,36 @@ def collect_regmean_stats(
         condition number).
     description
         Free text stored in the statistics file (what data, how much, from whom).
+    out
+        Write the statistics to this file (or, with ``max_shard_size``, sharded folder)
+        while collecting: each input group's Gram is written as soon as it is final and
+        dropped from memory; the returned statistics read from the file. Disk space is
+        reserved before the first batch. On any error or Ctrl-C nothing is left behind.
+    max_memory
+        With ``out``: bound on the float64 accumulators held at once (``"4GB"`` or
+        bytes). Groups are split, in the order the model calls them, into passes that
+        fit; each pass runs the model over all batches, stopping the forward pass after
+        the pass's last module where the model's wiring allows, so pass ``p`` of ``P``
+        costs about ``p/P`` of a forward pass.
+    max_shard_size
+        With ``out``: write a folder of shards of at most this size.
     progress
         Show a progress bar over batches.
 
     Returns
     -------
     Statistics
-        ``kind="regmean-gram"``; save with :meth:`Statistics.save`.
+        ``kind="regmean-gram"``; save with :meth:`Statistics.save` (or already in ``out``).
     """
     import torch
 
+    from .stats import StatisticsWriter, _size
+
     if precision not in ("mixed", "float64"):
         raise ValueError(f"precision: expected 'mixed' or 'float64', got {precision!r}")
+    if out is None and (max_memory is not None or max_shard_size is not None):
+        raise ValueError("max_memory and max_shard_size need out= (a file or folder to write)")
+    budget = None if max_memory is None else _size(max_memory)
     modules = find_linear_modules(model, include, exclude)
     if not modules:
         raise ValueError(
@@ -340,61 +417,146 @@ def collect_regmean_stats(
     collector = _Collector(
         modules, include_padding, share_inputs, mask_key, resolve_threads(n_threads), precision
     )
-    total = len(batches) if isinstance(batches, Sized) else None
-    bar = _progress(total or 0, "RegMean statistics", progress)
+    iterator = iter(batches)
+    first = next(iterator, None)
+    if first is None:
+        raise ValueError("collect_regmean_stats: batches is empty")
     was_training = model.training
     model.eval()
-    handles: list[Any] = []
-    n_batches = 0
+    writer: Any = None
+    try:
+        with torch.no_grad():
+            first_kwargs = _as_kwargs(first)
+            first_kwargs.pop("labels", None)
+            collector.probe(model, first_kwargs)
+        dims = {
+            collector.group_of[n]: int(m.weight.shape[1 if layout == "linear" else 0])
+            for n, (m, layout) in modules.items()
+        }
+        order = _groups_in_order(collector)
+        passes = _plan_passes(order, dims, budget)
+        if len(passes) > 1 and iter(batches) is batches:
+            raise ValueError(
+                f"collect_regmean_stats: max_memory={max_memory} needs {len(passes)} passes over "
+                "the data, but batches is a one-shot iterator; pass a list"
+            )
+        module_info = {
+            name: {
+                "group": collector.group_of[name],
+                "layout": layout,
+                "weight": f"{name}.weight",
+                "dim": dims[collector.group_of[name]],
+            }
+            for name, (_m, layout) in modules.items()
+        }
+        counts: dict[str, float] = {}
+        extra = {"share_inputs": share_inputs, "precision": precision, "passes": len(passes)}
+
+        identity = model_identity(model)
+
+        def make_stats(**kwargs: Any) -> Statistics:
+            return Statistics(
+                kind="regmean-gram",
+                model=identity,
+                data=description,
+                padding="included" if include_padding else "excluded",
+                modules=module_info,
+                extra=extra,
+                **kwargs,
+            )
+
+        if out is not None:
+            skeleton = make_stats(groups={g: {"dim": dims[g], "count": 0.0} for g in order})
+            writer = StatisticsWriter(
+                out, skeleton._specs(), skeleton.metadata(), max_shard_size=max_shard_size
+            )
+        total = len(batches) * len(passes) if isinstance(batches, Sized) else 0
+        bar = _progress(total, "RegMean statistics", progress)
+        n_batches = 0
+        try:
+            for p, groups in enumerate(passes):
+                source = itertools.chain([first], iterator) if p == 0 else iter(batches)
+                members = {n for n in modules if collector.group_of[n] in groups}
+                seen = _run_pass(model, collector, modules, members, source, bar)
+                if p == 0:
+                    n_batches = seen
+                elif seen != n_batches:
+                    raise ValueError(
+                        f"collect_regmean_stats: pass {p + 1} saw {seen} batches, pass 1 saw "
+                        f"{n_batches}; batches must yield the same data every time"
+                    )
+                missing = [n for n in members if collector.group_of[n] not in collector.moments]
+                if missing:
+                    raise ValueError(
+                        f"collect_regmean_stats: modules never called during the forward "
+                        f"pass: {missing[:5]}{' ...' if len(missing) > 5 else ''}; exclude them"
+                    )
+                for g in groups:
+                    counts[g] = collector.moments[g].count
+                if writer is not None:
+                    for g in groups:
+                        m = collector.moments.pop(g)
+                        writer.write(f"sum/{g}", m.sum)
+                        writer.write(f"gram/{g}", pack_upper(m.gram()))
+                        del m
+        finally:
+            bar.close()
+        extra["batches"] = n_batches
+        groups_meta = {g: {"dim": dims[g], "count": counts[g]} for g in order}
+        if writer is not None:
+            writer.close(make_stats(groups=groups_meta).metadata())
+            writer = None
+            return Statistics.load(out)  # type: ignore[arg-type]
+        return make_stats(groups=groups_meta, moments=collector.moments)
+    except BaseException as exc:
+        if writer is not None:
+            writer.abort(exc)
+        raise
+    finally:
+        model.train(was_training)
+
+
+def _run_pass(
+    model: Any,
+    collector: _Collector,
+    modules: Mapping[str, tuple[Any, str]],
+    members: set[str],
+    batches: Iterable[Any],
+    bar: Any,
+) -> int:
+    """One pass over the data accumulating the groups of ``members``; returns batches."""
+    import torch
+
+    stop = _stop_module(collector, members)
+
+    def stop_hook(module: Any, args: tuple[Any, ...]) -> None:
+        raise _StopForward
+
+    handles = [
+        module.register_forward_pre_hook(collector.hook(name))
+        for name, (module, _) in modules.items()
+        if name in members
+    ]
+    if stop is not None:
+        handles.append(modules[stop][0].register_forward_pre_hook(stop_hook))
+    n = 0
     try:
         with torch.no_grad():
             for batch in batches:
                 kwargs = _as_kwargs(batch)
                 kwargs.pop("labels", None)
-                if n_batches == 0:
-                    collector.probe(model, kwargs)
-                    handles = [
-                        module.register_forward_pre_hook(collector.hook(name))
-                        for name, (module, _) in modules.items()
-                    ]
                 collector.start_batch(kwargs)
-                model(**kwargs)
+                try:
+                    model(**kwargs)
+                except _StopForward:
+                    pass
                 collector.end_batch()
-                n_batches += 1
+                n += 1
                 bar.update(1)
     finally:
         for h in handles:
             h.remove()
-        bar.close()
-        model.train(was_training)
-    if n_batches == 0:
-        raise ValueError("collect_regmean_stats: batches is empty")
-    missing = [n for n in modules if collector.group_of[n] not in collector.moments]
-    if missing:
-        raise ValueError(
-            f"collect_regmean_stats: modules never called during the forward pass: "
-            f"{missing[:5]}{' ...' if len(missing) > 5 else ''}; exclude them"
-        )
-    module_info = {}
-    for name, (_module, layout) in modules.items():
-        group = collector.group_of[name]
-        module_info[name] = {
-            "group": group,
-            "layout": layout,
-            "weight": f"{name}.weight",
-            "dim": collector.moments[group].dim,
-        }
-    groups = {g: {"dim": m.dim, "count": m.count} for g, m in collector.moments.items()}
-    return Statistics(
-        kind="regmean-gram",
-        model=model_identity(model),
-        data=description,
-        padding="included" if include_padding else "excluded",
-        modules=module_info,
-        groups=groups,
-        moments=collector.moments,
-        extra={"batches": n_batches, "share_inputs": share_inputs, "precision": precision},
-    )
+    return n
 
 
 def collect_fisher(
