@@ -85,6 +85,19 @@ def add_stats_parser(sub: Any) -> None:
         help="Fisher: log-likelihood of the predicted (default) or gold label",
     )
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument(
+        "--max-memory",
+        default=None,
+        metavar="SIZE",
+        help="bound on the Grams held in memory (e.g. 4GB): more passes over the data, each "
+        "writing its Grams to --out as it ends (regmean, without --ray)",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        default=None,
+        metavar="SIZE",
+        help="write --out as a folder of shards of at most SIZE (e.g. 2GB) with an index",
+    )
     ray = p.add_argument_group(
         "Ray (RegMean only; pip install 'lmdx[ray]')",
         "split the batches into contiguous shards collected by Ray workers that each load "
@@ -115,6 +128,9 @@ def _stats_add_parser() -> argparse.ArgumentParser:
     p.add_argument("files", nargs="+", metavar="FILE")
     p.add_argument("--out", required=True, metavar="FILE")
     p.add_argument("--description", default=None)
+    p.add_argument(
+        "--max-shard-size", default=None, metavar="SIZE", help="write a folder of shards"
+    )
     return p
 
 
@@ -277,6 +293,8 @@ def _stats_collect(args: argparse.Namespace) -> int:
     out = Path(args.out)
     _check_out_file(out)
     ray_address = _ray_options(args)
+    if args.max_memory is not None and (args.ray is not None or args.kind != "regmean"):
+        raise CliError("--max-memory: only for --kind regmean without --ray")
     model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file():
         raise CliError(f"MODEL {model_dir}: not a save_pretrained folder (no config.json)")
@@ -326,16 +344,30 @@ def _stats_collect(args: argparse.Namespace) -> int:
         where = f" on Ray ({stats.extra['ray']['workers']} workers × {threads} threads)"
     elif args.kind == "regmean":
         stats = collect_regmean_stats(
-            model, batches, n_threads=args.threads, **regmean_options, **common
+            model,
+            batches,
+            n_threads=args.threads,
+            out=out,
+            max_memory=args.max_memory,
+            max_shard_size=args.max_shard_size,
+            **regmean_options,
+            **common,
         )
     else:
         stats = collect_fisher(model, batches, labels=args.labels, **common)
-    stats.save(out)
+    if not out.exists():
+        stats.save(out, max_shard_size=args.max_shard_size)
     print(
         f"lmdx stats: {stats!r} from {len(texts)} texts{where} in "
-        f"{time.perf_counter() - t0:.1f} s; wrote {out} ({out.stat().st_size / 1e6:.1f} MB)"
+        f"{time.perf_counter() - t0:.1f} s; wrote {out} ({_size_of(out) / 1e6:.1f} MB)"
     )
     return 0
+
+
+def _size_of(path: Path) -> int:
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return path.stat().st_size
 
 
 def _ray_options(args: argparse.Namespace) -> str | None:
@@ -377,7 +409,7 @@ def _stats_add(args: argparse.Namespace) -> int:
     _check_out_file(out)
     parts = [Statistics.load(f) for f in args.files]
     total = add_statistics(parts, data=args.description)
-    total.save(out)
+    total.save(out, max_shard_size=args.max_shard_size)
     print(f"lmdx stats add: {len(parts)} files -> {out} ({total!r})")
     return 0
 
