@@ -57,7 +57,6 @@ def _timed(cmd: list[str], log: Path) -> dict[str, float]:
 def build(args: argparse.Namespace) -> None:
     import torch
     import transformers
-
     from lmdx.pypi_models import model_dir
 
     work = Path(args.workdir)
@@ -165,7 +164,8 @@ def main() -> None:
     lmdx = [sys.executable, "-m", "lmdx"]
     me = [sys.executable, str(HERE), "--workdir", str(work), "--layers", str(args.layers),
           "--hidden", str(args.hidden), "--intermediate", str(args.intermediate),
-          "--vocab", str(args.vocab), "--shard", args.shard, "--alpha", str(args.alpha)]  # fmt: skip
+          "--vocab", str(args.vocab), "--shard", args.shard,
+          "--alpha", str(args.alpha)]  # fmt: skip
     results: dict[str, object] = {"args": vars(args)}
     results["build"] = _timed([*me, "--step", "build"], work / "build.log")
     sizes = [
@@ -184,7 +184,10 @@ def main() -> None:
     config = {
         "method": "regmean",
         "alpha": args.alpha,
-        "models": [{"path": str(work / f"m{i}"), "stats": str(work / f"s{i}.safetensors")} for i in range(3)],
+        "models": [
+            {"path": str(work / f"m{i}"), "stats": str(work / f"s{i}.safetensors")}
+            for i in range(3)
+        ],
         "output": {"max_shard_size": args.shard},
     }  # fmt: skip
     (work / "merge.json").write_text(json.dumps(config, indent=1))
@@ -212,12 +215,14 @@ def main() -> None:
     print("| step | wall s | peak RSS GB | notes |")
     print("|---|---|---|---|")
     print(
-        f"| build 3 models | {results['build']['seconds']:.0f} | {results['build']['peak_rss'] / gb:.2f} | |"
+        f"| build 3 models | {results['build']['seconds']:.0f} | "
+        f"{results['build']['peak_rss'] / gb:.2f} | |"
     )
     for i in range(3):
         r = results[f"stats{i}"]
         print(f"| lmdx stats m{i} ({DATA[i]}, {args.texts} texts, --max-memory {args.max_memory}) "
-              f"| {r['seconds']:.0f} | {r['peak_rss'] / gb:.2f} | file {r['bytes'] / gb:.2f} GB |")  # fmt: skip
+              f"| {r['seconds']:.0f} | {r['peak_rss'] / gb:.2f} "
+              f"| file {r['bytes'] / gb:.2f} GB |")  # fmt: skip
     for key, label in (
         ("merge_stream", "lmdx merge (streaming)"),
         ("merge_in_memory", "lmdx merge --in-memory"),
