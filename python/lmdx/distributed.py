@@ -31,10 +31,13 @@ from .stats import ModelMismatchError, Statistics, add_statistics
 
 __all__ = ["collect_regmean_stats_ray", "shard_bounds"]
 
-#: ``collect_regmean_stats`` arguments this module sets itself for every worker.
+#: ``collect_regmean_stats`` arguments not accepted in ``collect_kwargs``, and why.
 _RESERVED = {
     "progress": "the workers never show one; pass progress= to this function",
     "n_threads": "pass threads_per_worker= (threads of each worker)",
+    "out": "the workers return their shards to this process; save the result with .save()",
+    "max_memory": "it bounds a file-backed collection (out=), which the workers do not do",
+    "max_shard_size": "it shards a file-backed collection (out=), which the workers do not do",
 }
 
 
@@ -111,7 +114,7 @@ def _check_collect_kwargs(kwargs: Mapping[str, Any]) -> None:
 
     for name, hint in _RESERVED.items():
         if name in kwargs:
-            raise TypeError(f"collect_regmean_stats_ray: {name}= is set per worker; {hint}")
+            raise TypeError(f"collect_regmean_stats_ray: {name}= is not passed on; {hint}")
     accepted = inspect.signature(collect_regmean_stats).parameters
     unknown = sorted(set(kwargs) - set(accepted))
     if unknown:
@@ -225,7 +228,8 @@ def collect_regmean_stats_ray(
     ----------
     model
         A ``save_pretrained`` folder (each worker loads it with
-        :func:`lmdx.merge.load_model`; on a cluster the path must exist on every node), or a
+        :func:`lmdx.merge.load_model`; on a cluster the path must exist on every node, and
+        with ``address=None`` also here, where it is checked first), or a
         zero-argument callable that returns the torch model (pickled by Ray and called once
         in every worker; it must return the same weights every time).
     batches
@@ -236,9 +240,11 @@ def collect_regmean_stats_ray(
         single-process run.
     address
         ``None``: use the running Ray if ``ray.init`` was called already, otherwise start a
-        local one (``num_workers × threads_per_worker`` CPUs, no dashboard) and shut it down
-        at the end. ``"auto"``, ``"ray://host:port"`` or ``"host:port"``: connect to that
-        cluster (disconnect at the end; a running connection is reused).
+        new local one (``num_workers × threads_per_worker`` CPUs, no dashboard; neither
+        ``RAY_ADDRESS`` nor a ``ray start`` cluster is joined) and shut it down at the end.
+        ``"auto"`` (``RAY_ADDRESS`` or the ``ray start`` cluster of this machine),
+        ``"ray://host:port"`` or ``"host:port"``: connect to that cluster and disconnect at
+        the end. If ``ray.init`` was called already, that connection is used as it is.
     num_workers
         Ray actors, each loading the model once and collecting one shard.
     threads_per_worker
@@ -248,7 +254,9 @@ def collect_regmean_stats_ray(
     **collect_kwargs
         Passed on to :func:`lmdx.capture.collect_regmean_stats` (``include``, ``exclude``,
         ``include_padding``, ``share_inputs``, ``mask_key``, ``precision``,
-        ``description``); ``progress`` and ``n_threads`` are set by this function.
+        ``description``); ``progress`` and ``n_threads`` are set by this function, and
+        the file-backed collection (``out``, ``max_memory``, ``max_shard_size``) is not
+        available: each worker holds its shard's accumulators in memory.
 
     Returns
     -------
@@ -282,13 +290,15 @@ def collect_regmean_stats_ray(
     if not batches:
         raise ValueError("collect_regmean_stats_ray: batches is empty")
     started = not ray.is_initialized()
-    spec = _model_spec(model, local=started and address is None)
+    spec = _model_spec(model, local=address is None)
     k = min(num_workers, len(batches))
     bounds = shard_bounds(len(batches), k)
 
     if started:
         if address is None:
-            ray.init(num_cpus=num_workers * threads_per_worker, include_dashboard=False)
+            ray.init(  # "local": a new instance even if RAY_ADDRESS or `ray start` says otherwise
+                address="local", num_cpus=num_workers * threads_per_worker, include_dashboard=False
+            )
         else:
             ray.init(address=address)
     actors: list[Any] = []
