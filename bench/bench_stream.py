@@ -48,9 +48,10 @@ def _timed(cmd: list[str], log: Path) -> dict[str, float]:
         proc = subprocess.run(["/usr/bin/time", "-v", *cmd], stdout=f, stderr=subprocess.STDOUT)
     wall = time.perf_counter() - t0
     text = log.read_text()
-    if proc.returncode != 0:
+    found = re.search(r"Maximum resident set size \(kbytes\): (\d+)", text)
+    if proc.returncode != 0 or found is None:
         sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{text[-3000:]}")
-    rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", text).group(1)) * 1024
+    rss = int(found.group(1)) * 1024
     return {"seconds": wall, "peak_rss": rss}
 
 
@@ -151,6 +152,7 @@ def main() -> None:
     ap.add_argument("--max-memory", default="2.5GB", help="lmdx stats --max-memory")
     ap.add_argument("--alpha", type=float, default=0.9)
     ap.add_argument("--step", choices=("all", "build", "check"), default="all")
+    ap.add_argument("--reuse", action="store_true", help="keep models built by an earlier run")
     args = ap.parse_args()
     if args.step == "build":
         return build(args)
@@ -158,16 +160,26 @@ def main() -> None:
         return check(args)
 
     work = Path(args.workdir)
-    if work.exists():
+    if work.exists() and not args.reuse:
         shutil.rmtree(work)
-    work.mkdir(parents=True)
+    work.mkdir(parents=True, exist_ok=True)
+    for stale in ("merged", "merged-mem", *(f"s{i}.safetensors" for i in range(3))):
+        if (work / stale).is_dir():
+            shutil.rmtree(work / stale)
+        elif (work / stale).exists():
+            (work / stale).unlink()
     lmdx = [sys.executable, "-m", "lmdx"]
     me = [sys.executable, str(HERE), "--workdir", str(work), "--layers", str(args.layers),
           "--hidden", str(args.hidden), "--intermediate", str(args.intermediate),
           "--vocab", str(args.vocab), "--shard", args.shard,
           "--alpha", str(args.alpha)]  # fmt: skip
     results: dict[str, object] = {"args": vars(args)}
-    results["build"] = _timed([*me, "--step", "build"], work / "build.log")
+    if not (args.reuse and (work / "m2" / "config.json").is_file()):
+        results["build"] = _timed([*me, "--step", "build"], work / "build.log")
+    else:
+        text = (work / "build.log").read_text()
+        rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", text)
+        results["build"] = {"seconds": float("nan"), "peak_rss": int(rss.group(1)) * 1024}
     sizes = [
         sum(f.stat().st_size for f in (work / f"m{i}").glob("*.safetensors")) for i in range(3)
     ]

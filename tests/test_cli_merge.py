@@ -348,3 +348,95 @@ def test_stats_errors(workspace: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert main(["stats", "show", str(truncated)]) == 1
     assert "truncated" in capsys.readouterr().err
     assert not out.exists()
+
+
+# --------------------------------------------------------------------------- out of core
+
+
+def _same_tensors(a: Statistics, b: Statistics) -> None:
+    assert a.modules == b.modules
+    for m in a.modules:
+        assert a.count(m) == b.count(m)
+        assert np.array_equal(a.gram(m), b.gram(m)), m
+        assert np.array_equal(a.sum(m), b.sum(m)), m
+
+
+def test_stats_disk_backed_and_sharded(workspace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = workspace / "s0-sharded"
+    rc = main(
+        [
+            "stats",
+            str(workspace / "m0"),
+            str(workspace / "all.txt"),
+            "--batch-size",
+            "8",
+            "--max-memory",
+            "30KB",
+            "--max-shard-size",
+            "20KB",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
+    assert rc == 0, capsys.readouterr().err
+    assert out.is_dir() and len(list(out.glob("stats-*.safetensors"))) > 1
+    got = Statistics.load(out)
+    assert got.extra["passes"] > 1
+    _same_tensors(got, Statistics.load(workspace / "s0.safetensors"))
+    # shards add like files, into a sharded folder
+    added = workspace / "added-sharded"
+    files = [str(out), str(workspace / "s0.safetensors")]
+    assert main(["stats", "add", *files, "--out", str(added), "--max-shard-size", "20KB"]) == 0
+    total = Statistics.load(added)
+    ref = Statistics.load(workspace / "s0.safetensors")
+    assert np.array_equal(total.gram(MODULE), 2 * ref.gram(MODULE))
+    assert main(["stats", "show", str(added)]) == 0
+    assert "regmean-gram" in capsys.readouterr().out
+    fisher = ["--kind", "fisher", "--max-memory", "1GB", "--out", str(workspace / "f.st")]
+    assert main(["stats", str(workspace / "m0"), str(workspace / "all.txt"), *fisher]) == 2
+    assert "--max-memory: only for --kind regmean" in capsys.readouterr().err
+
+
+def test_merge_dry_run_and_in_memory_equal_streaming(
+    workspace: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = _regmean_config(workspace, "ooc.yaml")
+    out = workspace / "ooc-stream"
+    assert main(["merge", str(cfg), "--out", str(out), "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "regmean" in text and "GB peak estimated" in text and "dry run" in text
+    assert not out.exists()
+    assert main(["merge", str(cfg), "--out", str(out), "--no-progress"]) == 0
+    assert "peak RSS" in capsys.readouterr().out
+    mem = workspace / "ooc-mem"
+    assert main(["merge", str(cfg), "--out", str(mem), "--in-memory", "--no-progress"]) == 0
+    a = BertForSequenceClassification.from_pretrained(str(out)).state_dict()
+    b = BertForSequenceClassification.from_pretrained(str(mem)).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert json.loads((out / "lmdx_merge.json").read_text())["report"]["streaming"] is True
+
+
+def test_sigterm_during_merge_leaves_nothing(workspace: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import time
+
+    cfg = _regmean_config(workspace, "term.yaml")
+    out = tmp_path / "merged"
+    script = (
+        "import time, lmdx.stream as s\n"
+        "s.regmean_merge_layer = lambda *a, **k: time.sleep(60)\n"
+        "from lmdx.cli import main\n"
+        f"raise SystemExit(main(['merge', {str(cfg)!r}, '--out', {str(out)!r}, '--no-progress']))\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and not _leftovers(tmp_path):
+        time.sleep(0.05)
+    assert _leftovers(tmp_path), "the merge started writing"
+    proc.terminate()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted; nothing was written" in err
+    assert list(tmp_path.iterdir()) == []

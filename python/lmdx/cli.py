@@ -6,8 +6,10 @@ import argparse
 import math
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,22 @@ CHUNK_TEXTS = 8192
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point; a SIGTERM (e.g. from a job scheduler) is handled like Ctrl-C, so
+    partial outputs are removed before the process ends."""
+    if threading.current_thread() is not threading.main_thread():
+        return _main(argv)
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt("terminated (SIGTERM)")
+
+
+def _main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="lmdx", description="Fast, exact RegMean merging and LMD on CPU."
     )

@@ -272,9 +272,12 @@ def run_stats_cli(argv: list[str]) -> int:
     except CliError as exc:
         print(f"lmdx stats: error: {exc}", file=sys.stderr)
         return 2
-    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as exc:
+    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError, OSError) as exc:
         print(f"lmdx stats: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("lmdx stats: interrupted; nothing was written", file=sys.stderr)
+        return 130
 
 
 def _check_out_file(out: Path) -> None:
