@@ -21,13 +21,15 @@ from .decompose import (
     SplitMoments,
 )
 from .distributed import collect_regmean_stats_ray  # imports Ray only when called
+from .io import DiskFullError
 from .merge import MergeError, MergeResult, merge_models, save_merged
-from .merge_config import load_merge_config, run_merge
+from .merge_config import load_merge_config, plan_merge, run_merge
 from .moments import DEFAULT_CHUNK_ROWS, Moments
 from .plots import plot_group_r2, plot_pairwise_heatmap
 from .regmean import RegMeanResult, regmean_merge_layer
 from .spd import SolveResult, spd_solve
 from .stats import ModelMismatchError, Statistics, StatisticsFileError, add_statistics
+from .stream import Checkpoint, MergePlan, StreamMergeResult, stream_merge
 
 __version__: str = _native.__version__
 
@@ -38,10 +40,13 @@ __all__ = [
     "MIN_ROWS_PER_DIM",
     "SPLITS",
     "BlockLayout",
+    "Checkpoint",
     "Decomposition",
     "DecompositionResult",
+    "DiskFullError",
     "LMDFit",
     "MergeError",
+    "MergePlan",
     "MergeResult",
     "ModelMismatchError",
     "Moments",
@@ -53,6 +58,7 @@ __all__ = [
     "SplitMoments",
     "Statistics",
     "StatisticsFileError",
+    "StreamMergeResult",
     "__version__",
     "add_statistics",
     "collect_fisher",
@@ -63,6 +69,7 @@ __all__ = [
     "fisher_average",
     "load_merge_config",
     "merge_models",
+    "plan_merge",
     "plot_group_r2",
     "plot_pairwise_heatmap",
     "regmean_merge_layer",
@@ -70,6 +77,7 @@ __all__ = [
     "save_merged",
     "show_config",
     "spd_solve",
+    "stream_merge",
     "text_batches",
     "weighted_average",
 ]
