@@ -296,7 +296,7 @@ def remove_stale_temporaries(path: str | os.PathLike[str]) -> list[Path]:
     """Remove temporary files/folders beside ``path`` left by killed lmdx runs on this
     host (their process is gone); return what was removed."""
     path = Path(path)
-    removed = []
+    removed: list[Path] = []
     if not path.parent.is_dir():
         return removed
     for entry in path.parent.glob(f".{glob_escape(path.name)}.lmdx-*.tmp"):

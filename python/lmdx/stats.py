@@ -393,6 +393,7 @@ class Statistics:
             except json.JSONDecodeError as exc:
                 raise StatisticsFileError(f"{where}: metadata is not valid JSON ({exc})") from None
         _validate_metadata(meta, where)
+        assert isinstance(meta, dict)
         stats = cls(
             kind=meta["kind"],
             model=meta["model"],
@@ -523,7 +524,7 @@ class StatisticsWriter:
                 w = SafetensorsWriter(
                     self.path, specs, {"lmdx": json.dumps(metadata)}, header_reserve=reserve
                 )
-                self._single = w
+                self._single: SafetensorsWriter | None = w
                 return
             self._single = None
             limit = _size(max_shard_size)

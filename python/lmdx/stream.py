@@ -106,7 +106,7 @@ class Checkpoint:
         self.path = Path(path)
         self.label = label or str(path)
         self.config: dict[str, Any] = {}
-        self._files: dict[str, SafetensorsFile] = {}
+        self._files: dict[Path, SafetensorsFile] = {}
         self._where: dict[str, SafetensorsFile] = {}
         self._sha: dict[str, str] = {}
         if self.path.is_file():
@@ -424,7 +424,7 @@ def _base_model_info(config: Mapping[str, Any]) -> tuple[str, str | None]:
     base = MODEL_MAPPING_NAMES.get(str(config.get("model_type")))
     if isinstance(base, (list, tuple)):
         base = base[0]
-    return str(prefix), base
+    return str(prefix), None if base is None else str(base)
 
 
 # --------------------------------------------------------------------------- merge
@@ -529,8 +529,8 @@ def stream_merge(
         assert stat_objs is not None
         tied_set = set(tied) | set(tied.values())
         steps = _plan_regmean(ckpts, stat_objs, body, tied_set, exclude, heads, labels)
-        for s in steps:
-            covered.update(s.tensors)
+        for step in steps:
+            covered.update(step.tensors)
     for n in body:
         if n in covered:
             continue
@@ -543,8 +543,8 @@ def stream_merge(
         else:
             kind = "average"
         steps.append(Step(kind, [n]))
-    for s in steps:
-        s.memory = _step_memory(s, ckpts[0], k, out_size)
+    for step in steps:
+        step.memory = _step_memory(step, ckpts[0], k, out_size)
 
     prefix, base_class = ("", None)
     if head_policy == "drop":
@@ -656,7 +656,10 @@ def stream_merge(
                         ),
                     }
                     for lab, c, s in zip(
-                        labels, ckpts, stat_objs or [None] * len(ckpts), strict=True
+                        labels,
+                        ckpts,
+                        list(stat_objs) if stat_objs else [None] * len(ckpts),
+                        strict=True,
                     )
                 },
                 **(dict(record) if record else {}),
