@@ -47,6 +47,7 @@ def add_stats_parser(sub: Any) -> None:
             "examples:\n"
             "  lmdx stats finetuned/bbc corpus:bbc_news --max-texts 1000 --out bbc.safetensors\n"
             "  lmdx stats finetuned/bbc train.jsonl --kind fisher --out bbc-fisher.safetensors\n"
+            "  lmdx stats finetuned/bbc corpus:bbc_news --out bbc.safetensors --ray --workers 4\n"
             "  lmdx stats add part1.safetensors part2.safetensors --out all.safetensors"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
