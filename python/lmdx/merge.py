@@ -413,6 +413,17 @@ def _load_stats(
     identities: Sequence[Mapping[str, Any]],
     labels: Sequence[str],
 ) -> list[Statistics] | None:
+    objs = open_stats(stats, method, k, labels)
+    for s, ident, lab in zip(objs or [], identities, labels, strict=bool(objs)):
+        s.check_model(ident, lab)
+    return objs
+
+
+def open_stats(
+    stats: Sequence[Any] | None, method: str, k: int, labels: Sequence[str]
+) -> list[Statistics] | None:
+    """The K statistics a method needs (None for methods without), loaded and checked for
+    kind and a common padding policy; not yet checked against the models."""
     if method not in ("regmean", "fisher"):
         if stats:
             raise MergeError(f"method {method!r} takes no statistics")
@@ -424,17 +435,13 @@ def _load_stats(
             f"{0 if stats is None else len(stats)}"
         )
     objs = [s if isinstance(s, Statistics) else Statistics.load(s) for s in stats]
-    for i, (s, ident, lab) in enumerate(zip(objs, identities, labels, strict=True)):
+    for i, (s, lab) in enumerate(zip(objs, labels, strict=True)):
         if s.kind != kind:
             raise MergeError(f"stats[{i}] ({s.source or lab}): kind {s.kind!r}, expected {kind!r}")
-        s.check_model(ident, lab)
-    if kind == "regmean-gram":
-        pads = {s.padding for s in objs}
-        if len(pads) > 1:
-            raise MergeError(
-                "statistics mix padding policies (excluded and included); collect them all "
-                "the same way"
-            )
+    if kind == "regmean-gram" and len({s.padding for s in objs}) > 1:
+        raise MergeError(
+            "statistics mix padding policies (excluded and included); collect them all the same way"
+        )
     return objs
 
 
@@ -549,16 +556,12 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def _parse_size(size: int | str) -> int:
-    if isinstance(size, int):
-        return size
-    s = str(size).strip().upper()
-    for unit, mult in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)):
-        if s.endswith(unit):
-            try:
-                return int(float(s[: -len(unit)]) * mult)
-            except ValueError:
-                break
-    raise MergeError(f"max_shard_size: expected e.g. '2GB' or bytes, got {size!r}")
+    from .stats import _size
+
+    try:
+        return _size(size)
+    except ValueError:
+        raise MergeError(f"max_shard_size: expected e.g. '2GB' or bytes, got {size!r}") from None
 
 
 def save_merged(

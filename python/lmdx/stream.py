@@ -35,6 +35,7 @@ from ._tensors import as_tensor_array
 from .average import fisher_average, weighted_average
 from .embed import _progress
 from .io import (
+    ST_NUMPY,
     DiskFullError,
     SafetensorsFile,
     SafetensorsWriter,
@@ -51,6 +52,7 @@ from .merge import (
     _finite,
     _matches,
     _parse_size,
+    open_stats,
 )
 from .regmean import regmean_merge_layer
 from .stats import ModelMismatchError, Statistics, describe_mismatch
@@ -59,18 +61,7 @@ __all__ = ["Checkpoint", "MergePlan", "StreamMergeResult", "peak_rss_bytes", "st
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-_TORCH_OF = {
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U8": "uint8",
-    "BOOL": "bool",
-}
+_TORCH_OF = {st: ("bfloat16" if st == "BF16" else np_name) for st, np_name in ST_NUMPY.items()}
 _ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 _OUT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -507,7 +498,7 @@ def stream_merge(
     head_names = [n for n in names if _matches(n, heads)]
     body = [n for n in names if not _matches(n, heads)]
     _check_same_layout(ckpts, body, heads)
-    stat_objs = _stats_for(stats, method, k)
+    stat_objs = open_stats(stats, method, k, labels)
     tied: dict[str, str] = {}
     if stat_objs is not None:
         for c, s in zip(ckpts, stat_objs, strict=True):
@@ -693,28 +684,6 @@ def _check_same_layout(
                 f"{c.label} has tensors {ref.label} lacks (e.g. {extra[0]!r}): the models do "
                 "not share one architecture"
             )
-
-
-def _stats_for(stats: Sequence[Any] | None, method: str, k: int) -> list[Statistics] | None:
-    if method not in ("regmean", "fisher"):
-        if stats:
-            raise MergeError(f"method {method!r} takes no statistics")
-        return None
-    kind = "regmean-gram" if method == "regmean" else "fisher"
-    if stats is None or len(stats) != k:
-        raise MergeError(
-            f"method {method!r} needs one {kind} statistics per model ({k}), got "
-            f"{0 if stats is None else len(stats)}"
-        )
-    objs = [s if isinstance(s, Statistics) else Statistics.load(s) for s in stats]
-    for i, s in enumerate(objs):
-        if s.kind != kind:
-            raise MergeError(f"stats[{i}] ({s.source}): kind {s.kind!r}, expected {kind!r}")
-    if kind == "regmean-gram" and len({s.padding for s in objs}) > 1:
-        raise MergeError(
-            "statistics mix padding policies (excluded and included); collect them all the same way"
-        )
-    return objs
 
 
 def _check_disk(out_dir: Path, nbytes: int) -> None:
