@@ -290,10 +290,10 @@ def test_existing_output_is_refused(folders, tmp_path):
 
 
 def test_interrupt_leaves_nothing(folders, tmp_path, monkeypatch):
-    import lmdx.stream as stream
+    import lmdx.merge as merge
 
     calls = {"n": 0}
-    real = stream.regmean_merge_layer
+    real = merge.regmean_merge_layer
 
     def interrupted(*args, **kwargs):
         calls["n"] += 1
@@ -301,12 +301,12 @@ def test_interrupt_leaves_nothing(folders, tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(stream, "regmean_merge_layer", interrupted)
+    monkeypatch.setattr(merge, "regmean_merge_layer", interrupted)
     f = folders["bert"]
     with pytest.raises(KeyboardInterrupt):
         stream_merge(f["models"], tmp_path / "o", stats=f["stats"], progress=False)
     assert os.listdir(tmp_path) == []
-    monkeypatch.setattr(stream, "regmean_merge_layer", real)
+    monkeypatch.setattr(merge, "regmean_merge_layer", real)
     stream_merge(f["models"], tmp_path / "o", stats=f["stats"], progress=False)  # re-run works
     assert os.listdir(tmp_path) == ["o"]
 
@@ -345,11 +345,10 @@ def test_killed_merge_leaves_no_output_and_the_next_run_cleans_up(folders, tmp_p
     f = folders["bert"]
     script = textwrap.dedent(
         f"""
-        import time, lmdx.stream as s
-        real = s.regmean_merge_layer
+        import time, lmdx.merge as m, lmdx.stream as s
         def slow(*a, **k):
             time.sleep(60)
-        s.regmean_merge_layer = slow
+        m.regmean_merge_layer = slow
         s.stream_merge({[str(p) for p in f["models"]]!r}, {str(tmp_path / "o")!r},
                        stats={[str(p) for p in f["stats"]]!r}, progress=False)
         """
@@ -357,9 +356,10 @@ def test_killed_merge_leaves_no_output_and_the_next_run_cleans_up(folders, tmp_p
     proc = subprocess.Popen([sys.executable, "-c", script])
     try:
         deadline = time.time() + 60
-        while time.time() < deadline and not _leftovers(tmp_path):
+        while time.time() < deadline and not _leftovers(tmp_path) and proc.poll() is None:
             time.sleep(0.05)
         time.sleep(0.3)
+        assert proc.poll() is None, "the merge process is still running"
         assert _leftovers(tmp_path), "the merge started writing"
     finally:
         proc.kill()

@@ -287,22 +287,15 @@ def merge_models(
     try:
         if method == "regmean":
             assert stat_objs is not None
-            _regmean(
-                body,
-                set(tied) | set(tied.values()),
-                stat_objs,
-                merged,
-                report,
-                labels,
-                alpha,
-                coef,
-                exclude,
-                heads,
-                ridge,
-                allow_regularization,
-                n_threads,
-                bar,
-            )
+            options = RegMeanOptions(alpha, coef, ridge, allow_regularization, n_threads)
+            skip = set(tied) | set(tied.values())
+            for members in regmean_groups(stat_objs, body[0], skip, exclude, heads, labels):
+                weights = [[b[stat_objs[0].modules[m]["weight"]] for m in members] for b in body]
+                for w, value in solve_group(
+                    members, weights, stat_objs, labels, options, report
+                ).items():
+                    merged[w] = value
+                    bar.update(1)
         elif method == "fisher":
             assert stat_objs is not None
             for name in names:
@@ -460,94 +453,97 @@ def _tied_names(state: Mapping[str, Any]) -> dict[str, str]:
     return tied
 
 
-def _regmean(
-    body: Sequence[Mapping[str, Any]],
-    tied: set[str],
+@dataclass(frozen=True)
+class RegMeanOptions:
+    """Options of every RegMean solve of one merge (see :func:`merge_models`)."""
+
+    alpha: float = 1.0
+    coefficients: list[float] | None = None
+    ridge: float = 0.0
+    allow_regularization: bool = True
+    n_threads: int | None = None
+
+
+def regmean_groups(
     stats: Sequence[Statistics],
-    merged: dict[str, Any],
-    report: dict[str, Any],
-    labels: Sequence[str],
-    alpha: float,
-    coef: list[float] | None,
+    weights: set[str] | Mapping[str, Any],
+    skip: set[str],
     exclude: Sequence[str],
     heads: Sequence[str],
-    ridge: float,
-    allow_regularization: bool,
-    n_threads: int | None,
-    bar: Any,
-) -> None:
-    common = [m for m in stats[0].modules if all(m in s.modules for s in stats[1:])]
+    labels: Sequence[str],
+) -> list[list[str]]:
+    """The modules RegMean solves, grouped: modules that share one input Gram in every
+    statistics file are solved together (one factorization). ``weights``: the weight
+    names the models have; ``skip``: weights never solved (tied ones)."""
     for i, s in enumerate(stats):
         missing = [m for m in stats[0].modules if m not in s.modules]
         if missing:
             raise MergeError(
                 f"statistics of {labels[i]} lack module {missing[0]!r} that {labels[0]}'s have"
             )
-    selected = []
-    for m in common:
-        info = stats[0].modules[m]
-        if _matches(m, exclude) or _matches(info["weight"], heads) or info["weight"] in tied:
-            continue
-        if info["weight"] not in body[0]:
-            raise MergeError(
-                f"statistics name module {m!r} but the models have no {info['weight']!r}"
-            )
-        selected.append(m)
-    # modules sharing one input Gram in every file are solved together
     by_group: dict[tuple[str, ...], list[str]] = {}
-    for m in selected:
-        key = (*tuple(s.group_of(m) for s in stats), stats[0].modules[m]["layout"])
+    for m, info in stats[0].modules.items():
+        w = info["weight"]
+        if _matches(m, exclude) or _matches(w, heads) or w in skip:
+            continue
+        if w not in weights:
+            raise MergeError(f"statistics name module {m!r} but the models have no {w!r}")
+        key = (*(s.group_of(m) for s in stats), info["layout"])
         by_group.setdefault(key, []).append(m)
-    for members in by_group.values():
-        layout = stats[0].modules[members[0]]["layout"]
-        weights_k = []
-        sizes = []
-        for b in body:
-            ws = [b[stats[0].modules[m]["weight"]] for m in members]
-            sizes = [int(w.shape[0] if layout == "linear" else w.shape[1]) for w in ws]
-            arrays = [as_tensor_array(w, f"{m}.weight") for m, w in zip(members, ws, strict=True)]
-            weights_k.append(
-                np.concatenate(arrays, axis=0 if layout == "linear" else 1)
-                if len(arrays) > 1
-                else arrays[0]
-            )
-        grams = [s.gram(members[0]) for s in stats]
-        counts = [s.count(members[0]) for s in stats]
-        for i, n in enumerate(counts):
-            if n <= 0:
-                raise MergeError(f"statistics of {labels[i]}: module {members[0]!r} saw no rows")
-        name = (
-            members[0]
-            if len(members) == 1
-            else f"{members[0]} (+{len(members) - 1} sharing its input)"
-        )
-        res = regmean_merge_layer(
-            grams,
-            weights_k,
-            counts,
-            alpha=alpha,
-            coefficients=coef,
-            layout=layout,
-            ridge=ridge,
-            allow_regularization=allow_regularization,
-            name=name,
-            n_threads=n_threads,
-        )
-        del grams
-        start = 0
-        for m, size in zip(members, sizes, strict=True):
-            w = stats[0].modules[m]["weight"]
-            if layout == "linear":
-                merged[w] = res.weight[start : start + size]
-            else:
-                merged[w] = res.weight[:, start : start + size]
-            start += size
-            report["layers"][m] = {
-                "ridge": float(res.info.ridge),
-                "attempts": int(res.info.attempts),
-                "shared_with": members[0] if m != members[0] else None,
-            }
-            bar.update(1)
+    return list(by_group.values())
+
+
+def solve_group(
+    members: Sequence[str],
+    weights: Sequence[Sequence[Any]],
+    stats: Sequence[Statistics],
+    labels: Sequence[str],
+    options: RegMeanOptions,
+    report: dict[str, Any],
+) -> dict[str, NDArray[np.float64]]:
+    """RegMean of one group: ``weights[i]`` are model i's weights of ``members``; returns
+    weight name -> merged float64 weight and records the solver's information."""
+    layout = stats[0].modules[members[0]]["layout"]
+    axis = 0 if layout == "linear" else 1
+    weights_k = []
+    sizes: list[int] = []
+    for ws in weights:
+        arrays = [as_tensor_array(w, f"{m}.weight") for m, w in zip(members, ws, strict=True)]
+        sizes = [int(a.shape[axis]) for a in arrays]
+        weights_k.append(np.concatenate(arrays, axis=axis) if len(arrays) > 1 else arrays[0])
+        del arrays
+    counts = [s.count(members[0]) for s in stats]
+    for i, n in enumerate(counts):
+        if n <= 0:
+            raise MergeError(f"statistics of {labels[i]}: module {members[0]!r} saw no rows")
+    name = (
+        members[0] if len(members) == 1 else f"{members[0]} (+{len(members) - 1} sharing its input)"
+    )
+    res = regmean_merge_layer(
+        [s.gram(members[0]) for s in stats],
+        weights_k,
+        counts,
+        alpha=options.alpha,
+        coefficients=options.coefficients,
+        layout=layout,
+        ridge=options.ridge,
+        allow_regularization=options.allow_regularization,
+        name=name,
+        n_threads=options.n_threads,
+    )
+    del weights_k
+    out = {}
+    start = 0
+    for m, size in zip(members, sizes, strict=True):
+        part = slice(start, start + size)
+        out[stats[0].modules[m]["weight"]] = res.weight[part] if axis == 0 else res.weight[:, part]
+        start += size
+        report["layers"][m] = {
+            "ridge": float(res.info.ridge),
+            "attempts": int(res.info.attempts),
+            "shared_with": members[0] if m != members[0] else None,
+        }
+    return out
 
 
 # --------------------------------------------------------------------------- saving

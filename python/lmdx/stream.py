@@ -31,7 +31,6 @@ from typing import Any
 
 import numpy as np
 
-from ._tensors import as_tensor_array
 from .average import fisher_average, weighted_average
 from .embed import _progress
 from .io import (
@@ -48,13 +47,15 @@ from .merge import (
     METHODS,
     TOKENIZER_FILES,
     MergeError,
+    RegMeanOptions,
     _coefficients,
     _finite,
     _matches,
     _parse_size,
     open_stats,
+    regmean_groups,
+    solve_group,
 )
-from .regmean import regmean_merge_layer
 from .stats import ModelMismatchError, Statistics, describe_mismatch
 
 __all__ = ["Checkpoint", "MergePlan", "StreamMergeResult", "peak_rss_bytes", "stream_merge"]
@@ -325,7 +326,6 @@ class MergePlan:
 
 
 def _plan_regmean(
-    ckpts: Sequence[Checkpoint],
     stats: Sequence[Statistics],
     body: Sequence[str],
     tied: set[str],
@@ -333,24 +333,8 @@ def _plan_regmean(
     heads: Sequence[str],
     labels: Sequence[str],
 ) -> list[Step]:
-    for i, s in enumerate(stats):
-        missing = [m for m in stats[0].modules if m not in s.modules]
-        if missing:
-            raise MergeError(
-                f"statistics of {labels[i]} lack module {missing[0]!r} that {labels[0]}'s have"
-            )
-    body_set = set(body)
-    by_group: dict[tuple[str, ...], list[str]] = {}
-    for m, info in stats[0].modules.items():
-        w = info["weight"]
-        if _matches(m, exclude) or _matches(w, heads) or w in tied:
-            continue
-        if w not in body_set:
-            raise MergeError(f"statistics name module {m!r} but the models have no {w!r}")
-        key = (*(s.group_of(m) for s in stats), info["layout"])
-        by_group.setdefault(key, []).append(m)
     steps = []
-    for members in by_group.values():
+    for members in regmean_groups(stats, set(body), tied, exclude, heads, labels):
         info = stats[0].modules[members[0]]
         steps.append(
             Step(
@@ -519,7 +503,7 @@ def stream_merge(
     if method == "regmean":
         assert stat_objs is not None
         tied_set = set(tied) | set(tied.values())
-        steps = _plan_regmean(ckpts, stat_objs, body, tied_set, exclude, heads, labels)
+        steps = _plan_regmean(stat_objs, body, tied_set, exclude, heads, labels)
         for step in steps:
             covered.update(step.tensors)
     for n in body:
@@ -587,10 +571,10 @@ def stream_merge(
         report["tied"] = tied
     if method == "task_arithmetic":
         report["scaling"] = float(scaling)
+    options = RegMeanOptions(alpha, coef, ridge, allow_regularization, n_threads)
     worker = _Worker(
-        ckpts, stat_objs, base_ckpt, steps, report, labels, alpha, coef, scaling,
-        fisher_eps, ridge, allow_regularization, n_threads,
-    )  # fmt: skip
+        ckpts, stat_objs, base_ckpt, steps, report, labels, options, scaling, fisher_eps
+    )
     by_source = {src: (out, d, shape) for out, src, d, shape in outputs}
     bar = _progress(len(outputs), f"merge ({method}, streaming)", progress)
     try:
@@ -739,23 +723,15 @@ class _Worker:
         steps: Sequence[Step],
         report: dict[str, Any],
         labels: Sequence[str],
-        alpha: float,
-        coef: list[float] | None,
+        options: RegMeanOptions,
         scaling: float,
         fisher_eps: float,
-        ridge: float,
-        allow_regularization: bool,
-        n_threads: int | None,
     ) -> None:
         self.ckpts, self.stats, self.base = ckpts, stats, base
         self.step_of = {t: s for s in steps for t in s.tensors}
-        self.report, self.labels = report, labels
-        self.alpha, self.coef, self.scaling, self.fisher_eps = alpha, coef, scaling, fisher_eps
-        self.ridge, self.allow_regularization, self.n_threads = (
-            ridge,
-            allow_regularization,
-            n_threads,
-        )
+        self.report, self.labels, self.options = report, labels, options
+        self.coef, self.n_threads = options.coefficients, options.n_threads
+        self.scaling, self.fisher_eps = scaling, fisher_eps
         self.ready: dict[str, Any] = {}
         self.done: set[str] = set()
 
@@ -806,51 +782,10 @@ class _Worker:
 
     def _regmean(self, step: Step) -> None:
         assert self.stats is not None
-        members, layout = step.modules, step.layout
-        axis = 0 if layout == "linear" else 1
-        weights_k = []
-        sizes: list[int] = []
-        for c in self.ckpts:
-            arrays = [as_tensor_array(c.read(w), w) for w in step.tensors]
-            sizes = [int(a.shape[axis]) for a in arrays]
-            weights_k.append(np.concatenate(arrays, axis=axis) if len(arrays) > 1 else arrays[0])
-            del arrays
-        counts = [s.count(members[0]) for s in self.stats]
-        for i, n in enumerate(counts):
-            if n <= 0:
-                raise MergeError(
-                    f"statistics of {self.labels[i]}: module {members[0]!r} saw no rows"
-                )
-        grams = [s.gram(members[0]) for s in self.stats]
-        label = (
-            members[0]
-            if len(members) == 1
-            else f"{members[0]} (+{len(members) - 1} sharing its input)"
+        weights = [[c.read(w) for w in step.tensors] for c in self.ckpts]
+        solved = solve_group(
+            step.modules, weights, self.stats, self.labels, self.options, self.report
         )
-        res = regmean_merge_layer(
-            grams,
-            weights_k,
-            counts,
-            alpha=self.alpha,
-            coefficients=self.coef,
-            layout=layout,  # type: ignore[arg-type]
-            ridge=self.ridge,
-            allow_regularization=self.allow_regularization,
-            name=label,
-            n_threads=self.n_threads,
-        )
-        del grams, weights_k
-        start = 0
-        for m, w, size in zip(members, step.tensors, sizes, strict=True):
-            part = (
-                res.weight[start : start + size]
-                if axis == 0
-                else res.weight[:, start : start + size]
-            )
-            self.ready[w] = self._cast(w, part)
-            start += size
-            self.report["layers"][m] = {
-                "ridge": float(res.info.ridge),
-                "attempts": int(res.info.attempts),
-                "shared_with": members[0] if m != members[0] else None,
-            }
+        del weights
+        for w, value in solved.items():
+            self.ready[w] = self._cast(w, value)
