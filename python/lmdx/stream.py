@@ -352,16 +352,16 @@ def _step_memory(step: Step, ckpt: Checkpoint, k: int, out_size: int) -> int:
     n = sum(int(np.prod(ckpt.shape(t))) for t in step.tensors)
     read = sum(ckpt.nbytes(t) for t in step.tensors)
     widened = 4 * n if any(ckpt.dtype(t) in ("bfloat16", "float16") for t in step.tensors) else 0
+    out = n * out_size if out_size else read  # 0: the input's dtype
     if step.kind == "regmean":
         d = step.dim
-        # K reads + K concatenated float32 copies, K float64 Grams (+ one packed read),
-        # the summed system, float64 right-hand side and result, the cast result
-        return (
-            k * (read + widened + 4 * n) + (k + 1) * 8 * d * d + 4 * d * d + 16 * n + n * out_size
-        )
+        joined = 4 * n if len(step.tensors) > 1 else 0  # concatenated members
+        # K reads (+ copies), K float64 Grams (+ one packed read), the summed system, the
+        # float64 right-hand side/result and its copy out of the core, the cast result
+        return k * (read + widened + joined) + (k + 1) * 8 * d * d + 4 * d * d + 16 * n + out
     # K reads (+ widened copies), float64 result (+ Fisher weights), the cast result
     extra = 2 * k * 8 * n if step.kind == "fisher" else 0
-    return k * (read + widened) + 16 * n + extra + n * out_size
+    return k * (read + widened) + 8 * n + extra + out
 
 
 def _shards(
@@ -497,7 +497,7 @@ def stream_merge(
         raise MergeError(f"method {method!r} takes no base model")
 
     # ---- plan: steps, outputs, shards, estimates
-    out_size = 8 if dtype == "auto" else _ITEMSIZE[dtype]
+    out_size = 0 if dtype == "auto" else _ITEMSIZE[dtype]  # 0: the input's
     steps: list[Step] = []
     covered: set[str] = set()
     if method == "regmean":
