@@ -279,6 +279,24 @@ def test_one_and_two_threads_bit_identical_default_chunks(rng, dtype):
     assert_moments_match(one, x[mask], input_dtype=dtype)
 
 
+@pytest.mark.parametrize("d", [513, 700])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_threads_share_one_chunk_by_panels(rng, d, weighted):
+    """Fewer chunks than threads (one collection batch): the threads split each chunk's
+    Gram by column panels (d > 512, float32); bit-identical to one thread, and within
+    the float32 bound of the float64 reference."""
+    x = rng.standard_normal((300, d)).astype(np.float32)
+    x[:, :5] += 3.0  # a shifted block, as in real activations
+    w = rng.integers(0, 2, 300).astype(np.float64) if weighted else None
+    w = None if w is None else np.where(np.arange(300) % 7 == 0, 0.25, w)
+    one = lmdx.Moments(d).update(x, weights=w, n_threads=1)
+    for threads in (2, 3):
+        many = lmdx.Moments(d).update(x, weights=w, n_threads=threads)
+        assert np.array_equal(one.gram(), many.gram())
+        assert np.array_equal(one.sum, many.sum) and one.count == many.count
+    assert_moments_match(one, x, w, input_dtype=np.float32)
+
+
 def test_concurrent_python_threads(rng):
     # The GIL is released during updates: several Python threads update one shared
     # accumulator (serialized by its mutex) and their own accumulators (sharing the

@@ -42,31 +42,45 @@ constexpr Index kInnerRows = 64;
 // two threads memory-bound at d = 3072).
 constexpr Index kPanel = 256;
 
+// Rows [r, r + kInnerRows) at a time into the panel of columns [j0, j0 + w) of the lower
+// triangle: its diagonal block and everything below it.
+template <typename T, typename Block>
+void panel_update(MatrixX<T>& gram, const Block& block, Index j0) {
+  const Index m = block.cols();
+  const Index d = gram.rows();
+  const Index w = std::min(kPanel, d - j0);
+  const Index rest = d - j0 - w;
+  auto diagonal = gram.block(j0, j0, w, w);
+  auto below = gram.block(j0 + w, j0, rest, w);
+  for (Index r = 0; r < m; r += kInnerRows) {
+    const auto rows = block.middleCols(r, std::min(kInnerRows, m - r));
+    diagonal.template selfadjointView<Eigen::Lower>().rankUpdate(rows.middleRows(j0, w));
+    if (rest > 0) {
+      below.noalias() += rows.middleRows(j0 + w, rest) * rows.middleRows(j0, w).transpose();
+    }
+  }
+}
+
+// Whether the Gram of dimension d is updated panel by panel (and so can be split across
+// threads by panels).
+template <typename T>
+constexpr bool by_panels(Index d) {
+  return std::is_same_v<T, float> && d > 2 * kPanel;
+}
+
 template <typename T, typename Block>
 void rank_update(MatrixX<T>& gram, const Block& block) {
   const Index m = block.cols();
   const Index d = gram.rows();
   if constexpr (!std::is_same_v<T, float>) {
     gram.template selfadjointView<Eigen::Lower>().rankUpdate(block);
-  } else if (d <= 2 * kPanel) {
+  } else if (!by_panels<T>(d)) {
     for (Index r = 0; r < m; r += kInnerRows) {
       gram.template selfadjointView<Eigen::Lower>().rankUpdate(
           block.middleCols(r, std::min(kInnerRows, m - r)));
     }
   } else {
-    for (Index j0 = 0; j0 < d; j0 += kPanel) {
-      const Index w = std::min(kPanel, d - j0);
-      const Index rest = d - j0 - w;
-      auto diagonal = gram.block(j0, j0, w, w);
-      auto below = gram.block(j0 + w, j0, rest, w);
-      for (Index r = 0; r < m; r += kInnerRows) {
-        const auto rows = block.middleCols(r, std::min(kInnerRows, m - r));
-        diagonal.template selfadjointView<Eigen::Lower>().rankUpdate(rows.middleRows(j0, w));
-        if (rest > 0) {
-          below.noalias() += rows.middleRows(j0 + w, rest) * rows.middleRows(j0, w).transpose();
-        }
-      }
-    }
+    for (Index j0 = 0; j0 < d; j0 += kPanel) panel_update(gram, block, j0);
   }
 }
 
@@ -115,10 +129,15 @@ void Moments::update_impl(const T* x, Index rows, const double* weights, int n_t
   const Index d = dim_;
   const Index chunk = chunk_rows_;
   const Index n_chunks = (rows + chunk - 1) / chunk;
-  const int threads = static_cast<int>(std::min<Index>(resolve_threads(n_threads), n_chunks));
-  ScratchLease<T> scratch(d, threads);
+  const int wanted = resolve_threads(n_threads);
+  // Fewer chunks than threads (one batch of <= chunk_rows rows is the common case when
+  // collecting statistics): the threads share each chunk's Gram by column panels instead.
+  const bool share_chunks = wanted > n_chunks && by_panels<T>(d);
+  const int threads =
+      share_chunks ? wanted : static_cast<int>(std::min<Index>(wanted, n_chunks));
+  ScratchLease<T> scratch(d, share_chunks ? 1 : threads);
   if (weights != nullptr) {
-    for (int t = 0; t < threads; ++t) {
+    for (int t = 0; t < (share_chunks ? 1 : threads); ++t) {
       if (scratch[t].rows.cols() < chunk) scratch[t].rows.resize(d, chunk);
     }
   }
@@ -136,7 +155,10 @@ void Moments::update_impl(const T* x, Index rows, const double* weights, int n_t
     }
   }
 
-  auto process_chunk = [&](Index c, GramScratch<T>& s) {
+  // The rows of chunk c that enter the Gram (column r = one row): a view of the input
+  // when every weight is 1, else the kept rows (weight > 0) scaled by sqrt(weight),
+  // gathered into s.rows. Adds the chunk's weighted row sum into s.sum.
+  auto gather_chunk = [&](Index c, GramScratch<T>& s) -> Eigen::Ref<const MatrixX<T>> {
     const Index r0 = c * chunk;
     const Index m = std::min(chunk, rows - r0);
     bool unit = true;
@@ -145,9 +167,8 @@ void Moments::update_impl(const T* x, Index rows, const double* weights, int n_t
     }
     if (unit) {
       const auto block = xt.middleCols(r0, m);
-      rank_update(s.gram, block);
       for (Index r = 0; r < m; ++r) s.sum += block.col(r).template cast<double>();
-      return;
+      return block;
     }
     Index kept = 0;
     for (Index r = r0; r < r0 + m; ++r) {
@@ -161,8 +182,39 @@ void Moments::update_impl(const T* x, Index rows, const double* weights, int n_t
       s.sum += w * xt.col(r).template cast<double>();
       ++kept;
     }
-    if (kept > 0) rank_update(s.gram, s.rows.leftCols(kept));
+    return s.rows.leftCols(kept);
   };
+  auto process_chunk = [&](Index c, GramScratch<T>& s) {
+    const Eigen::Ref<const MatrixX<T>> block = gather_chunk(c, s);
+    if (block.cols() > 0) rank_update(s.gram, block);
+  };
+
+  if (share_chunks) {
+    // One chunk at a time; its panels (same arithmetic as rank_update, so the result is
+    // bit-identical to the one-thread-per-chunk path) are spread over the threads,
+    // largest first; then the float32 Gram is added into the float64 one, by columns.
+    GramScratch<T>& s = scratch[0];
+    const Index n_panels = (d + kPanel - 1) / kPanel;
+    for (Index c = 0; c < n_chunks; ++c) {
+      const Eigen::Ref<const MatrixX<T>> block = gather_chunk(c, s);
+      LMDX_PRAGMA(omp parallel num_threads(threads)) {
+        if (block.cols() > 0) {
+          LMDX_PRAGMA(omp for schedule(dynamic, 1))
+          for (Index p = 0; p < n_panels; ++p) panel_update(s.gram, block, p * kPanel);
+        }
+        LMDX_PRAGMA(omp for schedule(dynamic, 16))
+        for (Index j = 0; j < d; ++j) {
+          auto part = s.gram.col(j).tail(d - j);
+          gram_.col(j).tail(d - j) += part.template cast<double>();
+          part.setZero();
+        }
+      }
+      sum_ += s.sum;
+      s.sum.setZero();
+    }
+    count_ += count;
+    return;
+  }
 
   LMDX_PRAGMA(omp parallel num_threads(threads)) {
     const int t = thread_id();
