@@ -339,3 +339,37 @@ def test_starts_and_stops_its_own_ray(workspace: Path) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     result = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")]
     assert result == ["RESULT False 1 16.0"]
+
+
+# --------------------------------------------------------------------------- merging on Ray
+
+
+def test_streaming_merge_with_ray_workers_is_bit_identical(local_ray: Any, tmp_path: Path) -> None:
+    """RegMean groups solved on 2 Ray actors give the very tensors of the local merge
+    (GPT-2: Conv1D layout, tied lm_head; bf16 output; several output shards)."""
+    import hf_models as H
+    from lmdx.stream import Checkpoint, stream_merge
+
+    _, models, data = H.cached_family("gpt2")
+    paths, stats = [], []
+    for i, (m, b) in enumerate(zip(models, data, strict=True)):
+        m.save_pretrained(tmp_path / f"m{i}", max_shard_size=6000)
+        paths.append(tmp_path / f"m{i}")
+        stats.append(H.collect(m, b).save(tmp_path / f"s{i}", max_shard_size=5000))
+    kwargs = {"stats": stats, "alpha": 0.9, "heads": H.HEADS["gpt2"], "dtype": "bfloat16"}
+    local = stream_merge(paths, tmp_path / "local", progress=False, **kwargs)
+    remote = stream_merge(paths, tmp_path / "ray", progress=False, ray_workers=2, **kwargs)
+    assert remote.report["ray_workers"] == 2 and local_ray.is_initialized()
+    assert remote.report["layers"] == local.report["layers"]
+    a, b = Checkpoint(local.out_dir), Checkpoint(remote.out_dir)
+    assert a.names() == b.names()
+    for name in a.names():
+        assert torch.equal(a.read(name), b.read(name)), name
+
+
+def test_merge_cli_ray_workers_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("method: average\nmodels: [a, b]\n")
+    out = str(tmp_path / "o")
+    assert main(["merge", str(cfg), "--out", out, "--in-memory", "--ray-workers", "2"]) == 2
+    assert "--ray-workers: only for the streaming merge" in capsys.readouterr().err

@@ -165,6 +165,15 @@ def add_merge_parser(sub: Any) -> None:
         help="load the models whole instead of streaming them tensor by tensor (needed for "
         "pickle .bin checkpoints)",
     )
+    p.add_argument(
+        "--ray-workers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="solve the RegMean layers on N Ray actors (lmdx[ray]; a local Ray unless "
+        "--ray-address)",
+    )
+    p.add_argument("--ray-address", default=None, metavar="ADDRESS", help="auto or HOST:PORT")
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -456,6 +465,10 @@ def run_merge_cli(args: argparse.Namespace) -> int:
         out = Path(args.out)
         if out.exists():
             raise CliError(f"--out {out}: already exists; choose a new folder")
+        if args.ray_workers and args.in_memory:
+            raise CliError("--ray-workers: only for the streaming merge; drop --in-memory")
+        if args.ray_workers < 0:
+            raise CliError(f"--ray-workers: expected N >= 0, got {args.ray_workers}")
         cfg = load_merge_config(args.config)
         if args.dry_run:
             if args.in_memory:
@@ -469,7 +482,14 @@ def run_merge_cli(args: argparse.Namespace) -> int:
             print(f"lmdx merge: dry run; nothing written (would write {out})")
             return 0
         t0 = time.perf_counter()
-        run_merge(cfg, out, progress=not args.no_progress, streaming=not args.in_memory)
+        run_merge(
+            cfg,
+            out,
+            progress=not args.no_progress,
+            streaming=not args.in_memory,
+            ray_workers=args.ray_workers,
+            ray_address=args.ray_address,
+        )
     except (CliError, MergeError, ModelMismatchError, StatisticsFileError) as exc:
         print(f"lmdx merge: error: {exc}", file=sys.stderr)
         return 2

@@ -276,13 +276,16 @@ def run_merge(
     *,
     progress: bool = True,
     streaming: bool = True,
+    ray_workers: int = 0,
+    ray_address: str | None = None,
 ) -> Path:
     """Merge as ``cfg`` says and write the result to ``out_dir`` (atomically).
 
     ``streaming=True`` (default): out of core with :func:`lmdx.stream.stream_merge`
     (safetensors checkpoints; memory bounded by the largest layer); ``False``: load all
     models with transformers and merge in memory (:func:`lmdx.merge.merge_models`; also
-    reads pickle ``.bin`` checkpoints that transformers accepts).
+    reads pickle ``.bin`` checkpoints that transformers accepts). ``ray_workers > 0``
+    solves the RegMean groups on Ray actors (streaming only).
     """
     from .io import file_sha256
     from .merge import load_model, merge_models, save_merged
@@ -301,6 +304,8 @@ def run_merge(
             max_shard_size=cfg.max_shard_size,
             record={"config": cfg.to_dict()},
             progress=progress,
+            ray_workers=ray_workers,
+            ray_address=ray_address,
             **_stream_kwargs(cfg),
         )
         assert result.out_dir is not None

@@ -439,6 +439,8 @@ def stream_merge(
     dry_run: bool = False,
     progress: bool = True,
     n_threads: int | None = None,
+    ray_workers: int = 0,
+    ray_address: str | None = None,
 ) -> StreamMergeResult:
     """Merge K checkpoints out of core into a ``save_pretrained`` folder.
 
@@ -454,6 +456,12 @@ def stream_merge(
     files, ``heads/<i>.safetensors`` (``head_policy="keep"``) and ``lmdx_merge.json``
     (configuration, per-layer solver information, input hashes, peak RSS). It appears
     only when complete.
+
+    ``ray_workers > 0`` solves the RegMean groups on that many Ray actors (``lmdx[ray]``;
+    ``ray_address`` as in :func:`lmdx.collect_regmean_stats_ray`), a few groups ahead of
+    the writer, each actor reading the inputs and statistics itself (on a cluster every
+    node must see the same paths; statistics must be files or folders). Averages and the
+    writing stay in this process. The output is bit-identical to a run without Ray.
     """
     t0 = time.perf_counter()
     if method not in METHODS:
@@ -575,6 +583,23 @@ def stream_merge(
     worker = _Worker(
         ckpts, stat_objs, base_ckpt, steps, report, labels, options, scaling, fisher_eps
     )
+    if ray_workers and method == "regmean":
+        assert stat_objs is not None
+        sources = [s.source for s in stat_objs]
+        if any(src is None or not Path(src).exists() for src in sources):
+            raise MergeError("ray_workers: the statistics must be files or folders (paths)")
+        order = [src for _, src, _, _ in outputs]
+        worker.remote = _RemoteGroups(
+            [str(c.path.absolute()) for c in ckpts],
+            [str(Path(str(src)).absolute()) for src in sources],
+            labels,
+            options,
+            steps,
+            order,
+            ray_workers,
+            ray_address,
+        )
+        report["ray_workers"] = ray_workers
     by_source = {src: (out, d, shape) for out, src, d, shape in outputs}
     bar = _progress(len(outputs), f"merge ({method}, streaming)", progress)
     try:
@@ -642,6 +667,8 @@ def stream_merge(
             (tmp / "lmdx_merge.json").write_text(json.dumps(full, indent=2, default=str))
     finally:
         bar.close()
+        if worker.remote is not None:
+            worker.remote.close()
     return StreamMergeResult(out_dir, plan, report, peak_rss_bytes())
 
 
@@ -734,6 +761,7 @@ class _Worker:
         self.scaling, self.fisher_eps = scaling, fisher_eps
         self.ready: dict[str, Any] = {}
         self.done: set[str] = set()
+        self.remote: _RemoteGroups | None = None
 
     def result(self, name: str) -> Any:
         if name not in self.ready:
@@ -782,6 +810,12 @@ class _Worker:
 
     def _regmean(self, step: Step) -> None:
         assert self.stats is not None
+        if self.remote is not None:
+            stored, layers = self.remote.result(step)
+            self.report["layers"].update(layers)
+            for w, (raw, dtype) in stored.items():
+                self.ready[w] = _from_numpy(raw, dtype)
+            return
         weights = [[c.read(w) for w in step.tensors] for c in self.ckpts]
         solved = solve_group(
             step.modules, weights, self.stats, self.labels, self.options, self.report
@@ -789,3 +823,112 @@ class _Worker:
         del weights
         for w, value in solved.items():
             self.ready[w] = self._cast(w, value)
+
+
+def _from_numpy(raw: Any, dtype: str) -> Any:
+    """Inverse of :func:`_to_numpy`: the stored array as a torch tensor of ``dtype``."""
+    import torch
+
+    arr = np.array(raw)  # a writable copy: Ray hands out read-only views of its store
+    if dtype == "bfloat16":
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(arr)
+
+
+class _GroupSolver:
+    """A Ray actor's state: the inputs and statistics opened once; solves one RegMean
+    group at a time exactly as the local merge does (same kernels, same cast)."""
+
+    def __init__(
+        self,
+        models: list[str],
+        stats: list[str],
+        labels: list[str],
+        options: RegMeanOptions,
+    ) -> None:
+        self.ckpts = [Checkpoint(m, lab) for m, lab in zip(models, labels, strict=True)]
+        self.stats = [Statistics.load(p) for p in stats]
+        self.labels, self.options = labels, options
+
+    def solve(self, step: Step) -> tuple[dict[str, tuple[Any, str]], dict[str, Any]]:
+        report: dict[str, Any] = {"layers": {}}
+        weights = [[c.read(w) for w in step.tensors] for c in self.ckpts]
+        solved = solve_group(step.modules, weights, self.stats, self.labels, self.options, report)
+        del weights
+        import torch
+
+        out = {}
+        for w, value in solved.items():
+            dtype = self.ckpts[0].dtype(w)
+            t = torch.from_numpy(np.ascontiguousarray(_finite(w, np.asarray(value))))
+            out[w] = (_to_numpy(t.to(getattr(torch, dtype)), dtype), dtype)
+        return out, report["layers"]
+
+
+class _RemoteGroups:
+    """RegMean groups solved on Ray actors, submitted in the order the writer needs them
+    and at most ``2 × workers`` ahead (bounding the results held here)."""
+
+    def __init__(
+        self,
+        models: list[str],
+        stats: list[str],
+        labels: list[str],
+        options: RegMeanOptions,
+        steps: Sequence[Step],
+        order: Sequence[str],
+        workers: int,
+        address: str | None,
+    ) -> None:
+        from .distributed import _import_ray
+
+        ray = self.ray = _import_ray()
+        self.started = not ray.is_initialized()
+        if self.started:
+            if address is None:
+                ray.init(address="local", num_cpus=workers, include_dashboard=False)
+            else:
+                ray.init(address=address)
+        cls = ray.remote(num_cpus=1, max_restarts=1, max_task_retries=1)(_GroupSolver)
+        self.actors = [cls.remote(models, stats, labels, options) for _ in range(workers)]
+        step_of = {t: st for st in steps if st.kind == "regmean" for t in st.tensors}
+        seen: set[int] = set()
+        self.queue: list[Step] = []
+        for name in order:  # groups in the order their first member is written
+            st = step_of.get(name)
+            if st is not None and id(st) not in seen:
+                seen.add(id(st))
+                self.queue.append(st)
+        self.position = {id(st): i for i, st in enumerate(self.queue)}
+        self.refs: dict[int, Any] = {}
+        self.next = 0
+        self.window = 2 * workers
+
+    def _submit_until(self, index: int) -> None:
+        while self.next < len(self.queue) and self.next <= index + self.window:
+            actor = self.actors[self.next % len(self.actors)]
+            self.refs[self.next] = actor.solve.remote(self.queue[self.next])
+            self.next += 1
+
+    def result(self, step: Step) -> tuple[dict[str, tuple[Any, str]], dict[str, Any]]:
+        i = self.position[id(step)]
+        self._submit_until(i)
+        ref = self.refs.pop(i)
+        try:
+            return self.ray.get(ref)  # type: ignore[no-any-return]
+        except self.ray.exceptions.RayError as exc:
+            from .distributed import _ray_failure
+
+            raise MergeError(
+                f"RegMean of {step.modules[0]!r} failed on its Ray worker: "
+                f"{_ray_failure(self.ray, exc)}"
+            ) from exc
+
+    def close(self) -> None:
+        for actor in self.actors:
+            try:
+                self.ray.kill(actor, no_restart=True)
+            except Exception:  # already dead or Ray going down
+                pass
+        if self.started:
+            self.ray.shutdown()
