@@ -26,6 +26,7 @@ import time
 
 import lmdx
 import lmdx.capture as capture
+import lmdx.stats
 import numpy as np
 import torch
 import transformers
@@ -116,13 +117,26 @@ def main() -> None:
     def full() -> None:
         capture.collect_regmean_stats(model, batches, progress=False, n_threads=args.threads)
 
+    inside = {"seconds": 0.0, "calls": 0}
+    real_accumulate = capture._Collector._accumulate
+
+    def timed_accumulate(self, name, x):
+        t0 = time.perf_counter()
+        try:
+            return real_accumulate(self, name, x)
+        finally:
+            inside["seconds"] += time.perf_counter() - t0
+            inside["calls"] += 1
+
     def hooks() -> None:
         real_moments = capture.Moments
         capture.Moments = _StubMoments  # type: ignore[misc,assignment]
+        capture._Collector._accumulate = timed_accumulate  # type: ignore[method-assign]
         try:
             capture.collect_regmean_stats(model, batches, progress=False, n_threads=args.threads)
         finally:
             capture.Moments = real_moments  # type: ignore[misc]
+            capture._Collector._accumulate = real_accumulate  # type: ignore[method-assign]
 
     times: dict[str, list[float]] = {"forward": [], "hooks": [], "full": []}
     for _ in range(args.reps):  # interleaved, so the three see the same conditions
@@ -131,6 +145,9 @@ def main() -> None:
             fn()
             times[name].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
+    t0 = time.perf_counter()
+    lmdx.stats.model_identity(model)
+    identity = time.perf_counter() - t0
     calls = n_modules * len(batches)
     print(
         f"lmdx {lmdx.__version__}; BERT-base shapes, {n_modules} linear modules, "
@@ -148,6 +165,11 @@ def main() -> None:
           f"({hook / med['forward']:.3f}×) | {hook / calls * 1e6:.0f} µs |")  # fmt: skip
     print(f"| full collection | {med['full']:.2f} | {med['full'] - med['forward']:+.2f} s "
           f"({(med['full'] - med['forward']) / med['forward']:.3f}×) | |")  # fmt: skip
+    per_call = inside["seconds"] / max(inside["calls"], 1)
+    print(f"inside lmdx's hook (mask rows, hand-over as a view, shared-input checks; no "
+          f"arithmetic): {per_call * 1e6:.0f} µs per call, {inside['calls']} calls in "
+          f"{args.reps} runs; weight hash (model_identity, once per collection): "
+          f"{identity:.2f} s")  # fmt: skip
     share = hook / max(med["full"] - med["forward"], 1e-9)
     print(f"arithmetic (full − hooks): {arith:.2f} s = {arith / med['forward']:.3f}× forward; "
           f"hook path: {share:.1%} of the overhead")  # fmt: skip

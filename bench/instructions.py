@@ -108,7 +108,7 @@ def _count(kernel: str, calls: int) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
-    ap.add_argument("--calls", type=int, default=3, help="kernel calls in the measured run")
+    ap.add_argument("--calls", type=int, default=10, help="kernel calls in the measured run")
     ap.add_argument("--json", default=None, help="also write the counts here")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
