@@ -52,6 +52,22 @@ def _import_ray() -> Any:
     return ray
 
 
+def start_ray(address: str | None, num_cpus: int) -> bool:
+    """Start or join Ray unless ``ray.init`` was called already; True if this call did.
+
+    ``address=None``: a new local instance with ``num_cpus`` CPUs ("local": even if
+    ``RAY_ADDRESS`` or a ``ray start`` cluster says otherwise); else join that cluster.
+    """
+    ray = _import_ray()
+    if ray.is_initialized():
+        return False
+    if address is None:
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
+    else:
+        ray.init(address=address)
+    return True
+
+
 def shard_bounds(n: int, k: int) -> list[tuple[int, int]]:
     """``k`` contiguous ``(start, stop)`` ranges covering ``range(n)``, sizes differing ≤ 1.
 
@@ -295,12 +311,7 @@ def collect_regmean_stats_ray(
     bounds = shard_bounds(len(batches), k)
 
     if started:
-        if address is None:
-            ray.init(  # "local": a new instance even if RAY_ADDRESS or `ray start` says otherwise
-                address="local", num_cpus=num_workers * threads_per_worker, include_dashboard=False
-            )
-        else:
-            ray.init(address=address)
+        start_ray(address, num_workers * threads_per_worker)
     actors: list[Any] = []
     bar = _progress(k, "RegMean statistics (Ray shards)", progress)
     try:

@@ -880,15 +880,10 @@ class _RemoteGroups:
         workers: int,
         address: str | None,
     ) -> None:
-        from .distributed import _import_ray
+        from .distributed import _import_ray, start_ray
 
         ray = self.ray = _import_ray()
-        self.started = not ray.is_initialized()
-        if self.started:
-            if address is None:
-                ray.init(address="local", num_cpus=workers, include_dashboard=False)
-            else:
-                ray.init(address=address)
+        self.started = start_ray(address, workers)
         cls = ray.remote(num_cpus=1, max_restarts=1, max_task_retries=1)(_GroupSolver)
         self.actors = [cls.remote(models, stats, labels, options) for _ in range(workers)]
         step_of = {t: st for st in steps if st.kind == "regmean" for t in st.tensors}
