@@ -56,7 +56,7 @@ from .merge import (
     regmean_groups,
     solve_group,
 )
-from .stats import ModelMismatchError, Statistics, describe_mismatch
+from .stats import INDEX_NAME, ModelMismatchError, Statistics, describe_mismatch
 
 __all__ = ["Checkpoint", "MergePlan", "StreamMergeResult", "peak_rss_bytes", "stream_merge"]
 
@@ -649,11 +649,7 @@ def stream_merge(
                         "architecture": c.architecture(),
                         "bytes": c.total_bytes(),
                         "stats": s.source if s else None,
-                        "stats_sha256": (
-                            file_sha256(s.source)
-                            if s and s.source and Path(s.source).is_file()
-                            else None
-                        ),
+                        "stats_sha256": _stats_sha256(s),
                     }
                     for lab, c, s in zip(
                         labels,
@@ -695,6 +691,17 @@ def _check_same_layout(
                 f"{c.label} has tensors {ref.label} lacks (e.g. {extra[0]!r}): the models do "
                 "not share one architecture"
             )
+
+
+def _stats_sha256(stats: Statistics | None) -> str | None:
+    """SHA-256 of a statistics file, or of a sharded folder's index (which names every
+    shard and the collection id each shard carries)."""
+    if stats is None or not stats.source:
+        return None
+    path = Path(stats.source)
+    if path.is_dir():
+        path = path / INDEX_NAME
+    return file_sha256(path) if path.is_file() else None
 
 
 def _check_disk(out_dir: Path, nbytes: int) -> None:
