@@ -387,8 +387,9 @@ def collect_regmean_stats(
         With ``out``: bound on the float64 accumulators held at once (``"4GB"`` or
         bytes). Groups are split, in the order the model calls them, into passes that
         fit; each pass runs the model over all batches, stopping the forward pass after
-        the pass's last module where the model's wiring allows, so pass ``p`` of ``P``
-        costs about ``p/P`` of a forward pass.
+        the pass's last module where the model's wiring allows (every module called
+        once per forward; tests/test_stream.py checks that later modules do not run).
+        Later passes therefore run more of the model; their cost was not benchmarked.
     max_shard_size
         With ``out``: write a folder of shards of at most this size.
     progress

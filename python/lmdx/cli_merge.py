@@ -455,7 +455,7 @@ def _stats_show(args: argparse.Namespace) -> int:
 
 
 def run_merge_cli(args: argparse.Namespace) -> int:
-    from .io import DiskFullError
+    from .io import DiskFullError, existing_parent
     from .merge import MergeError
     from .merge_config import load_merge_config, plan_merge, run_merge
     from .stats import ModelMismatchError, StatisticsFileError
@@ -474,9 +474,9 @@ def run_merge_cli(args: argparse.Namespace) -> int:
             if args.in_memory:
                 raise CliError("--dry-run plans the streaming merge; drop --in-memory")
             plan = plan_merge(cfg)
-            free = shutil.disk_usage(_existing_parent(out)).free
+            free = shutil.disk_usage(existing_parent(out)).free
             print(plan.describe())
-            print(f"disk:     {free / 1e9:.2f} GB free at {_existing_parent(out)}")
+            print(f"disk:     {free / 1e9:.2f} GB free at {existing_parent(out)}")
             if free < plan.output_bytes:
                 print("lmdx merge: warning: not enough free disk for the output", file=sys.stderr)
             print(f"lmdx merge: dry run; nothing written (would write {out})")
@@ -499,17 +499,10 @@ def run_merge_cli(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("lmdx merge: interrupted; nothing was written", file=sys.stderr)
         return 130
-    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    size = _size_of(out)
     print(
         f"lmdx merge: {cfg.method} of {len(cfg.models)} models in "
         f"{time.perf_counter() - t0:.1f} s; wrote {out} ({size / 1e6:.1f} MB); "
         f"peak RSS {peak_rss_bytes() / 1e9:.2f} GB"
     )
     return 0
-
-
-def _existing_parent(path: Path) -> Path:
-    path = path.absolute()
-    while not path.exists():
-        path = path.parent
-    return path

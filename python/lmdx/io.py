@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import hashlib
 import json
 import os
@@ -39,7 +40,9 @@ __all__ = [
     "TensorSpec",
     "atomic_directory",
     "atomic_file",
+    "existing_parent",
     "file_sha256",
+    "open_shards",
     "read_safetensors_header",
     "write_safetensors",
 ]
@@ -299,7 +302,7 @@ def remove_stale_temporaries(path: str | os.PathLike[str]) -> list[Path]:
     removed: list[Path] = []
     if not path.parent.is_dir():
         return removed
-    for entry in path.parent.glob(f".{glob_escape(path.name)}.lmdx-*.tmp"):
+    for entry in path.parent.glob(f".{glob.escape(path.name)}.lmdx-*.tmp"):
         m = _TMP_RE.search(entry.name)
         if m is None or m.group(1) != _HOST or _alive(int(m.group(2))):
             continue
@@ -311,8 +314,12 @@ def remove_stale_temporaries(path: str | os.PathLike[str]) -> list[Path]:
     return removed
 
 
-def glob_escape(name: str) -> str:
-    return re.sub(r"([*?\[])", r"[\1]", name)
+def existing_parent(path: str | os.PathLike[str]) -> Path:
+    """The nearest existing folder at or above ``path`` (where its disk space is)."""
+    found = Path(path).absolute()
+    while not found.exists():
+        found = found.parent
+    return found
 
 
 @contextlib.contextmanager
@@ -426,6 +433,46 @@ class SafetensorsFile:
                 h.update(block)
                 left -= len(block)
         return h.hexdigest()
+
+
+def open_shards(
+    folder: Path,
+    weight_map: Any,
+    index_name: str,
+    what: str,
+    error: type[Exception],
+    check: Callable[[SafetensorsFile], None] | None = None,
+) -> dict[str, SafetensorsFile]:
+    """Tensor name -> its open shard, for the ``weight_map`` of a sharded folder's index.
+
+    Every shard's header is validated once (``check``, if given, then inspects it); a bad
+    shard name, a missing shard or a tensor that is not where the index says raises
+    ``error`` naming the folder, the shard and the tensor.
+    """
+    if not isinstance(weight_map, dict):
+        raise error(f"{what} {folder}: {index_name} has no weight_map")
+    files: dict[str, SafetensorsFile] = {}
+    where: dict[str, SafetensorsFile] = {}
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or "/" in shard or shard.startswith(".."):
+            raise error(f"{what} {folder}: {index_name} names a bad shard {shard!r}")
+        if shard not in files:
+            file = folder / shard
+            if not file.is_file():
+                raise error(
+                    f"{what} {folder}: shard {shard} listed in {index_name}: {file} is missing; "
+                    "copy the complete folder"
+                )
+            files[shard] = read_safetensors_header(file, f"{what} shard", error)
+            if check is not None:
+                check(files[shard])
+        if name not in files[shard]:
+            raise error(
+                f"{what} {folder}: shard {shard} lacks tensor {name!r} that {index_name} "
+                "places there; the shard is from another run or was overwritten"
+            )
+        where[name] = files[shard]
+    return where
 
 
 def read_safetensors_header(

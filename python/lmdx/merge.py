@@ -303,15 +303,8 @@ def merge_models(
                     continue
                 if name in stat_objs[0].parameters:
                     report.setdefault("fisher_weighted", []).append(name)
-                    fishers = [s.fisher(name) / max(s.count(), 1.0) for s in stat_objs]
-                    merged[name] = _named(
-                        name,
-                        fisher_average,
-                        [b[name] for b in body],
-                        fishers,
-                        coef,
-                        eps=fisher_eps,
-                        n_threads=n_threads,
+                    merged[name] = fisher_tensor(
+                        name, [b[name] for b in body], stat_objs, coef, fisher_eps, n_threads
                     )
                 bar.update(1)
         elif method == "task_arithmetic":
@@ -325,13 +318,10 @@ def merge_models(
             )
             base_body = {n: t for n, t in base_state.items() if not _matches(n, heads)}
             _check_architectures([body[0], base_body], [labels[0], "base"])
-            c = coef or [1.0] * k
             for name in names:
-                theta0 = _as64(base_body[name])
-                delta = np.zeros_like(theta0)
-                for ci, b in zip(c, body, strict=True):
-                    delta += ci * (_as64(b[name]) - theta0)
-                merged[name] = theta0 + float(scaling) * delta
+                merged[name] = task_arithmetic_tensor(
+                    base_body[name], [b[name] for b in body], coef, scaling
+                )
                 bar.update(1)
             report["scaling"] = float(scaling)
         for name in names:  # everything not merged otherwise is averaged
@@ -375,6 +365,30 @@ def _named(name: str, fn: Any, *args: Any, **kwargs: Any) -> NDArray[np.float64]
         return np.asarray(fn(*args, **kwargs))
     except ValueError as exc:
         raise MergeError(f"tensor {name!r}: {exc}") from None
+
+
+def fisher_tensor(
+    name: str,
+    tensors: Sequence[Any],
+    stats: Sequence[Statistics],
+    coef: Sequence[float] | None,
+    eps: float,
+    n_threads: int | None,
+) -> NDArray[np.float64]:
+    """One parameter's Fisher-weighted average, the Fisher sums divided by the counts."""
+    fishers = [s.fisher(name) / max(s.count(), 1.0) for s in stats]
+    return _named(name, fisher_average, tensors, fishers, coef, eps=eps, n_threads=n_threads)
+
+
+def task_arithmetic_tensor(
+    base: Any, tensors: Sequence[Any], coef: Sequence[float] | None, scaling: float
+) -> NDArray[np.float64]:
+    """``θ_0 + λ Σ c_i (θ_i − θ_0)`` of one tensor, in float64."""
+    theta0 = _as64(base)
+    delta = np.zeros_like(theta0)
+    for ci, t in zip(coef or [1.0] * len(tensors), tensors, strict=True):
+        delta += ci * (_as64(t) - theta0)
+    return theta0 + float(scaling) * delta
 
 
 def _as64(t: Any) -> NDArray[np.float64]:

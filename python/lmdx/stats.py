@@ -38,6 +38,7 @@ from .io import (
     SafetensorsWriter,
     TensorSpec,
     atomic_directory,
+    open_shards,
     read_safetensors_header,
 )
 from .moments import Moments
@@ -442,35 +443,22 @@ class _ShardedStatistics:
         if not isinstance(weight_map, dict) or not isinstance(self.id, str):
             raise StatisticsFileError(f"{where}: {INDEX_NAME} lacks weight_map/id")
         self.meta = data.get("metadata")
-        self._where: dict[str, SafetensorsFile] = {}
-        files: dict[str, SafetensorsFile] = {}
-        for name, shard in weight_map.items():
-            if not isinstance(shard, str) or "/" in shard or shard.startswith(".."):
-                raise StatisticsFileError(f"{where}: {INDEX_NAME} names a bad shard {shard!r}")
-            if shard not in files:
-                file = folder / shard
-                if not file.is_file():
-                    raise StatisticsFileError(
-                        f"{where}: shard {file} is missing; copy the complete folder"
-                    )
-                handle = read_safetensors_header(file, "statistics shard", StatisticsFileError)
-                try:
-                    tag = json.loads(handle.metadata().get("lmdx_shard", "{}"))
-                except json.JSONDecodeError:
-                    tag = {}
-                if not isinstance(tag, dict) or tag.get("id") != self.id:
-                    raise StatisticsFileError(
-                        f"statistics shard {file}: belongs to another statistics collection "
-                        f"(id {tag.get('id') if isinstance(tag, dict) else None!r}, the index "
-                        f"says {self.id!r}); the folder mixes files of different runs"
-                    )
-                files[shard] = handle
-            if name not in files[shard]:
-                raise StatisticsFileError(
-                    f"statistics shard {files[shard].path}: lacks tensor {name!r} that "
-                    f"{INDEX_NAME} places there"
-                )
-            self._where[name] = files[shard]
+        self._where = open_shards(
+            folder, weight_map, INDEX_NAME, "statistics folder", StatisticsFileError, self._same_id
+        )
+
+    def _same_id(self, handle: SafetensorsFile) -> None:
+        """A shard must carry this collection's id (no files of different runs mixed)."""
+        try:
+            tag = json.loads(handle.metadata().get("lmdx_shard", "{}"))
+        except json.JSONDecodeError:
+            tag = {}
+        if not isinstance(tag, dict) or tag.get("id") != self.id:
+            raise StatisticsFileError(
+                f"statistics shard {handle.path}: belongs to another statistics collection "
+                f"(id {tag.get('id') if isinstance(tag, dict) else None!r}, the index says "
+                f"{self.id!r}); the folder mixes files of different runs"
+            )
 
     def keys(self) -> list[str]:
         return list(self._where)

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from .average import fisher_average, weighted_average
+from .average import weighted_average
 from .embed import _progress
 from .io import (
     ST_NUMPY,
@@ -40,7 +40,9 @@ from .io import (
     SafetensorsWriter,
     TensorSpec,
     atomic_directory,
+    existing_parent,
     file_sha256,
+    open_shards,
     read_safetensors_header,
 )
 from .merge import (
@@ -51,10 +53,13 @@ from .merge import (
     _coefficients,
     _finite,
     _matches,
+    _named,
     _parse_size,
+    fisher_tensor,
     open_stats,
     regmean_groups,
     solve_group,
+    task_arithmetic_tensor,
 )
 from .stats import INDEX_NAME, ModelMismatchError, Statistics, describe_mismatch
 
@@ -63,7 +68,7 @@ __all__ = ["Checkpoint", "MergePlan", "StreamMergeResult", "peak_rss_bytes", "st
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 _TORCH_OF = {st: ("bfloat16" if st == "BF16" else np_name) for st, np_name in ST_NUMPY.items()}
-_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+_FLOATS = frozenset(("float64", "float32", "float16", "bfloat16"))
 _OUT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -129,41 +134,21 @@ class Checkpoint:
             )
             raise MergeError(f"model {self.path}: no {SINGLE_FILE} or {INDEX_FILE}{hint}")
 
-    def _open(self, file: Path, index: Path | None = None) -> SafetensorsFile:
-        if file not in self._files:
-            if not file.is_file():
-                raise MergeError(
-                    f"model {self.path}: shard {file.name} listed in {index or 'the index'} "
-                    "is missing; copy the complete checkpoint"
-                )
-            self._files[file] = read_safetensors_header(file, "shard", MergeError)
-        return self._files[file]
-
     def _open_single(self, file: Path) -> None:
-        handle = self._open(file)
+        handle = read_safetensors_header(file, "shard", MergeError)
+        self._files[file] = handle
         for name in handle.keys():
             self._where[name] = handle
 
     def _open_index(self, index: Path) -> None:
         try:
-            data = json.loads(index.read_text())
-            weight_map = data["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise TypeError
+            weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise MergeError(
                 f"model {self.path}: {index.name} is not a valid index ({exc!s}); re-save the model"
             ) from None
-        for name, shard in weight_map.items():
-            if not isinstance(shard, str) or "/" in shard or shard.startswith(".."):
-                raise MergeError(f"model {self.path}: {index.name} names a bad shard {shard!r}")
-            handle = self._open(self.path / shard, index)
-            if name not in handle:
-                raise MergeError(
-                    f"model {self.path}: shard {shard} lacks tensor {name!r} that {index.name} "
-                    "places there; the shard is from another checkpoint or was overwritten"
-                )
-            self._where[name] = handle
+        self._where = open_shards(self.path, weight_map, index.name, "model", MergeError)
+        self._files = {h.path: h for h in self._where.values()}
 
     # -- queries --------------------------------------------------------------------
 
@@ -181,7 +166,7 @@ class Checkpoint:
         return _TORCH_OF[self._handle(name).dtype(name)]
 
     def is_float(self, name: str) -> bool:
-        return self.dtype(name) in _ITEMSIZE
+        return self.dtype(name) in _FLOATS
 
     def nbytes(self, name: str) -> int:
         return self._handle(name).nbytes(name)
@@ -261,7 +246,7 @@ def _check_stats_model(ckpt: Checkpoint, stats: Statistics) -> dict[str, str]:
             continue
         if p["sha256"] in stored:
             tied[name] = stored[p["sha256"]]
-        elif p["dtype"] in _ITEMSIZE:
+        elif p["dtype"] in _FLOATS:
             raise fail(f"parameter {name!r} is in the statistics' model but not in this model")
     return tied
 
@@ -383,9 +368,7 @@ def _shards(
 
 
 def _itemsize(dtype: str) -> int:
-    import torch
-
-    return int(torch.empty((), dtype=getattr(torch, dtype)).element_size())
+    return 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
 
 
 def _base_model_info(config: Mapping[str, Any]) -> tuple[str, str | None]:
@@ -505,7 +488,7 @@ def stream_merge(
         raise MergeError(f"method {method!r} takes no base model")
 
     # ---- plan: steps, outputs, shards, estimates
-    out_size = 0 if dtype == "auto" else _ITEMSIZE[dtype]  # 0: the input's
+    out_size = 0 if dtype == "auto" else _itemsize(dtype)  # 0: the input's
     steps: list[Step] = []
     covered: set[str] = set()
     if method == "regmean":
@@ -542,10 +525,11 @@ def stream_merge(
                 continue
             out_name = n.removeprefix(prefix + ".")
         src_dtype = ckpts[0].dtype(n)
-        out_dtype = dtype if dtype != "auto" and src_dtype in _ITEMSIZE else src_dtype
+        out_dtype = dtype if dtype != "auto" and src_dtype in _FLOATS else src_dtype
         outputs.append((out_name, n, out_dtype, ckpts[0].shape(n)))
     shards = _shards(outputs, max_shard)
-    output_bytes = sum(int(np.prod(s, dtype=np.int64)) * _itemsize(d) for _, _, d, s in outputs)
+    weights_bytes = sum(int(np.prod(s, dtype=np.int64)) * _itemsize(d) for _, _, d, s in outputs)
+    output_bytes = weights_bytes
     if head_policy == "keep":
         output_bytes += sum(c.nbytes(h) for c in ckpts for h in head_names)
     plan = MergePlan(
@@ -600,7 +584,6 @@ def stream_merge(
             ray_address,
         )
         report["ray_workers"] = ray_workers
-    by_source = {src: (out, d, shape) for out, src, d, shape in outputs}
     bar = _progress(len(outputs), f"merge ({method}, streaming)", progress)
     try:
         with atomic_directory(out_dir) as tmp:
@@ -616,13 +599,10 @@ def stream_merge(
                         w.write(out_name, _to_numpy(worker.result(src), out_dtype))
                         index[out_name] = fname
                         bar.update(1)
-            assert set(by_source) <= set(worker.done), "every output was computed"
             if len(shards) > 1:
-                total = sum(
-                    int(np.prod(s, dtype=np.int64)) * _itemsize(d) for _, _, d, s in outputs
-                )
+                meta = {"total_size": weights_bytes}
                 (tmp / INDEX_FILE).write_text(
-                    json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=2)
+                    json.dumps({"metadata": meta, "weight_map": index}, indent=2)
                 )
             if head_policy == "keep" and head_names:
                 (tmp / "heads").mkdir()
@@ -672,6 +652,7 @@ def _check_same_layout(
     ckpts: Sequence[Checkpoint], body: Sequence[str], heads: Sequence[str]
 ) -> None:
     ref = ckpts[0]
+    known = set(body)
     for c in ckpts[1:]:
         for n in body:
             if n not in c:
@@ -685,7 +666,7 @@ def _check_same_layout(
                     f"but {c.shape(n)} in {c.label} ({c.file_of(n).name}); models must be "
                     "fine-tuned from one checkpoint (exclude differing task heads with heads)"
                 )
-        extra = [n for n in c.names() if n not in set(body) and not _matches(n, heads)]
+        extra = [n for n in c.names() if n not in known and not _matches(n, heads)]
         if extra:
             raise MergeError(
                 f"{c.label} has tensors {ref.label} lacks (e.g. {extra[0]!r}): the models do "
@@ -705,7 +686,7 @@ def _stats_sha256(stats: Statistics | None) -> str | None:
 
 
 def _check_disk(out_dir: Path, nbytes: int) -> None:
-    parent = out_dir.parent if out_dir.parent.exists() else Path.cwd()
+    parent = existing_parent(out_dir)
     free = shutil.disk_usage(parent).free
     if free < nbytes * 1.01 + (1 << 20):
         raise DiskFullError(
@@ -717,6 +698,15 @@ def _check_disk(out_dir: Path, nbytes: int) -> None:
 
 def _np_dtype(dtype: str) -> Any:
     return "bfloat16" if dtype == "bfloat16" else np.dtype(dtype)
+
+
+def _cast(name: str, arr: Any, dtype: str) -> Any:
+    """A merged float64 array, checked finite, as a torch tensor of its input's ``dtype``
+    (the cast :func:`lmdx.merge.merge_models` applies)."""
+    import torch
+
+    checked = np.ascontiguousarray(_finite(name, np.asarray(arr)))
+    return torch.from_numpy(checked).to(getattr(torch, dtype))
 
 
 def _to_numpy(t: Any, dtype: str) -> Any:
@@ -767,20 +757,15 @@ class _Worker:
         self.coef, self.n_threads = options.coefficients, options.n_threads
         self.scaling, self.fisher_eps = scaling, fisher_eps
         self.ready: dict[str, Any] = {}
-        self.done: set[str] = set()
         self.remote: _RemoteGroups | None = None
 
     def result(self, name: str) -> Any:
         if name not in self.ready:
             self._run(name)
-        self.done.add(name)
         return self.ready.pop(name)
 
     def _cast(self, name: str, arr: Any) -> Any:
-        import torch
-
-        dtype = getattr(torch, self.ckpts[0].dtype(name))
-        return torch.from_numpy(np.ascontiguousarray(_finite(name, np.asarray(arr)))).to(dtype)
+        return _cast(name, arr, self.ckpts[0].dtype(name))
 
     def _run(self, name: str) -> None:
         step = self.step_of.get(name)
@@ -794,25 +779,17 @@ class _Worker:
         if step.kind == "copy":
             self.ready[name] = reads[0]
             return
-        try:
-            if step.kind == "average":
-                value = weighted_average(reads, self.coef, n_threads=self.n_threads)
-            elif step.kind == "fisher":
-                assert self.stats is not None
-                fishers = [s.fisher(name) / max(s.count(), 1.0) for s in self.stats]
-                self.report.setdefault("fisher_weighted", []).append(name)
-                value = fisher_average(
-                    reads, fishers, self.coef, eps=self.fisher_eps, n_threads=self.n_threads
-                )
-            else:  # task arithmetic
-                assert self.base is not None
-                theta0 = self.base.read(name).double().numpy()
-                delta = np.zeros_like(theta0)
-                for ci, r in zip(self.coef or [1.0] * len(reads), reads, strict=True):
-                    delta += ci * (r.double().numpy() - theta0)
-                value = theta0 + float(self.scaling) * delta
-        except ValueError as exc:
-            raise MergeError(f"tensor {name!r}: {exc}") from None
+        if step.kind == "average":
+            value = _named(name, weighted_average, reads, self.coef, n_threads=self.n_threads)
+        elif step.kind == "fisher":
+            assert self.stats is not None
+            self.report.setdefault("fisher_weighted", []).append(name)
+            value = fisher_tensor(
+                name, reads, self.stats, self.coef, self.fisher_eps, self.n_threads
+            )
+        else:  # task arithmetic
+            assert self.base is not None
+            value = task_arithmetic_tensor(self.base.read(name), reads, self.coef, self.scaling)
         self.ready[name] = self._cast(name, value)
 
     def _regmean(self, step: Step) -> None:
@@ -862,13 +839,10 @@ class _GroupSolver:
         weights = [[c.read(w) for w in step.tensors] for c in self.ckpts]
         solved = solve_group(step.modules, weights, self.stats, self.labels, self.options, report)
         del weights
-        import torch
-
         out = {}
         for w, value in solved.items():
             dtype = self.ckpts[0].dtype(w)
-            t = torch.from_numpy(np.ascontiguousarray(_finite(w, np.asarray(value))))
-            out[w] = (_to_numpy(t.to(getattr(torch, dtype)), dtype), dtype)
+            out[w] = (_to_numpy(_cast(w, value, dtype), dtype), dtype)
         return out, report["layers"]
 
 
