@@ -189,6 +189,17 @@ void Moments::update_impl(const T* x, Index rows, const double* weights, int n_t
     if (block.cols() > 0) rank_update(s.gram, block);
   };
 
+  // Column j of the float32 Grams of scratch sets 0..active-1 added into the float64
+  // Gram (in set order), and zeroed for the next chunk.
+  auto fold_column = [&](Index j, int active) {
+    auto target = gram_.col(j).tail(d - j);
+    for (int a = 0; a < active; ++a) {
+      auto part = scratch[a].gram.col(j).tail(d - j);
+      target += part.template cast<double>();
+      part.setZero();
+    }
+  };
+
   if (share_chunks) {
     // One chunk at a time; its panels (same arithmetic as rank_update, so the result is
     // bit-identical to the one-thread-per-chunk path) are spread over the threads,
@@ -203,11 +214,7 @@ void Moments::update_impl(const T* x, Index rows, const double* weights, int n_t
           for (Index p = 0; p < n_panels; ++p) panel_update(s.gram, block, p * kPanel);
         }
         LMDX_PRAGMA(omp for schedule(dynamic, 16))
-        for (Index j = 0; j < d; ++j) {
-          auto part = s.gram.col(j).tail(d - j);
-          gram_.col(j).tail(d - j) += part.template cast<double>();
-          part.setZero();
-        }
+        for (Index j = 0; j < d; ++j) fold_column(j, 1);
       }
       sum_ += s.sum;
       s.sum.setZero();
@@ -223,14 +230,7 @@ void Moments::update_impl(const T* x, Index rows, const double* weights, int n_t
       const int active = static_cast<int>(std::min<Index>(threads, n_chunks - round));
       LMDX_PRAGMA(omp barrier)
       LMDX_PRAGMA(omp for schedule(dynamic, 16))
-      for (Index j = 0; j < d; ++j) {
-        auto target = gram_.col(j).tail(d - j);
-        for (int a = 0; a < active; ++a) {
-          auto part = scratch[a].gram.col(j).tail(d - j);
-          target += part.template cast<double>();
-          part.setZero();
-        }
-      }
+      for (Index j = 0; j < d; ++j) fold_column(j, active);
       LMDX_PRAGMA(omp single) {
         for (int a = 0; a < active; ++a) {
           sum_ += scratch[a].sum;
