@@ -404,6 +404,29 @@ def test_write_safetensors_round_trip(tmp_path):
     assert H.leftovers(tmp_path) == []
 
 
+def test_writer_takes_tensors_in_any_order_and_new_metadata(tmp_path):
+    from lmdx.io import SafetensorsWriter
+
+    rng = np.random.default_rng(1)
+    arrays = {n: rng.standard_normal((i + 2, 3)) for i, n in enumerate("abcd")}
+    specs = [TensorSpec(n, a.dtype, a.shape) for n, a in arrays.items()]
+    path = tmp_path / "t.safetensors"
+    with SafetensorsWriter(path, specs, {"n": "0"}, header_reserve=64) as w:
+        for n in ("c", "a", "d", "b"):  # not the announced order
+            w.write(n, arrays[n])
+        w.set_metadata({"n": "4", "more": "x" * 40})  # grows into the reserved space
+    with safetensors_numpy.safe_open(str(path), "np") as f:
+        assert f.metadata() == {"n": "4", "more": "x" * 40}
+        assert all(np.array_equal(f.get_tensor(n), a) for n, a in arrays.items())
+    incomplete = tmp_path / "u.safetensors"
+    with (
+        pytest.raises(ValueError, match="never written"),
+        SafetensorsWriter(incomplete, specs) as w,
+    ):
+        w.write("a", arrays["a"])
+    assert H.leftovers(tmp_path) == [] and not incomplete.exists()
+
+
 def test_failed_write_leaves_nothing_and_keeps_the_old_file(tmp_path):
     path = tmp_path / "t.safetensors"
     path.write_bytes(b"old contents")
