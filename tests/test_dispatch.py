@@ -26,7 +26,7 @@ UNSUPPORTED = [v for v in BUILT if v not in SUPPORTED]
 @pytest.fixture(scope="module")
 def inputs():
     rng = np.random.default_rng(20240611)
-    d, d_out = 37, 150
+    d, d_out = 101, 150
     x32 = (rng.standard_normal((700, d)) + 0.5).astype(np.float32)
     x64 = rng.standard_normal((700, d)) * 3.0
     weights = rng.uniform(0.0, 2.0, 700)

@@ -4,11 +4,12 @@
 //   count = sum w_t,   sum = sum w_t x_t,   gram = sum w_t x_t x_t^T.
 // Only the lower triangle of the Gram is computed and stored.
 //
-// Rows are processed in fixed chunks of `chunk_rows`. Each chunk's Gram is computed in
-// the input precision (a single-threaded rank-k update, SIMD) into a zeroed scratch
-// buffer and then added into the float64 accumulator. Chunks are added in row order
-// whatever the thread count, so 1 and N threads give bit-identical results; threads work
-// on different chunks concurrently and share the element-wise additions.
+// Rows are packed `chunk_rows` (kept) rows at a time and multiplied by a register-tiled
+// kernel (core/gram_kernel.hpp) in the input precision: a float32 product entry is summed
+// in float32 over at most 64 rows and then added into the float64 accumulator, which
+// keeps float32 input within 1e-6 (relative, Frobenius) of a float64 accumulation, also
+// for repeated rows. Threads share each block's packing and its Gram tiles (disjoint
+// entries, same arithmetic per entry), so 1 and N threads give bit-identical results.
 // Calls on one object from several threads are serialized by an internal mutex.
 #pragma once
 
@@ -20,10 +21,9 @@ LMDX_NAMESPACE_BEGIN
 
 class Moments {
  public:
-  /// Rows per chunk: each chunk's float32 Gram (built from rank updates of <= 64 rows)
-  /// stays within 1e-6 (relative, Frobenius) of a float64 accumulation, also for repeated
-  /// rows (tests/test_moments*.py); 2048 also lets 2 threads share a 4096-row batch.
-  static constexpr Index kDefaultChunkRows = 2048;
+  /// Rows packed and multiplied per block: the packed block (512 rows x dim) stays in
+  /// cache, and both threads share it. Does not change the precision (see above).
+  static constexpr Index kDefaultChunkRows = 512;
 
   explicit Moments(Index dim, Index chunk_rows = kDefaultChunkRows);
   /// Rebuild from a saved state; only the lower triangle of `gram` (dim x dim) is read.

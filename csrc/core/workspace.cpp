@@ -1,78 +1,86 @@
 #include "core/workspace.hpp"
 
+#include <cstdlib>
 #include <mutex>
+#include <new>
+#include <vector>
 
 LMDX_NAMESPACE_BEGIN
 
 namespace {
 
-template <typename T>
-struct Pool {
-  std::mutex mutex;
-  std::vector<std::unique_ptr<GramScratch<T>>> free;
+constexpr size_t kAlign = 64;
+
+// One allocation of `bytes` bytes, 64-byte aligned.
+struct Raw {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  explicit Raw(size_t n) : bytes((n + kAlign - 1) / kAlign * kAlign) {
+    ptr = std::aligned_alloc(kAlign, bytes == 0 ? kAlign : bytes);
+    if (ptr == nullptr) throw std::bad_alloc();
+  }
+  ~Raw() { std::free(ptr); }
+  Raw(const Raw&) = delete;
+  Raw& operator=(const Raw&) = delete;
 };
 
-template <typename T>
-Pool<T>& pool() {
-  static Pool<T>* p = new Pool<T>();  // intentionally leaked: outlives static destructors
-  return *p;
-}
+struct Pool {
+  std::mutex mutex;
+  std::vector<std::unique_ptr<Raw>> free;
+};
 
-template <typename T>
-size_t bytes_of(const GramScratch<T>& s) {
-  return static_cast<size_t>(s.gram.size() + s.rows.size()) * sizeof(T) +
-         static_cast<size_t>(s.sum.size()) * sizeof(double);
+Pool& pool() {
+  static Pool* p = new Pool();  // intentionally leaked: outlives static destructors
+  return *p;
 }
 
 }  // namespace
 
 template <typename T>
-ScratchLease<T>::ScratchLease(Index dim, int count) {
-  items_.reserve(static_cast<size_t>(count));
+struct BufferLease<T>::Block {
+  std::unique_ptr<Raw> raw;
+};
+
+template <typename T>
+BufferLease<T>::BufferLease(size_t size) : block_(std::make_unique<Block>()) {
+  const size_t bytes = size * sizeof(T);
   {
-    std::lock_guard<std::mutex> lock(pool<T>().mutex);
-    auto& free = pool<T>().free;
-    for (auto it = free.begin(); it != free.end() && static_cast<int>(items_.size()) < count;) {
-      if ((*it)->dim == dim) {
-        items_.push_back(std::move(*it));
-        it = free.erase(it);
-      } else {
-        ++it;
-      }
+    // Smallest pooled buffer that is large enough.
+    std::lock_guard<std::mutex> lock(pool().mutex);
+    auto& free = pool().free;
+    auto best = free.end();
+    for (auto it = free.begin(); it != free.end(); ++it) {
+      if ((*it)->bytes >= bytes && (best == free.end() || (*it)->bytes < (*best)->bytes)) best = it;
+    }
+    if (best != free.end()) {
+      block_->raw = std::move(*best);
+      free.erase(best);
     }
   }
-  while (static_cast<int>(items_.size()) < count) {
-    items_.push_back(std::make_unique<GramScratch<T>>(dim));
-  }
+  if (!block_->raw) block_->raw = std::make_unique<Raw>(bytes);
+  data_ = static_cast<T*>(block_->raw->ptr);
 }
 
 template <typename T>
-ScratchLease<T>::~ScratchLease() {
-  std::lock_guard<std::mutex> lock(pool<T>().mutex);
-  for (auto& item : items_) pool<T>().free.push_back(std::move(item));
+BufferLease<T>::~BufferLease() {
+  std::lock_guard<std::mutex> lock(pool().mutex);
+  pool().free.push_back(std::move(block_->raw));
 }
 
+template class BufferLease<float>;
+template class BufferLease<double>;
+template class BufferLease<Index>;
+
 void release_scratch() noexcept {
-  {
-    std::lock_guard<std::mutex> lock(pool<float>().mutex);
-    pool<float>().free.clear();
-  }
-  std::lock_guard<std::mutex> lock(pool<double>().mutex);
-  pool<double>().free.clear();
+  std::lock_guard<std::mutex> lock(pool().mutex);
+  pool().free.clear();
 }
 
 size_t scratch_bytes() noexcept {
+  std::lock_guard<std::mutex> lock(pool().mutex);
   size_t total = 0;
-  {
-    std::lock_guard<std::mutex> lock(pool<float>().mutex);
-    for (auto& s : pool<float>().free) total += bytes_of(*s);
-  }
-  std::lock_guard<std::mutex> lock(pool<double>().mutex);
-  for (auto& s : pool<double>().free) total += bytes_of(*s);
+  for (auto& raw : pool().free) total += raw->bytes;
   return total;
 }
-
-template class ScratchLease<float>;
-template class ScratchLease<double>;
 
 LMDX_NAMESPACE_END

@@ -1,41 +1,34 @@
 // Reusable scratch buffers for the threaded kernels.
 //
 // Statistics collection calls the same kernel thousands of times (once per module per
-// batch); allocating and zeroing a d x d buffer per call would cost more than the
-// arithmetic for small batches. Buffers are checked out of a process-wide pool (safe for
-// concurrent callers, since the GIL is released) and returned, zeroed, on release.
+// batch); allocating (and page-faulting) a packing buffer of a few MB per call would cost
+// more than the arithmetic for small batches. Buffers are checked out of a process-wide
+// pool (safe for concurrent callers, since the GIL is released) and returned on release.
 #pragma once
 
+#include <cstddef>
 #include <memory>
-#include <vector>
 
 #include "core/config.hpp"
 
 LMDX_NAMESPACE_BEGIN
 
-/// Scratch for one thread of the Gram kernel: a zeroed d x d lower-triangle buffer, a row
-/// gather buffer, and a zeroed length-d sum.
+/// An uninitialized, 64-byte aligned array of at least `size` elements of T, borrowed from
+/// the pool; returned to it on destruction.
 template <typename T>
-struct GramScratch {
-  Index dim = 0;
-  MatrixX<T> gram;  // d x d; lower triangle is zero between uses
-  MatrixX<T> rows;  // d x chunk_rows gather buffer (column = one input row)
-  VectorXd sum;     // d; zero between uses
-  explicit GramScratch(Index d) : dim(d), gram(MatrixX<T>::Zero(d, d)), sum(VectorXd::Zero(d)) {}
-};
-
-/// Borrow `count` scratch sets for dimension d; returns them to the pool on destruction.
-template <typename T>
-class ScratchLease {
+class BufferLease {
  public:
-  ScratchLease(Index dim, int count);
-  ~ScratchLease();
-  ScratchLease(const ScratchLease&) = delete;
-  ScratchLease& operator=(const ScratchLease&) = delete;
-  GramScratch<T>& operator[](int i) { return *items_[static_cast<size_t>(i)]; }
+  explicit BufferLease(size_t size);
+  ~BufferLease();
+  BufferLease(const BufferLease&) = delete;
+  BufferLease& operator=(const BufferLease&) = delete;
+  T* data() noexcept { return data_; }
+  T& operator[](size_t i) noexcept { return data_[i]; }
 
  private:
-  std::vector<std::unique_ptr<GramScratch<T>>> items_;
+  struct Block;
+  std::unique_ptr<Block> block_;
+  T* data_ = nullptr;
 };
 
 /// Drop every pooled buffer (frees memory after a large collection).

@@ -13,8 +13,8 @@ from .config import resolve_threads
 
 __all__ = ["DEFAULT_CHUNK_ROWS", "Moments"]
 
-#: Rows per float32 chunk (the accuracy bound of float32 input is tested at this size).
-DEFAULT_CHUNK_ROWS = 2048
+#: Rows packed and multiplied per block by the native Gram kernel.
+DEFAULT_CHUNK_ROWS = 512
 
 
 class Moments:
@@ -22,8 +22,8 @@ class Moments:
 
     Rows are streamed in with :meth:`update` (float32 or float64; torch tensors and
     bfloat16/float16 are accepted and widened) and accumulated in float64 by the native
-    core: float32 rows are multiplied in float32 in chunks of ``chunk_rows`` rows, each
-    chunk's result added into float64 (within 1e-6 relative of a float64 accumulation).
+    core: float32 rows are multiplied in float32, each product summed over at most 64 rows
+    before it is added into float64 (within 1e-6 relative of a float64 accumulation).
     Accumulators over disjoint data add exactly with :meth:`merge` or ``+=``.
 
     Parameters
@@ -31,7 +31,9 @@ class Moments:
     dim
         Length ``d`` of each row vector.
     chunk_rows
-        Rows per chunk. Results do not depend on the thread count (1 vs 2 tested), but do on this.
+        Rows packed and multiplied per block (float32 sums run over at most
+        ``min(64, chunk_rows)`` rows). Results do not depend on the thread count (1 vs 2
+        tested), but do on this when it is not a multiple of 64.
     """
 
     def __init__(self, dim: int, *, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> None:
