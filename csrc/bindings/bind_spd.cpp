@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <exception>
 #include <sstream>
 #include <stdexcept>
@@ -14,8 +15,6 @@ using lmdx::SolveOptions;
 
 namespace {
 
-using RowMajorMap =
-    Eigen::Map<const Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>;
 
 py::tuple spd_solve(const py::array& a, const py::array& b, double alpha, double ridge,
                     bool allow_regularization, int n_threads, const std::string& name) {
@@ -47,10 +46,10 @@ py::tuple spd_solve(const py::array& a, const py::array& b, double alpha, double
     lmdx::require_symmetric(a_data, d, "a");
     // a is symmetric, so its row-major buffer read as column-major is the same matrix.
     const Eigen::Map<const MatrixXd> a_map(a_data, d, d);
-    MatrixXd sol = RowMajorMap(b_data, d, k);
-    info = lmdx::spd_solve(a_map, sol, opt);
-    Eigen::Map<Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>(x_data, d,
-                                                                                       k) = sol;
+    // b row-major (d x k) is b^T column-major (k x d): solved in x's buffer as x^T a = b^T.
+    std::copy(b_data, b_data + d * k, x_data);
+    Eigen::Map<MatrixXd> xt(x_data, k, d);
+    info = lmdx::spd_solve_transposed(a_map, xt, opt);
   }
   return py::make_tuple(x, info);
 }

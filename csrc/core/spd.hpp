@@ -57,6 +57,12 @@ void cholesky_solve_in_place(const MatrixXd& l, Eigen::Ref<MatrixXd> b, int n_th
 /// X = A_reg^{-1} B. `b` is overwritten with X.
 SolveInfo spd_solve(const Eigen::Ref<const MatrixXd>& a, Eigen::Ref<MatrixXd> b,
                     const SolveOptions& opt);
+/// The same with the right-hand sides as rows: bt (k x d) holds B^T -- i.e. B (d x k)
+/// stored row-major -- and is overwritten by X^T. Solved as X^T A = B^T (A is symmetric),
+/// so row-major callers need no transposed copies.
+SolveInfo spd_solve_transposed(const Eigen::Ref<const MatrixXd>& a, Eigen::Ref<MatrixXd> bt,
+                               const SolveOptions& opt);
+void cholesky_solve_transposed_in_place(const MatrixXd& l, Eigen::Ref<MatrixXd> bt, int n_threads);
 
 /// Blocked, threaded in-place Cholesky of the lower triangle of m. Returns -1 on success,
 /// else the index of the first pivot that is not positive (or below kSingularPivot
