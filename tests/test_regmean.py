@@ -137,18 +137,30 @@ def test_moments_as_grams_take_counts_from_them(rng):
 
 
 @pytest.mark.parametrize("alpha", ALPHAS)
-def test_wide_output_uses_column_blocks_and_threads_agree(rng, alpha):
-    # d_out = 300 spans three 128-column blocks of the threaded right-hand side.
-    grams, counts, weights, _ = make_models(rng, 3, 24, 300, np.float32)
+@pytest.mark.parametrize("layout", ["linear", "conv1d"])
+def test_wide_output_uses_chunks_and_row_blocks_and_threads_agree(rng, alpha, layout):
+    # d_out = 1100 spans two 1024-column chunks of the right-hand side (W_i^T widened per
+    # chunk) and d_in = 300 three row blocks of 128; the solve spans column blocks too.
+    grams, counts, weights, _ = make_models(rng, 3, 300, 1100, np.float32)
+    if layout == "conv1d":
+        weights = [np.ascontiguousarray(w.T) for w in weights]
     coefficients = [1.0, 0.5, 2.0]
-    one = lmdx.regmean_merge_layer(
-        grams, weights, counts, alpha=alpha, coefficients=coefficients, n_threads=1
-    )
-    two = lmdx.regmean_merge_layer(
-        grams, weights, counts, alpha=alpha, coefficients=coefficients, n_threads=2
-    )
-    assert np.array_equal(one.weight, two.weight), "1 and 2 threads must agree bit for bit"
-    assert_merged_close(one.weight, reference_merge(grams, counts, weights, alpha, coefficients))
+    runs = [
+        lmdx.regmean_merge_layer(
+            grams,
+            weights,
+            counts,
+            alpha=alpha,
+            coefficients=coefficients,
+            layout=layout,
+            n_threads=t,
+        )
+        for t in (1, 2, 3)
+    ]
+    for other in runs[1:]:
+        assert np.array_equal(runs[0].weight, other.weight), "thread counts must agree bit for bit"
+    ref = reference_merge(grams, counts, weights, alpha, coefficients, layout=layout)
+    assert_merged_close(runs[0].weight, ref)
 
 
 def test_large_input_dimension_uses_blocked_factorization(rng):

@@ -43,7 +43,7 @@ py::tuple spd_solve(const py::array& a, const py::array& b, double alpha, double
     py::gil_scoped_release release;
     lmdx::require_finite(ArrayView{a_data, false}, d * d, d, "a", n_threads);
     lmdx::require_finite(ArrayView{b_data, false}, d * k, k, "b", n_threads);
-    lmdx::require_symmetric(a_data, d, "a");
+    lmdx::require_symmetric(a_data, d, "a", n_threads);
     // a is symmetric, so its row-major buffer read as column-major is the same matrix.
     const Eigen::Map<const MatrixXd> a_map(a_data, d, d);
     // b row-major (d x k) is b^T column-major (k x d): solved in x's buffer as x^T a = b^T.

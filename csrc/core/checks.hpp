@@ -20,7 +20,7 @@ void require_finite(const T* x, Index n, Index cols, const std::string& what, in
 
 /// Throw std::invalid_argument("<what>: not symmetric ...") unless the d x d matrix at g
 /// equals its transpose to 1e-12 relative to its largest entry.
-void require_symmetric(const double* g, Index d, const std::string& what);
+void require_symmetric(const double* g, Index d, const std::string& what, int n_threads = 1);
 
 /// Shared validation for per-model coefficients; returns them (all 1 when empty). Error
 /// messages start with `prefix`.

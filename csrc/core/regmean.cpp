@@ -12,7 +12,11 @@ LMDX_NAMESPACE_BEGIN
 
 namespace {
 
-constexpr Index kColBlock = 128;  // output columns per task; fixed for determinism
+
+// Output columns of W_i^T widened to float64 at a time (memory bound: d_in x 1024 doubles).
+constexpr Index kRhsChunk = 1024;
+// Columns of W_i^T widened per task.
+constexpr Index kWidenColumns = 64;
 
 template <typename T>
 using RowMajor = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
@@ -53,7 +57,7 @@ RegMeanResult regmean_merge(const std::vector<RegMeanModel>& models, Index d_in,
                                   " (no rows reached this layer for that model)");
     }
     require_finite(models[i].gram, d_in * d_in, d_in, opt.name + ": grams" + tag, opt.n_threads);
-    require_symmetric(models[i].gram, d_in, opt.name + ": grams" + tag);
+    require_symmetric(models[i].gram, d_in, opt.name + ": grams" + tag, opt.n_threads);
     require_finite(models[i].weight, d_in * d_out, layout == WeightLayout::Linear ? d_in : d_out,
                    opt.name + ": weights" + tag, opt.n_threads);
     scale[i] = coef[i] / models[i].count;
@@ -65,10 +69,14 @@ RegMeanResult regmean_merge(const std::vector<RegMeanModel>& models, Index d_in,
   RegMeanResult result;
   result.merged_t.setZero(d_in, d_out);
   MatrixXd& rhs = result.merged_t;
-  const Index n_blocks = (d_out + kColBlock - 1) / kColBlock;
-  // Per-thread float64 copy of a column block of W_i^T, allocated before the parallel region.
-  std::vector<MatrixXd> w_blocks(static_cast<size_t>(threads),
-                                 MatrixXd(d_in, std::min(kColBlock, d_out)));
+  // Right-hand side by row blocks of the output (fixed by d_in, never by the thread count,
+  // for determinism): each task multiplies its rows of G_i by all of W_i^T, so every Gram
+  // is read and packed once per column chunk instead of once per column block. W_i^T is
+  // widened to float64 once per model and chunk (at most kRhsChunk columns: bounded memory).
+  const Index row_block = column_block_width(d_in);
+  const Index n_row_blocks = (d_in + row_block - 1) / row_block;
+  const Index chunk = std::min(kRhsChunk, d_out);
+  MatrixXd wt(d_in, chunk);
 
   LMDX_PRAGMA(omp parallel num_threads(threads)) {
     // lhs = sum_i s_i G_i (lower triangle), one column a task.
@@ -80,26 +88,35 @@ RegMeanResult regmean_merge(const std::vector<RegMeanModel>& models, Index d_in,
         lhs.col(j).tail(d_in - j) += scale[i] * g.col(j).tail(d_in - j);
       }
     }
-    // rhs = sum_i s_i (alpha G_i W_i^T + (1 - alpha) diag(G_i) W_i^T), column blocks.
-    LMDX_PRAGMA(omp for schedule(dynamic, 1))
-    for (Index cb = 0; cb < n_blocks; ++cb) {
-      const Index c0 = cb * kColBlock;
-      const Index w = std::min(kColBlock, d_out - c0);
-      auto out = rhs.middleCols(c0, w);
-      auto wt = w_blocks[static_cast<size_t>(thread_id())].leftCols(w);
+    // rhs = sum_i s_i (alpha G_i W_i^T + (1 - alpha) diag(G_i) W_i^T).
+    for (Index c0 = 0; c0 < d_out; c0 += chunk) {
+      const Index w = std::min(chunk, d_out - c0);
       for (size_t i = 0; i < k; ++i) {
         if (scale[i] == 0.0) continue;
         const ArrayView& weight = models[i].weight;
-        if (weight.is_float32) {
-          load_weight_t(weight.f32(), d_in, d_out, layout, c0, w, wt);
-        } else {
-          load_weight_t(weight.f64(), d_in, d_out, layout, c0, w, wt);
-        }
+        LMDX_PRAGMA(omp for schedule(static))
+        for (Index s0 = 0; s0 < w; s0 += kWidenColumns) {
+          const Index sw = std::min(kWidenColumns, w - s0);
+          auto part = wt.middleCols(s0, sw);
+          if (weight.is_float32) {
+            load_weight_t(weight.f32(), d_in, d_out, layout, c0 + s0, sw, part);
+          } else {
+            load_weight_t(weight.f64(), d_in, d_out, layout, c0 + s0, sw, part);
+          }
+        }  // barrier: W_i^T complete
         const Eigen::Map<const MatrixXd> g(models[i].gram, d_in, d_in);
-        if (alpha != 0.0) out.noalias() += (scale[i] * alpha) * (g * wt);
-        if (alpha != 1.0) {
-          out.noalias() += (scale[i] * (1.0 - alpha)) * (g.diagonal().asDiagonal() * wt);
-        }
+        const auto wi = wt.leftCols(w);
+        LMDX_PRAGMA(omp for schedule(dynamic, 1))
+        for (Index rb = 0; rb < n_row_blocks; ++rb) {
+          const Index r0 = rb * row_block;
+          const Index h = std::min(row_block, d_in - r0);
+          auto out = rhs.block(r0, c0, h, w);
+          if (alpha != 0.0) out.noalias() += (scale[i] * alpha) * (g.middleRows(r0, h) * wi);
+          if (alpha != 1.0) {
+            out.noalias() += (scale[i] * (1.0 - alpha)) *
+                             (g.diagonal().segment(r0, h).asDiagonal() * wi.middleRows(r0, h));
+          }
+        }  // barrier: wt is rewritten next
       }
     }
   }
