@@ -6,6 +6,13 @@
 2. Regularized SPD solve ``A x = B`` in float64 with k = d right-hand sides:
    ``lmdx.spd_solve`` vs ``scipy.linalg.cho_factor + cho_solve`` and
    ``torch.linalg.cholesky + torch.cholesky_solve``.
+3. RegMean merge of one d x d linear layer of K = 3 models (α = 0.9):
+   ``lmdx.regmean_merge_layer`` vs FusionBench's ``merging_with_regmean_weights`` (fp32,
+   explicit inverse) and the time torch's fp64 GEMM needs for the same flop count (the
+   "GEMM bound": the merge is GEMMs plus a Cholesky, so this is its speed limit).
+
+``--paths avx2 baseline`` adds rows for lmdx's other SIMD dispatch paths (the raw core
+module of each), run on the same inputs in the same process.
 
 Every method runs at each thread count on identical inputs; its result is checked against
 a float64 reference (the run aborts if one disagrees); the table gives the median time,
@@ -34,6 +41,8 @@ import scipy
 import scipy.linalg
 import threadpoolctl
 from lmdx._core import core as lmdx_core
+from lmdx._core import load as lmdx_load_core
+from lmdx._core import supported_variants as lmdx_supported_paths
 from scipy.linalg import blas as scipy_blas
 
 try:
@@ -60,6 +69,13 @@ TOL_GRAM_LMDX = 1e-6  # fp32 products in chunks, fp64 accumulation (DESIGN.md bo
 TOL_GRAM_FP64 = 1e-12  # dsyrk
 TOL_SOLVE_DIFF = 1e-8  # ‖x - x_scipy‖_F / ‖x_scipy‖_F
 TOL_SOLVE_RESIDUAL = 1e-10  # ‖A x - B‖_F / (‖A‖_F ‖x‖_F + ‖B‖_F)
+TOL_MERGE_LMDX = 1e-8  # ‖W - W_ref‖_F / ‖W_ref‖_F, float64 solve
+TOL_MERGE_FP32 = 1e-3  # FusionBench: fp32 Grams, explicit fp32 inverse
+
+MERGE_SIZES = (768, 1024, 3072, 4096)
+QUICK_MERGE_SIZES = (64, 256)
+MERGE_MODELS = 3
+MERGE_ALPHA = 0.9
 
 ENV_VARS = (
     "OPENBLAS_CORETYPE",
@@ -77,6 +93,10 @@ CONVENTIONS = (
     "Gram flops: N·d·(d+1), the useful work of the symmetric rank-N update (d(d+1)/2 "
     "entries x 2N); a full GEMM X.T @ X does 2·N·d² but is credited only N·d·(d+1).",
     "Solve flops: d³/3 (Cholesky) + 2·d²·k (two triangular solves), k = d right-hand sides.",
+    "Merge flops (one d x d layer, K = 3 models): 2·K·d³ (Σ G̃_i W_iᵀ) + d³/3 + 2·d³ (Cholesky "
+    "and solves); every merge method is credited these. 'GEMM bound' runs torch fp64 "
+    "matmuls of exactly that many flops: its time is what the merge would take at the "
+    "GEMM rate this machine achieves (goal: lmdx within 1.3x of it).",
     "Time: median of --reps timed calls after one untimed warm-up, same input for every "
     "method. lmdx Gram time covers Moments(d) (allocating the fp64 accumulator) + update(X); "
     "gram() readout is not timed.",
@@ -241,6 +261,8 @@ def collect_meta(args: argparse.Namespace) -> dict[str, Any]:
             "gram_sizes": args.sizes,
             "gram_rows": args.rows,
             "solve_sizes": args.solve_sizes,
+            "merge_sizes": args.merge_sizes,
+            "paths": args.paths,
             "threads": args.threads,
             "reps": args.reps,
             "lmdx_chunk_rows": lmdx.DEFAULT_CHUNK_ROWS,
@@ -368,7 +390,15 @@ def set_speedups(rows: list[Row]) -> None:
 # -------------------------------------------------------------------------------- Gram
 
 
-def gram_methods(x32: np.ndarray, x64: np.ndarray) -> list[Method]:
+def path_cores(paths: Sequence[str]) -> list[tuple[str, Any]]:
+    """(label, raw core module) for each extra dispatch path asked for."""
+    selected = lmdx.config()["simd_path"]
+    return [(p, lmdx_load_core(p)) for p in paths if p != selected]
+
+
+def gram_methods(
+    x32: np.ndarray, x64: np.ndarray, cores: Sequence[tuple[str, Any]] = ()
+) -> list[Method]:
     d = x32.shape[1]
     # BLAS is column-major: the C-contiguous (N, d) array X is, without a copy, the
     # Fortran-contiguous (d, N) array X.T. So ?syrk gets a = X.T with trans=0 and computes
@@ -385,6 +415,16 @@ def gram_methods(x32: np.ndarray, x64: np.ndarray) -> list[Method]:
             TOL_GRAM_LMDX,
         ),
     ]
+    for label, mod in cores:
+        methods.append(
+            Method(
+                f"lmdx[{label}] Moments.update",
+                "fp32",
+                "lmdx",
+                lambda t, mod=mod: _raw_update(mod, x32, t),
+                TOL_GRAM_LMDX,
+            )
+        )
     if torch is not None:
         xt = torch.from_numpy(x32)  # shares memory with x32
         methods.append(Method("torch X.T@X", "fp32", "torch", lambda t: xt.T @ xt, TOL_GRAM_FP32))
@@ -409,10 +449,16 @@ def gram_methods(x32: np.ndarray, x64: np.ndarray) -> list[Method]:
     return methods
 
 
+def _raw_update(mod: Any, x32: np.ndarray, t: int) -> Any:
+    m = mod.Moments(x32.shape[1], lmdx.DEFAULT_CHUNK_ROWS)
+    m.update(x32, None, t)
+    return m
+
+
 def gram_result(method: Method, result: Any) -> tuple[np.ndarray, bool]:
     """The method's Gram as an ndarray and whether only its lower triangle is valid."""
     if method.library == "lmdx":
-        return result.gram(), False
+        return np.asarray(result.gram()), False
     if method.library == "torch":
         return result.numpy(), False
     return np.asarray(result), "syrk" in method.name
@@ -454,16 +500,8 @@ def bench_gram(
             x32, x64 = x32_all[:n], x64_all[:n]
             ref = reference_gram(x64)
             flops = float(n) * d * (d + 1)
-            methods = gram_methods(x32, x64)
-            chunk_rows = lmdx.DEFAULT_CHUNK_ROWS  # what Moments(d) uses
-            chunks = -(-n // chunk_rows)
+            methods = gram_methods(x32, x64, path_cores(args.paths))
             for t in args.threads:
-                if chunks < t:
-                    log(
-                        f"note: N={n} is {chunks} chunk(s) of {chunk_rows} rows; "
-                        f"Moments.update parallelizes over chunks, so lmdx uses "
-                        f"{chunks} of the {t} threads here"
-                    )
                 case: list[Row] = []
                 for method in methods:
                     result, times = time_method(method, t, args.reps, args.settle)
@@ -490,11 +528,17 @@ def bench_gram(
 # ------------------------------------------------------------------------------- solve
 
 
-def solve_methods(a: np.ndarray, b: np.ndarray) -> list[Method]:
+def solve_methods(
+    a: np.ndarray, b: np.ndarray, cores: Sequence[tuple[str, Any]] = ()
+) -> list[Method]:
     def lmdx_solve(t: int) -> np.ndarray:
         x, info = lmdx.spd_solve(a, b, n_threads=t)
         if info.escalated:
             raise DisagreementError("lmdx.spd_solve had to regularize a well-conditioned system")
+        return np.asarray(x)
+
+    def raw_solve(mod: Any, t: int) -> np.ndarray:
+        x, _ = mod.spd_solve(a, b, 1.0, 0.0, False, t, "system")
         return np.asarray(x)
 
     def scipy_solve(t: int) -> np.ndarray:
@@ -503,8 +547,20 @@ def solve_methods(a: np.ndarray, b: np.ndarray) -> list[Method]:
 
     methods = [
         Method("lmdx spd_solve", "fp64", "lmdx", lmdx_solve, TOL_SOLVE_DIFF),
-        Method("scipy cho_factor+cho_solve", "fp64", "blas", scipy_solve, TOL_SOLVE_DIFF),
     ]
+    methods += [
+        Method(
+            f"lmdx[{label}] spd_solve",
+            "fp64",
+            "lmdx",
+            lambda t, mod=mod: raw_solve(mod, t),
+            TOL_SOLVE_DIFF,
+        )
+        for label, mod in cores
+    ]
+    methods.append(
+        Method("scipy cho_factor+cho_solve", "fp64", "blas", scipy_solve, TOL_SOLVE_DIFF)
+    )
     if torch is not None:
         at, bt = torch.from_numpy(a), torch.from_numpy(b)
 
@@ -533,7 +589,7 @@ def bench_solve(
         x_ref = scipy.linalg.cho_solve(scipy.linalg.cho_factor(a, lower=True), b)
         norm_a, norm_b, norm_ref = (float(np.linalg.norm(v)) for v in (a, b, x_ref))
         flops = d**3 / 3.0 + 2.0 * d * d * k
-        methods = solve_methods(a, b)
+        methods = solve_methods(a, b, path_cores(args.paths))
         for t in args.threads:
             case: list[Row] = []
             for method in methods:
@@ -557,6 +613,150 @@ def bench_solve(
     return rows_out
 
 
+# ------------------------------------------------------------------------------- merge
+
+
+def merge_inputs(
+    rng: np.random.Generator, d: int
+) -> tuple[list[np.ndarray], list[float], list[np.ndarray]]:
+    """K Grams of 2d Gaussian rows with per-feature scales (float64), their counts, and K
+    float32 weights (d_out = d_in = d)."""
+    grams, counts, weights = [], [], []
+    for _ in range(MERGE_MODELS):
+        x = rng.standard_normal((2 * d, d), dtype=np.float32) * rng.uniform(0.5, 2.0, d).astype(
+            np.float32
+        )
+        grams.append(x.T.astype(np.float64) @ x.astype(np.float64))
+        counts.append(float(2 * d))
+        weights.append(rng.standard_normal((d, d), dtype=np.float32))
+    return grams, counts, weights
+
+
+def reference_merge(
+    grams: list[np.ndarray], counts: list[float], weights: list[np.ndarray], alpha: float
+) -> np.ndarray:
+    """Jin et al. (2023) in float64: (Σ G̃_i)⁻¹ Σ G̃_i W_iᵀ with G̃ = α Ĝ + (1−α) diag(Ĝ)."""
+    lhs = 0.0
+    rhs = 0.0
+    for g, n, w in zip(grams, counts, weights, strict=True):
+        g_hat = g / n
+        g_tilde = alpha * g_hat + (1.0 - alpha) * np.diag(np.diag(g_hat))
+        lhs = lhs + g_tilde
+        rhs = rhs + g_tilde @ w.astype(np.float64).T
+    return scipy.linalg.solve(lhs, rhs, assume_a="pos").T
+
+
+def merge_methods(
+    grams: list[np.ndarray],
+    counts: list[float],
+    weights: list[np.ndarray],
+    cores: Sequence[tuple[str, Any]] = (),
+) -> list[Method]:
+    alpha = MERGE_ALPHA
+    methods = [
+        Method(
+            "lmdx regmean_merge_layer",
+            "fp64",
+            "lmdx",
+            lambda t: (
+                lmdx.regmean_merge_layer(grams, weights, counts, alpha=alpha, n_threads=t).weight
+            ),
+            TOL_MERGE_LMDX,
+        )
+    ]
+    methods += [
+        Method(
+            f"lmdx[{label}] regmean_merge",
+            "fp64",
+            "lmdx",
+            lambda t, mod=mod: mod.regmean_merge(
+                grams, counts, weights, None, alpha, "linear", 0.0, True, t, "layer"
+            )[0],
+            TOL_MERGE_LMDX,
+        )
+        for label, mod in cores
+    ]
+    if torch is None:
+        return methods
+    try:
+        from fusion_bench.method.regmean.regmean import merging_with_regmean_weights
+    except ImportError:
+        merging_with_regmean_weights = None
+    if merging_with_regmean_weights is not None:
+        # FusionBench keeps Ĝ_i = G_i / n_i ("regmean weights") and the weights as fp32
+        # tensors; converted before timing.
+        fb_params = {"layer.weight": [torch.from_numpy(w) for w in weights]}
+        fb_grams = [
+            {"layer": torch.from_numpy((g / n).astype(np.float32))}
+            for g, n in zip(grams, counts, strict=True)
+        ]
+
+        def fusionbench(t: int) -> np.ndarray:
+            with torch.no_grad():
+                out = merging_with_regmean_weights(
+                    models_to_merge_param_dict=fb_params,
+                    models_to_merge_regmean_weights_list=fb_grams,
+                    reduce_non_diagonal_ratio=alpha,
+                )
+            return out["layer.weight"].numpy()
+
+        methods.append(
+            Method("fusionbench regmean (fp32)", "fp32", "torch", fusionbench, TOL_MERGE_FP32)
+        )
+    d = grams[0].shape[0]
+    g_t = torch.from_numpy(grams[0])
+    w_t = torch.from_numpy(weights[0].astype(np.float64)).T.contiguous()
+    w_sixth = w_t[:, : max(1, d // 6)].contiguous()
+
+    def gemm_bound(t: int) -> None:
+        # (K + 1) GEMMs d x d x d (2(K+1)d³ flops) + one of d x d x d/6 (≈ d³/3 flops).
+        for _ in range(MERGE_MODELS + 1):
+            g_t @ w_t
+        g_t @ w_sixth
+
+    methods.append(
+        Method("GEMM bound (torch fp64)", "fp64", "torch", gemm_bound, float("nan"))
+    )
+    return methods
+
+
+def bench_merge(
+    args: argparse.Namespace, peaks: dict[int, dict[str, float]], log: Callable[[str], None]
+) -> list[Row]:
+    rng = np.random.default_rng(args.seed + 2)
+    rows_out: list[Row] = []
+    for d in args.merge_sizes:
+        grams, counts, weights = merge_inputs(rng, d)
+        ref = reference_merge(grams, counts, weights, MERGE_ALPHA)
+        norm_ref = float(np.linalg.norm(ref))
+        k = MERGE_MODELS
+        flops = 2.0 * k * d**3 + d**3 / 3.0 + 2.0 * d**3
+        methods = merge_methods(grams, counts, weights, path_cores(args.paths))
+        for t in args.threads:
+            case: list[Row] = []
+            for method in methods:
+                result, times = time_method(method, t, args.reps, args.settle)
+                row = make_row("merge", d, k, t, method, times, flops, peaks)
+                if result is not None:
+                    row.error = float(np.linalg.norm(np.asarray(result) - ref) / norm_ref)
+                    if not row.error <= method.tol:
+                        raise DisagreementError(
+                            f"merge d={d} threads={t}: {method.name} differs from the float64 "
+                            f"formula by {row.error:.3g} (relative Frobenius), tolerance "
+                            f"{method.tol:g}"
+                        )
+                case.append(row)
+            set_speedups(case)
+            bound = next(r for r in case if r.method.startswith("GEMM bound")) if torch else None
+            for row in case:
+                if bound is not None:
+                    row.error2 = row.median_s / bound.median_s
+                log(format_row(row))
+            rows_out += case
+        del grams, weights, ref
+    return rows_out
+
+
 # ------------------------------------------------------------------------------ output
 
 TABLE_HEAD = {
@@ -567,6 +767,10 @@ TABLE_HEAD = {
     "solve": (
         "    d      k thr  method                         prec   median ms    GFLOP/s  %peak"
         "  lmdx speedup  rel.diff    residual"
+    ),
+    "merge": (
+        "    d      K thr  method                         prec   median ms    GFLOP/s  %peak"
+        "  lmdx speedup  rel.err(F)  x GEMM bound"
     ),
 }
 
@@ -584,9 +788,11 @@ def agreement_summary(bench: str, rows: list[Row]) -> str:
     """The largest deviation from the reference per method, all within tolerance."""
     worst: dict[str, Row] = {}
     for r in rows:
+        if np.isnan(r.tol):
+            continue  # the GEMM bound computes no merge
         if r.method not in worst or r.error > worst[r.method].error:
             worst[r.method] = r
-    what = "rel. Frobenius error vs fp64 reference" if bench == "gram" else "rel. difference"
+    what = "rel. difference" if bench == "solve" else "rel. Frobenius error vs fp64 reference"
     parts = [f"{m} {r.error:.2e} (tol {r.tol:g})" for m, r in worst.items()]
     return f"agreement, max {what} over all cases: " + "; ".join(parts) + " — all within"
 
@@ -596,6 +802,8 @@ MD_HEAD = {
     "| rel. err (F) | max dev |",
     "solve": "| d | k | threads | method | prec | median ms | GFLOP/s | % peak | lmdx speedup "
     "| rel. diff | residual |",
+    "merge": "| d | K | threads | method | prec | median ms | GFLOP/s | % peak | lmdx speedup "
+    "| rel. err (F) | time / GEMM bound |",
 }
 
 
@@ -612,6 +820,7 @@ def write_markdown(path: str, header: list[str], results: dict[str, list[Row]]) 
     titles = {
         "gram": "Gram accumulation XᵀX (float32 rows)",
         "solve": "SPD solve A x = B (float64, k = d)",
+        "merge": "RegMean merge of one d x d layer, K = 3, α = 0.9",
     }
     lines = ["### Machine and libraries", ""]
     lines += [f"- {line}" for line in header]
@@ -633,10 +842,11 @@ def write_markdown(path: str, header: list[str], results: dict[str, list[Row]]) 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description="Benchmark lmdx's Gram accumulation and SPD solve against torch, "
-        "NumPy and SciPy on the same inputs, with ratios and fraction of machine peak."
+        description="Benchmark lmdx's Gram accumulation, SPD solve and RegMean merge against "
+        "torch, NumPy, SciPy and FusionBench on the same inputs, with ratios and fraction of "
+        "machine peak."
     )
-    p.add_argument("--only", choices=("gram", "solve"), help="run one benchmark only")
+    p.add_argument("--only", choices=("gram", "solve", "merge"), help="run one benchmark only")
     p.add_argument("--sizes", type=int, nargs="+", help=f"Gram dims d (default {GRAM_SIZES})")
     p.add_argument("--rows", type=int, nargs="+", help=f"Gram rows N (default {GRAM_ROWS})")
     p.add_argument(
@@ -644,6 +854,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=int,
         nargs="+",
         help=f"solve dims d = k (default: --sizes if given, else {SOLVE_SIZES})",
+    )
+    p.add_argument(
+        "--merge-sizes",
+        type=int,
+        nargs="+",
+        help=f"merge layer dims d (default: --sizes if given, else {MERGE_SIZES})",
+    )
+    p.add_argument(
+        "--paths",
+        nargs="+",
+        default=[],
+        choices=("avx512", "avx2", "baseline"),
+        help="also run lmdx's other SIMD dispatch paths (raw core modules) on the same inputs",
     )
     p.add_argument("--threads", type=int, nargs="+", help=f"thread counts (default {THREADS})")
     p.add_argument("--reps", type=int, help=f"timed repetitions after a warm-up (default {REPS})")
@@ -661,12 +884,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     solve_default = QUICK_SOLVE_SIZES if args.quick else SOLVE_SIZES
     args.solve_sizes = args.solve_sizes or args.sizes or list(solve_default)
+    merge_default = QUICK_MERGE_SIZES if args.quick else MERGE_SIZES
+    args.merge_sizes = args.merge_sizes or args.sizes or list(merge_default)
     args.sizes = args.sizes or list(QUICK_GRAM_SIZES if args.quick else GRAM_SIZES)
     args.rows = args.rows or list(QUICK_GRAM_ROWS if args.quick else GRAM_ROWS)
     args.threads = args.threads or list(THREADS)
     args.reps = args.reps or (QUICK_REPS if args.quick else REPS)
     args.peak_seconds = args.peak_seconds or (QUICK_PEAK_SECONDS if args.quick else PEAK_SECONDS)
-    for name in ("sizes", "rows", "solve_sizes", "threads"):
+    unsupported = [p for p in args.paths if p not in lmdx_supported_paths()]
+    if unsupported:
+        p.error(f"--paths: {', '.join(unsupported)} cannot run on this CPU/installation")
+    for name in ("sizes", "rows", "solve_sizes", "merge_sizes", "threads"):
         if min(getattr(args, name)) < 1:
             p.error(f"--{name.replace('_', '-')}: values must be >= 1")
     if args.reps < 1:
@@ -693,9 +921,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     log()
     log("\n".join(f"* {c}" for c in CONVENTIONS))
 
-    results: dict[str, list[Row]] = {"gram": [], "solve": []}
+    results: dict[str, list[Row]] = {"gram": [], "solve": [], "merge": []}
     try:
-        for bench, fn in (("gram", bench_gram), ("solve", bench_solve)):
+        for bench, fn in (("gram", bench_gram), ("solve", bench_solve), ("merge", bench_merge)):
             if args.only not in (None, bench):
                 continue
             log()
