@@ -714,9 +714,7 @@ def merge_methods(
             g_t @ w_t
         g_t @ w_sixth
 
-    methods.append(
-        Method("GEMM bound (torch fp64)", "fp64", "torch", gemm_bound, float("nan"))
-    )
+    methods.append(Method("GEMM bound (torch fp64)", "fp64", "torch", gemm_bound, float("nan")))
     return methods
 
 

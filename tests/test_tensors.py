@@ -91,6 +91,40 @@ def test_moments_half_precision_values_are_widened_exactly(rng, dtype):
     np.testing.assert_array_equal(m.sum, as64(x).sum(axis=0))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, "numpy float16"])
+@pytest.mark.parametrize("use", ["none", "mask", "weights"])
+def test_moments_16_bit_rows_need_no_widened_copy_and_match_it(rng, dtype, use):
+    # 16-bit rows go to the kernel as they are and are widened while packing: the result
+    # must be bit-identical to updating with the float32 copy, at 1 and 2 threads, across
+    # several register tiles and blocks.
+    x32 = (rng.standard_normal((700, 150)) * 3 + 1).astype(np.float32)
+    if dtype == "numpy float16":
+        x = x32.astype(np.float16)
+        wide = x.astype(np.float32)
+    else:
+        x = torch.from_numpy(x32).to(dtype)
+        wide = x.float().numpy()
+    kwargs = {}
+    if use == "mask":
+        kwargs["mask"] = rng.random(700) < 0.6
+    elif use == "weights":
+        kwargs["weights"] = rng.uniform(0.0, 2.0, 700)
+    for threads in (1, 2):
+        narrow = lmdx.Moments(150, chunk_rows=256).update(x, n_threads=threads, **kwargs)
+        widened = lmdx.Moments(150, chunk_rows=256).update(wide, n_threads=threads, **kwargs)
+        assert np.array_equal(narrow.gram(), widened.gram())
+        assert np.array_equal(narrow.sum, widened.sum) and narrow.count == widened.count
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_moments_16_bit_non_finite_names_row_and_column(dtype, bad):
+    x = torch.ones(6, 4, dtype=dtype)
+    x[3, 2] = bad
+    with pytest.raises(ValueError, match=r"x: contains (NaN|Inf) at row 3, column 2"):
+        lmdx.Moments(4).update(x)
+
+
 @pytest.mark.parametrize("dtype", [np.float16, np.int8, np.int32, np.int64, np.uint8, np.bool_])
 def test_moments_numpy_narrow_and_integer_arrays(rng, dtype):
     if np.issubdtype(dtype, np.integer):
@@ -231,8 +265,12 @@ def test_raw_moments_rejects_non_contiguous_and_wrong_dtype(rng):
         ValueError, match=r"^x: expected a C-contiguous float32 or float64 array.*int64"
     ):
         m.update(x.astype(np.int64), None, 1)
-    with pytest.raises(ValueError, match=r"^x: expected .*float64.*float16"):
-        m.update(x.astype(np.float16), None, 1)
+    with pytest.raises(ValueError, match=r"^x: expected .*float64.*uint16"):
+        m.update(x.astype(np.uint16), None, 1)
+    with pytest.raises(ValueError, match=r"^x: bfloat16 rows are passed as a uint16 view"):
+        m.update(x, None, 1, True)
+    with pytest.raises(ValueError, match=r"^x: expected a C-contiguous 2-d array"):
+        m.update(np.asfortranarray(x.astype(np.float16)), None, 1)
     with pytest.raises(ValueError, match=r"^x: expected .*2 dimension"):
         m.update(x.reshape(5, 3, 1), None, 1)
     with pytest.raises(ValueError, match=r"^weights: expected a float64 array, got a float32"):

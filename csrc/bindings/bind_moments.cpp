@@ -46,8 +46,20 @@ void bind_moments(py::module_& m) {
       .def(
           "update",
           [](Moments& self, const py::array& x, const std::optional<py::array>& weights,
-             int n_threads) {
-            const ArrayView xv = float_view(x, "x", 2);
+             int n_threads, bool bfloat16) {
+            // 16-bit rows (float16, or bfloat16 passed as its uint16 bit patterns) go to the
+            // kernel as they are: it widens them while packing, so no float32 copy is made.
+            const bool half = !bfloat16 && x.dtype().kind() == 'f' && x.dtype().itemsize() == 2;
+            const bool narrow = half || bfloat16;
+            if (bfloat16 && !(x.dtype().kind() == 'u' && x.dtype().itemsize() == 2)) {
+              throw std::invalid_argument("x: bfloat16 rows are passed as a uint16 view, got a " +
+                                          describe(x));
+            }
+            if (narrow && (x.ndim() != 2 || (x.flags() & py::array::c_style) == 0)) {
+              throw std::invalid_argument("x: expected a C-contiguous 2-d array, got a " +
+                                          describe(x));
+            }
+            const ArrayView xv = narrow ? ArrayView{x.data(), false} : float_view(x, "x", 2);
             if (x.shape(1) != self.dim()) {
               throw std::invalid_argument("x: expected " + std::to_string(self.dim()) +
                                           " columns (the accumulator's dim), got a " + describe(x));
@@ -65,13 +77,18 @@ void bind_moments(py::module_& m) {
             // Inputs are checked and viewed; the arrays stay alive (held by the caller's
             // frame) while the GIL is released for the arithmetic.
             py::gil_scoped_release release;
-            if (xv.is_float32) {
+            if (bfloat16) {
+              self.update(static_cast<const Eigen::bfloat16*>(xv.data), rows, w, n_threads);
+            } else if (half) {
+              self.update(static_cast<const Eigen::half*>(xv.data), rows, w, n_threads);
+            } else if (xv.is_float32) {
               self.update(xv.f32(), rows, w, n_threads);
             } else {
               self.update(xv.f64(), rows, w, n_threads);
             }
           },
-          py::arg("x"), py::arg("weights") = py::none(), py::arg("n_threads") = 0)
+          py::arg("x"), py::arg("weights") = py::none(), py::arg("n_threads") = 0,
+          py::arg("bfloat16") = false)
       .def(
           "merge",
           [](Moments& self, const Moments& other) {

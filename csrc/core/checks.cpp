@@ -19,7 +19,7 @@ Index first_nonfinite(const T* x, Index n, int n_threads) {
     const Index end = std::min(n, block + 4096);
     if (!Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>(x + block, end - block).allFinite()) {
       for (Index i = block; i < end; ++i) {
-        if (!std::isfinite(x[i])) {
+        if (!Eigen::numext::isfinite(x[i])) {
           first = std::min(first, i);
           break;
         }
@@ -36,7 +36,7 @@ void require_finite(const T* x, Index n, Index cols, const std::string& what, in
   std::string where =
       cols > 0 ? "row " + std::to_string(bad / cols) + ", column " + std::to_string(bad % cols)
                : "index " + std::to_string(bad);
-  throw std::invalid_argument(what + ": contains " + (std::isnan(x[bad]) ? "NaN" : "Inf") + " at " +
+  throw std::invalid_argument(what + ": contains " + (Eigen::numext::isnan(x[bad]) ? "NaN" : "Inf") + " at " +
                               where +
                               "; remove or fix non-finite values before passing them to lmdx");
 }
@@ -98,5 +98,9 @@ template Index first_nonfinite<float>(const float*, Index, int);
 template Index first_nonfinite<double>(const double*, Index, int);
 template void require_finite<float>(const float*, Index, Index, const std::string&, int);
 template void require_finite<double>(const double*, Index, Index, const std::string&, int);
+template void require_finite<Eigen::half>(const Eigen::half*, Index, Index, const std::string&,
+                                          int);
+template void require_finite<Eigen::bfloat16>(const Eigen::bfloat16*, Index, Index,
+                                              const std::string&, int);
 
 LMDX_NAMESPACE_END

@@ -3,6 +3,7 @@
 #include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "core/parallel.hpp"
@@ -110,11 +111,16 @@ MicroTile<T> micro_tile_for(int packets) {
   }
 }
 
+// Precision the products of an input type are computed in.
+template <typename In>
+using Compute = std::conditional_t<std::is_same_v<In, double>, double, float>;
+
 }  // namespace
 
-template <typename T>
-void gram_update(const T* x, Index rows, Index d, const double* weights, Index block_rows,
+template <typename In>
+void gram_update(const In* x, Index rows, Index d, const double* weights, Index block_rows,
                  int n_threads, double* gram, Index ld, double* sum) {
+  using T = Compute<In>;
   using P = Tile<T>;
   constexpr Index MR = P::MR;
   constexpr Index NR = P::NR;
@@ -158,7 +164,7 @@ void gram_update(const T* x, Index rows, Index d, const double* weights, Index b
         double* part = partial.data() + g * d;
         std::fill(part, part + d, 0.0);
         for (Index k = g * kPackGroup; k < std::min(m, (g + 1) * kPackGroup); ++k) {
-          const T* in = x + kept_rows[k] * d;
+          const In* in = x + kept_rows[k] * d;
           const double w = kept_weight[k];
           const T scale = kept_scale[k];
           for (Index s = 0; s < n_strips; ++s) {
@@ -166,16 +172,18 @@ void gram_update(const T* x, Index rows, Index d, const double* weights, Index b
             const Index width = std::min(MR, d - f0);
             T* out = packed.data() + (s * kc + k) * MR;
             if (w == 1.0) {
-              for (Index f = 0; f < width; ++f) out[f] = in[f0 + f];
+              for (Index f = 0; f < width; ++f) out[f] = static_cast<T>(in[f0 + f]);
             } else {
-              for (Index f = 0; f < width; ++f) out[f] = in[f0 + f] * scale;
+              for (Index f = 0; f < width; ++f) out[f] = static_cast<T>(in[f0 + f]) * scale;
             }
             for (Index f = width; f < MR; ++f) out[f] = T(0);
           }
           if (w == 1.0) {
-            for (Index f = 0; f < d; ++f) part[f] += static_cast<double>(in[f]);
+            for (Index f = 0; f < d; ++f) part[f] += static_cast<double>(static_cast<T>(in[f]));
           } else {
-            for (Index f = 0; f < d; ++f) part[f] += w * static_cast<double>(in[f]);
+            for (Index f = 0; f < d; ++f) {
+              part[f] += w * static_cast<double>(static_cast<T>(in[f]));
+            }
           }
         }
       }
@@ -211,6 +219,10 @@ template void gram_update<float>(const float*, Index, Index, const double*, Inde
                                  Index, double*);
 template void gram_update<double>(const double*, Index, Index, const double*, Index, int, double*,
                                   Index, double*);
+template void gram_update<Eigen::half>(const Eigen::half*, Index, Index, const double*, Index, int,
+                                       double*, Index, double*);
+template void gram_update<Eigen::bfloat16>(const Eigen::bfloat16*, Index, Index, const double*,
+                                           Index, int, double*, Index, double*);
 
 GramTile gram_tile() noexcept {
   return {Tile<float>::MR, Tile<float>::NR, Tile<double>::MR, Tile<double>::NR};

@@ -13,6 +13,8 @@
 // arithmetic of every Gram entry is independent of the thread count.
 #pragma once
 
+#include <Eigen/Core>
+
 #include "core/config.hpp"
 
 LMDX_NAMESPACE_BEGIN
@@ -20,8 +22,10 @@ LMDX_NAMESPACE_BEGIN
 /// Rows per float32 register accumulation before it is added into the float64 Gram.
 constexpr Index kFlushRows = 64;
 
-template <typename T>
-void gram_update(const T* x, Index rows, Index d, const double* weights, Index block_rows,
+/// Input row types: float32 and float64 are multiplied in their own precision; bfloat16
+/// and float16 are widened to float32 while packing (exact) and multiplied in float32.
+template <typename In>
+void gram_update(const In* x, Index rows, Index d, const double* weights, Index block_rows,
                  int n_threads, double* gram, Index ld, double* sum);
 
 /// Register tile of the kernel compiled in this variant: {MR, NR} for float and double.

@@ -65,6 +65,14 @@ void Moments::update(const double* x, Index rows, const double* weights, int n_t
   update_impl(x, rows, weights, n_threads);
 }
 
+void Moments::update(const Eigen::half* x, Index rows, const double* weights, int n_threads) {
+  update_impl(x, rows, weights, n_threads);
+}
+
+void Moments::update(const Eigen::bfloat16* x, Index rows, const double* weights, int n_threads) {
+  update_impl(x, rows, weights, n_threads);
+}
+
 template <typename T>
 void Moments::update_impl(const T* x, Index rows, const double* weights, int n_threads) {
   if (rows < 0) throw std::invalid_argument("x: negative row count");
@@ -107,5 +115,8 @@ void Moments::copy_gram(double* out) const {
 
 template void Moments::update_impl<float>(const float*, Index, const double*, int);
 template void Moments::update_impl<double>(const double*, Index, const double*, int);
+template void Moments::update_impl<Eigen::half>(const Eigen::half*, Index, const double*, int);
+template void Moments::update_impl<Eigen::bfloat16>(const Eigen::bfloat16*, Index, const double*,
+                                                    int);
 
 LMDX_NAMESPACE_END

@@ -34,6 +34,9 @@ class Moments {
   /// nullptr or `rows` non-negative finite values.
   void update(const float* x, Index rows, const double* weights, int n_threads);
   void update(const double* x, Index rows, const double* weights, int n_threads);
+  /// 16-bit rows: widened to float32 while packing (exact), then as float32.
+  void update(const Eigen::half* x, Index rows, const double* weights, int n_threads);
+  void update(const Eigen::bfloat16* x, Index rows, const double* weights, int n_threads);
 
   /// Add another accumulator's statistics (disjoint data): count, sum and Gram add.
   void merge(const Moments& other);

@@ -1,8 +1,10 @@
 """The only place where user arrays and torch tensors become arrays for the native core.
 
-Everything the core receives is a C-contiguous float32 or float64 NumPy array. Torch
-tensors are detached and moved to the CPU; bfloat16/float16 are widened to float32;
-integer inputs become float64. Copies happen here, visibly, never in the bindings.
+Everything the core receives is a C-contiguous float32 or float64 NumPy array -- except
+rows for the Gram kernel (:func:`as_gram_rows`), where float16 and bfloat16 stay 16-bit
+(the kernel widens them while packing). Torch tensors are detached and moved to the CPU;
+elsewhere bfloat16/float16 are widened to float32; integer inputs become float64. Copies
+happen here, visibly, never in the bindings.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["as_float64", "as_rows", "as_tensor_array", "as_weights"]
+__all__ = ["as_float64", "as_gram_rows", "as_rows", "as_tensor_array", "as_weights"]
 
 _NARROW_TORCH = ("torch.bfloat16", "torch.float16")
 
@@ -56,6 +58,33 @@ def as_rows(x: Any, dim: int, name: str = "x") -> tuple[NDArray[np.floating[Any]
     if arr.ndim == 0 or arr.shape[-1] != dim:
         raise ValueError(f"{name}: expected shape (..., {dim}), got {arr.shape}")
     return arr.reshape(-1, dim), tuple(arr.shape[:-1])
+
+
+def as_gram_rows(x: Any, dim: int, name: str = "x") -> tuple[NDArray[Any], tuple[int, ...], bool]:
+    """Rows for ``Moments.update``: like :func:`as_rows`, but float16 and bfloat16 inputs
+    stay 16-bit (no widened copy; the kernel converts exactly while packing). Returns
+    ``(rows, leading, is_bfloat16)``; bfloat16 rows are a uint16 view of the bits."""
+    narrow = None
+    if _is_torch(x) and str(x.dtype) in _NARROW_TORCH:
+        t = x.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        if str(t.dtype) == "torch.bfloat16":
+            import torch  # present: x is a torch tensor
+
+            narrow = (t.view(torch.int16).numpy().view(np.uint16), True)
+        else:
+            narrow = (t.numpy(), False)
+    elif isinstance(x, np.ndarray) and x.dtype == np.float16:
+        narrow = (np.ascontiguousarray(x), False)
+    if narrow is None:
+        rows, leading = as_rows(x, dim, name)
+        return rows, leading, False
+    arr, is_bf16 = narrow
+    if arr.ndim == 0 or arr.shape[-1] != dim:
+        raise ValueError(f"{name}: expected shape (..., {dim}), got {tuple(arr.shape)}")
+    return arr.reshape(-1, dim), tuple(arr.shape[:-1]), is_bf16
 
 
 def as_weights(

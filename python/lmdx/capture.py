@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ._tensors import as_rows
+from ._tensors import as_gram_rows, as_rows
 from .config import resolve_threads
 from .embed import _progress
 from .moments import Moments
@@ -241,15 +241,18 @@ class _Collector:
                 )
             return
         d = self.modules[name][0].weight.shape[1 if self.modules[name][1] == "linear" else 0]
-        rows, leading = as_rows(x, d, f"module {name!r} input")
+        bfloat16 = False
         if self.float64:
+            rows, leading = as_rows(x, d, f"module {name!r} input")
             rows = rows.astype(np.float64)
+        else:  # float16/bfloat16 activations stay 16-bit: widened exactly inside the kernel
+            rows, leading, bfloat16 = as_gram_rows(x, d, f"module {name!r} input")
         weights = self._row_weights(name, leading, rows.shape[0])
         acc = self.moments.get(group)
         if acc is None:
             acc = self.moments[group] = Moments(d)
         try:  # the core checks every value (threaded) before adding anything
-            acc._native.update(rows, weights, self.n_threads)
+            acc._native.update(rows, weights, self.n_threads, bfloat16)
         except ValueError as exc:
             if str(exc).startswith("x: contains"):
                 raise ValueError(

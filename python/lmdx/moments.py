@@ -8,7 +8,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from . import _core
-from ._tensors import as_float64, as_rows, as_weights
+from ._tensors import as_float64, as_gram_rows, as_weights
 from .config import resolve_threads
 
 __all__ = ["DEFAULT_CHUNK_ROWS", "Moments"]
@@ -77,9 +77,9 @@ class Moments:
         Moments
             ``self``, so calls can be chained.
         """
-        rows, leading = as_rows(x, self.dim, "x")
+        rows, leading, bfloat16 = as_gram_rows(x, self.dim, "x")
         w = as_weights(mask, weights, leading, rows.shape[0])
-        self._native.update(rows, w, resolve_threads(n_threads))
+        self._native.update(rows, w, resolve_threads(n_threads), bfloat16)
         return self
 
     def merge(self, other: Moments) -> Moments:
