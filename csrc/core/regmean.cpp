@@ -15,6 +15,8 @@ namespace {
 
 // Output columns of W_i^T widened to float64 at a time (memory bound: d_in x 1024 doubles).
 constexpr Index kRhsChunk = 1024;
+// Multiply-adds below which a layer is merged on one thread (about 0.5 ms of work).
+constexpr double kSerialWork = 2e7;
 // Columns of W_i^T widened per task.
 constexpr Index kWidenColumns = 64;
 
@@ -63,7 +65,11 @@ RegMeanResult regmean_merge(const std::vector<RegMeanModel>& models, Index d_in,
     scale[i] = coef[i] / models[i].count;
   }
 
-  const int threads = resolve_threads(opt.n_threads);
+  // Tiny layers run on one thread: starting a team costs more than their arithmetic.
+  // Decided by the work, never changing results (all partitions are fixed by the shapes).
+  const double work = static_cast<double>(d_in) * static_cast<double>(d_in) *
+                      (static_cast<double>(k) * static_cast<double>(d_out) + d_in);
+  const int threads = work < kSerialWork ? 1 : resolve_threads(opt.n_threads);
   const double alpha = opt.alpha;
   MatrixXd lhs = MatrixXd::Zero(d_in, d_in);
   RegMeanResult result;
@@ -120,7 +126,9 @@ RegMeanResult regmean_merge(const std::vector<RegMeanModel>& models, Index d_in,
       }
     }
   }
-  result.info = spd_solve(lhs, rhs, opt);
+  SolveOptions solve_opt = opt;
+  solve_opt.n_threads = threads;
+  result.info = spd_solve(lhs, rhs, solve_opt);
   return result;
 }
 

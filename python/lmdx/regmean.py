@@ -14,10 +14,7 @@ from .config import resolve_threads
 from .moments import Moments
 from .spd import warn_if_escalated
 
-__all__ = ["SERIAL_BELOW_DIM", "RegMeanResult", "regmean_merge_layer"]
-
-#: Layers with fewer inputs than this run on one thread unless ``n_threads`` is given.
-SERIAL_BELOW_DIM = 128
+__all__ = ["RegMeanResult", "regmean_merge_layer"]
 
 
 class RegMeanResult(NamedTuple):
@@ -93,8 +90,6 @@ def regmean_merge_layer(
     elif len(resolved_counts) != len(grams):
         raise ValueError(f"{name}: counts are required when grams are arrays")
     weight_arrays = [as_tensor_array(w, f"{name}: weights[{i}]") for i, w in enumerate(weights)]
-    if n_threads is None and gram_arrays and gram_arrays[0].shape[0] < SERIAL_BELOW_DIM:
-        n_threads = 1  # thread start-up costs more than a tiny solve
     merged, info = _core.core.regmean_merge(
         gram_arrays,
         resolved_counts,
