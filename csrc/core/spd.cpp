@@ -211,31 +211,33 @@ void blocked_solve_transposed(const MatrixXd& l, Eigen::Ref<MatrixXd> z) {
 
 }  // namespace
 
-void cholesky_solve_transposed_in_place(const MatrixXd& l, Eigen::Ref<MatrixXd> bt,
-                                        int n_threads) {
-  const Index k = bt.rows();
+namespace {
+
+// solve(first, count) for each block of right-hand sides (of column_block_width(k)),
+// the blocks shared by the threads.
+template <typename Solve>
+void over_rhs_blocks(Index k, int n_threads, const Solve& solve) {
   if (k == 0) return;
   const Index width = column_block_width(k);
   const Index n_blocks = (k + width - 1) / width;
   const int threads = static_cast<int>(std::min<Index>(resolve_threads(n_threads), n_blocks));
   LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(dynamic, 1))
-  for (Index cb = 0; cb < n_blocks; ++cb) {
-    const Index r0 = cb * width;
-    blocked_solve_transposed(l, bt.middleRows(r0, std::min(width, k - r0)));
-  }
+  for (Index cb = 0; cb < n_blocks; ++cb) solve(cb * width, std::min(width, k - cb * width));
+}
+
+}  // namespace
+
+void cholesky_solve_transposed_in_place(const MatrixXd& l, Eigen::Ref<MatrixXd> bt,
+                                        int n_threads) {
+  over_rhs_blocks(bt.rows(), n_threads, [&](Index r0, Index rows) {
+    blocked_solve_transposed(l, bt.middleRows(r0, rows));
+  });
 }
 
 void cholesky_solve_in_place(const MatrixXd& l, Eigen::Ref<MatrixXd> b, int n_threads) {
-  const Index k = b.cols();
-  if (k == 0) return;
-  const Index width = column_block_width(k);
-  const Index n_blocks = (k + width - 1) / width;
-  const int threads = static_cast<int>(std::min<Index>(resolve_threads(n_threads), n_blocks));
-  LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(dynamic, 1))
-  for (Index cb = 0; cb < n_blocks; ++cb) {
-    const Index c0 = cb * width;
-    blocked_solve(l, b.middleCols(c0, std::min(width, k - c0)));
-  }
+  over_rhs_blocks(b.cols(), n_threads, [&](Index c0, Index cols) {
+    blocked_solve(l, b.middleCols(c0, cols));
+  });
 }
 
 SolveInfo spd_solve(const Eigen::Ref<const MatrixXd>& a, Eigen::Ref<MatrixXd> b,
