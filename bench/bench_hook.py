@@ -55,7 +55,7 @@ class _NoArithmetic:
         self.count = 0.0
         self.calls = 0
 
-    def update(self, rows, weights, n_threads):
+    def update(self, rows, weights, n_threads, bfloat16=False):
         self.calls += 1
         self.count += rows.shape[0]
 
@@ -95,19 +95,19 @@ def main() -> None:
 
     # the hand-over makes no copy: check on every call of one collection
     shared = {"yes": 0, "no": 0}
-    real_as_rows = capture.as_rows
+    real_as_rows = capture.as_gram_rows
 
     def checking_as_rows(x, dim, name="x"):
-        rows, leading = real_as_rows(x, dim, name)
+        rows, leading, bfloat16 = real_as_rows(x, dim, name)
         whole = x.detach().numpy()
         shared["yes" if np.shares_memory(rows, whole) else "no"] += 1
-        return rows, leading
+        return rows, leading, bfloat16
 
-    capture.as_rows = checking_as_rows
+    capture.as_gram_rows = checking_as_rows
     try:
         capture.collect_regmean_stats(model, batches[:1], progress=False, n_threads=args.threads)
     finally:
-        capture.as_rows = real_as_rows
+        capture.as_gram_rows = real_as_rows
 
     def forward() -> None:
         with torch.no_grad():
