@@ -174,6 +174,19 @@ def test_avx2_variant_uses_avx():
     assert "AVX" in dispatch.load("avx2").eigen_simd()
 
 
+@pytest.mark.parametrize(
+    ("variant", "f32", "f64"),
+    [("avx512", (48, 8), (24, 8)), ("avx2", (24, 4), (12, 4)), ("baseline", (12, 4), (6, 2))],
+)
+def test_each_variant_has_its_own_gram_tile(variant, f32, f64):
+    # The register tile follows the variant's vector width and register count: proof that
+    # each module really carries its own compiled kernel.
+    if variant not in SUPPORTED:
+        pytest.skip(f"the {variant} variant cannot run on this CPU")
+    tile = dispatch.load(variant).gram_tile()
+    assert tile == {"float32": f32, "float64": f64}
+
+
 def test_unknown_variant_is_a_value_error():
     with pytest.raises(ValueError, match=r"must be one of avx512, avx2, baseline; got 'nonsense'"):
         dispatch.load("nonsense")

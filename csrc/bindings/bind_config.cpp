@@ -1,5 +1,6 @@
 #include "bindings/common.hpp"
 #include "core/config.hpp"
+#include "core/gram_kernel.hpp"
 #include "core/peak.hpp"
 #include "core/workspace.hpp"
 
@@ -12,6 +13,14 @@ void bind_config(py::module_& m) {
   m.def("max_threads", &lmdx::max_threads, "Threads used when n_threads <= 0.");
   m.def("eigen_version", &lmdx::eigen_version);
   m.def("eigen_simd", &lmdx::eigen_simd, "SIMD instruction sets Eigen was compiled with.");
+  m.def(
+      "gram_tile",
+      []() {
+        const lmdx::GramTile t = lmdx::gram_tile();
+        return py::dict(py::arg("float32") = py::make_tuple(t.mr_float, t.nr_float),
+                        py::arg("float64") = py::make_tuple(t.mr_double, t.nr_double));
+      },
+      "Register tile (rows, columns) of this variant's Gram kernel per precision.");
   m.def("compiler", []() {
 #if defined(__clang__)
     return std::string("clang ") + __clang_version__;

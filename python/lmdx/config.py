@@ -49,6 +49,7 @@ def config() -> dict[str, Any]:
         "cpu_features": [name for name, present in features.items() if present],
         "eigen": core.eigen_version(),
         "eigen_simd": core.eigen_simd(),
+        "gram_tile": {k: f"{r}x{c}" for k, (r, c) in core.gram_tile().items()},
         "compiler": core.compiler(),
         "openmp": core.has_openmp(),
         "default_threads": default_threads(),
@@ -62,4 +63,6 @@ def show_config(file: TextIO | None = None) -> None:
     for key, value in config().items():
         if isinstance(value, list):
             value = ", ".join(value) if value else "-"
+        elif isinstance(value, dict):
+            value = ", ".join(f"{k} {v}" for k, v in value.items())
         print(f"{key:>16}: {value}", file=out)
