@@ -15,7 +15,6 @@ using lmdx::SolveOptions;
 
 namespace {
 
-
 py::tuple spd_solve(const py::array& a, const py::array& b, double alpha, double ridge,
                     bool allow_regularization, int n_threads, const std::string& name) {
   const double* a_data = float64_data(a, "a", 2);

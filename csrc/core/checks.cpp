@@ -36,8 +36,8 @@ void require_finite(const T* x, Index n, Index cols, const std::string& what, in
   std::string where =
       cols > 0 ? "row " + std::to_string(bad / cols) + ", column " + std::to_string(bad % cols)
                : "index " + std::to_string(bad);
-  throw std::invalid_argument(what + ": contains " + (Eigen::numext::isnan(x[bad]) ? "NaN" : "Inf") + " at " +
-                              where +
+  const char* kind = Eigen::numext::isnan(x[bad]) ? "NaN" : "Inf";
+  throw std::invalid_argument(what + ": contains " + kind + " at " + where +
                               "; remove or fix non-finite values before passing them to lmdx");
 }
 
@@ -51,7 +51,8 @@ void require_symmetric(const double* g, Index d, const std::string& what, int n_
   const int threads = d < 512 ? 1 : resolve_threads(n_threads);
   double scale = 0.0;
   double asym = 0.0;
-  LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(max : scale, asym))
+  LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(dynamic, 1)
+                  reduction(max : scale, asym))
   for (Index t = 0; t < n_tiles; ++t) {
     const Index j0 = t * kTile;
     const Index w = std::min(kTile, d - j0);

@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
-#include <vector>
 
 #include "core/parallel.hpp"
 #include "core/workspace.hpp"
@@ -132,7 +131,6 @@ void gram_update(const In* x, Index rows, Index d, const double* weights, Index 
   // Strip s, packed row k, feature f of the strip: packed[(s * kc + k) * MR + f].
   BufferLease<T> packed(static_cast<size_t>(n_strips * kc * MR));
   BufferLease<Index> kept_rows(static_cast<size_t>(kc));
-  BufferLease<T> kept_scale(static_cast<size_t>(kc));
   BufferLease<double> kept_weight(static_cast<size_t>(kc));
   BufferLease<double> partial(static_cast<size_t>((kc + kPackGroup - 1) / kPackGroup * d));
   const int threads = static_cast<int>(std::min<Index>(resolve_threads(n_threads), n_strips));
@@ -149,7 +147,6 @@ void gram_update(const In* x, Index rows, Index d, const double* weights, Index 
           if (w != 0.0) {
             kept_rows[m] = next;
             kept_weight[m] = w;
-            kept_scale[m] = w == 1.0 ? T(1) : static_cast<T>(std::sqrt(w));
             ++m;
           }
           ++next;
@@ -166,7 +163,7 @@ void gram_update(const In* x, Index rows, Index d, const double* weights, Index 
         for (Index k = g * kPackGroup; k < std::min(m, (g + 1) * kPackGroup); ++k) {
           const In* in = x + kept_rows[k] * d;
           const double w = kept_weight[k];
-          const T scale = kept_scale[k];
+          const T scale = static_cast<T>(std::sqrt(w));  // used only when w != 1
           for (Index s = 0; s < n_strips; ++s) {
             const Index f0 = s * MR;
             const Index width = std::min(MR, d - f0);

@@ -1,13 +1,10 @@
 #include "core/moments.hpp"
 
-#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <string>
-#include <type_traits>
 
 #include "core/checks.hpp"
-#include "core/parallel.hpp"
 #include "core/gram_kernel.hpp"
 
 LMDX_NAMESPACE_BEGIN

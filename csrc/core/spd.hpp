@@ -51,10 +51,11 @@ constexpr double kSingularPivot = 1e-13;
 /// On success L holds the Cholesky factor in its lower triangle.
 SolveInfo spd_factor(const Eigen::Ref<const MatrixXd>& a, MatrixXd& l, const SolveOptions& opt);
 
-/// Right-hand-side columns per task in the solves and the RegMean right-hand side: wide
-/// blocks run the GEMMs faster and stream the matrix fewer times (measured 20 -> 26
-/// GFLOP/s from 128 to 512 columns at d = 3072), at least 4 blocks keep 2+ threads busy.
-/// Depends on k only, never on the thread count.
+/// Width of the blocks k columns (or rows) are split into for the threads: the right-hand
+/// sides of the solves, the rows of the RegMean right-hand side. About k/4 rounded up to
+/// 64, clamped to [128, 512] (and to k): wide blocks run the GEMMs faster (RegMean d_in =
+/// 3072: 75 -> 88 GFLOP/s from 192 to 384 columns, bench/RESULTS.md), at least 4 blocks
+/// keep 2+ threads busy. Depends on k only, never on the thread count (determinism).
 Index column_block_width(Index k);
 
 /// Solve L L^T X = B in place (B is d x k, column-major), threaded over column blocks.

@@ -11,22 +11,9 @@ namespace {
 
 constexpr size_t kAlign = 64;
 
-// One allocation of `bytes` bytes, 64-byte aligned.
-struct Raw {
-  void* ptr = nullptr;
-  size_t bytes = 0;
-  explicit Raw(size_t n) : bytes((n + kAlign - 1) / kAlign * kAlign) {
-    ptr = std::aligned_alloc(kAlign, bytes == 0 ? kAlign : bytes);
-    if (ptr == nullptr) throw std::bad_alloc();
-  }
-  ~Raw() { std::free(ptr); }
-  Raw(const Raw&) = delete;
-  Raw& operator=(const Raw&) = delete;
-};
-
 struct Pool {
   std::mutex mutex;
-  std::vector<std::unique_ptr<Raw>> free;
+  std::vector<std::unique_ptr<PooledBuffer>> free;
 };
 
 Pool& pool() {
@@ -36,13 +23,20 @@ Pool& pool() {
 
 }  // namespace
 
-template <typename T>
-struct BufferLease<T>::Block {
-  std::unique_ptr<Raw> raw;
+struct PooledBuffer {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  explicit PooledBuffer(size_t n) : bytes((n + kAlign - 1) / kAlign * kAlign) {
+    ptr = std::aligned_alloc(kAlign, bytes == 0 ? kAlign : bytes);
+    if (ptr == nullptr) throw std::bad_alloc();
+  }
+  ~PooledBuffer() { std::free(ptr); }
+  PooledBuffer(const PooledBuffer&) = delete;
+  PooledBuffer& operator=(const PooledBuffer&) = delete;
 };
 
 template <typename T>
-BufferLease<T>::BufferLease(size_t size) : block_(std::make_unique<Block>()) {
+BufferLease<T>::BufferLease(size_t size) {
   const size_t bytes = size * sizeof(T);
   {
     // Smallest pooled buffer that is large enough.
@@ -53,18 +47,18 @@ BufferLease<T>::BufferLease(size_t size) : block_(std::make_unique<Block>()) {
       if ((*it)->bytes >= bytes && (best == free.end() || (*it)->bytes < (*best)->bytes)) best = it;
     }
     if (best != free.end()) {
-      block_->raw = std::move(*best);
+      block_ = std::move(*best);
       free.erase(best);
     }
   }
-  if (!block_->raw) block_->raw = std::make_unique<Raw>(bytes);
-  data_ = static_cast<T*>(block_->raw->ptr);
+  if (!block_) block_ = std::make_unique<PooledBuffer>(bytes);
+  data_ = static_cast<T*>(block_->ptr);
 }
 
 template <typename T>
 BufferLease<T>::~BufferLease() {
   std::lock_guard<std::mutex> lock(pool().mutex);
-  pool().free.push_back(std::move(block_->raw));
+  pool().free.push_back(std::move(block_));
 }
 
 template class BufferLease<float>;
@@ -79,7 +73,7 @@ void release_scratch() noexcept {
 size_t scratch_bytes() noexcept {
   std::lock_guard<std::mutex> lock(pool().mutex);
   size_t total = 0;
-  for (auto& raw : pool().free) total += raw->bytes;
+  for (auto& buffer : pool().free) total += buffer->bytes;
   return total;
 }
 

@@ -13,6 +13,8 @@
 
 LMDX_NAMESPACE_BEGIN
 
+struct PooledBuffer;  // one 64-byte aligned allocation (workspace.cpp)
+
 /// An uninitialized, 64-byte aligned array of at least `size` elements of T, borrowed from
 /// the pool; returned to it on destruction.
 template <typename T>
@@ -26,8 +28,7 @@ class BufferLease {
   T& operator[](size_t i) noexcept { return data_[i]; }
 
  private:
-  struct Block;
-  std::unique_ptr<Block> block_;
+  std::unique_ptr<PooledBuffer> block_;
   T* data_ = nullptr;
 };
 
