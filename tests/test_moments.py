@@ -140,7 +140,7 @@ def test_float32_gram_within_1e6_at_default_chunk_rows(d, seed, shift, chunks):
 
 @pytest.mark.parametrize("value", [1 / 3, 1.7], ids=["one_third", "1.7"])
 def test_float32_gram_within_1e6_for_repeated_rows(value):
-    # moments.hpp: the float32 rank-k update over DEFAULT_CHUNK_ROWS rows stays within
+    # moments.hpp: float32 products summed over <= 64 rows, then in float64, stay within
     # 1e-6 (relative, Frobenius) of a float64 accumulation -- for any data, including
     # one row repeated (a saturated feature, a constant input).
     x = np.full((lmdx.DEFAULT_CHUNK_ROWS, 8), value, dtype=np.float32)

@@ -1,7 +1,7 @@
 """The float32 path's accuracy bound at the scale the design promises (N = 10^6 rows).
 
-float32 rows are multiplied in float32 per chunk of DEFAULT_CHUNK_ROWS rows and added
-into float64; the Gram must stay within 1e-6 (relative, Frobenius) of a float64
+float32 rows are multiplied in float32, each product summed over at most 64 rows and then
+added into float64; the Gram must stay within 1e-6 (relative, Frobenius) of a float64
 accumulation of the same float32 values, also for data with a large common offset
 (all-positive activations), where float32 sums lose the most.
 """

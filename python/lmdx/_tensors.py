@@ -23,12 +23,16 @@ def _is_torch(x: Any) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "detach")
 
 
+def _cpu_tensor(x: Any) -> Any:
+    """``x`` detached from autograd and on the CPU (no copy when it already is)."""
+    t = x.detach()
+    return t if t.device.type == "cpu" else t.cpu()
+
+
 def as_tensor_array(x: Any, name: str) -> NDArray[np.floating[Any]]:
     """A C-contiguous float32/float64 NumPy array holding the values of ``x``."""
     if _is_torch(x):
-        t = x.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
+        t = _cpu_tensor(x)
         if str(t.dtype) in _NARROW_TORCH:
             t = t.float()
         elif t.dtype.is_complex:
@@ -52,39 +56,38 @@ def as_float64(x: Any, name: str) -> NDArray[np.float64]:
     return np.asarray(as_tensor_array(x, name), dtype=np.float64, order="C")
 
 
-def as_rows(x: Any, dim: int, name: str = "x") -> tuple[NDArray[np.floating[Any]], tuple[int, ...]]:
-    """View ``x`` of shape (..., dim) as C-contiguous (rows, dim); also return x.shape[:-1]."""
-    arr = as_tensor_array(x, name)
+def _rows_of(arr: NDArray[Any], dim: int, name: str) -> tuple[NDArray[Any], tuple[int, ...]]:
+    """View a C-contiguous (..., dim) array as (rows, dim); also return its leading shape."""
     if arr.ndim == 0 or arr.shape[-1] != dim:
         raise ValueError(f"{name}: expected shape (..., {dim}), got {arr.shape}")
     return arr.reshape(-1, dim), tuple(arr.shape[:-1])
+
+
+def as_rows(x: Any, dim: int, name: str = "x") -> tuple[NDArray[np.floating[Any]], tuple[int, ...]]:
+    """View ``x`` of shape (..., dim) as C-contiguous (rows, dim); also return x.shape[:-1]."""
+    return _rows_of(as_tensor_array(x, name), dim, name)
 
 
 def as_gram_rows(x: Any, dim: int, name: str = "x") -> tuple[NDArray[Any], tuple[int, ...], bool]:
     """Rows for ``Moments.update``: like :func:`as_rows`, but float16 and bfloat16 inputs
     stay 16-bit (no widened copy; the kernel converts exactly while packing). Returns
     ``(rows, leading, is_bfloat16)``; bfloat16 rows are a uint16 view of the bits."""
-    narrow = None
+    bfloat16 = False
     if _is_torch(x) and str(x.dtype) in _NARROW_TORCH:
-        t = x.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        t = t.contiguous()
-        if str(t.dtype) == "torch.bfloat16":
+        t = _cpu_tensor(x).contiguous()
+        bfloat16 = str(t.dtype) == "torch.bfloat16"
+        if bfloat16:
             import torch  # present: x is a torch tensor
 
-            narrow = (t.view(torch.int16).numpy().view(np.uint16), True)
+            arr = t.view(torch.int16).numpy().view(np.uint16)
         else:
-            narrow = (t.numpy(), False)
+            arr = t.numpy()
     elif isinstance(x, np.ndarray) and x.dtype == np.float16:
-        narrow = (np.ascontiguousarray(x), False)
-    if narrow is None:
-        rows, leading = as_rows(x, dim, name)
-        return rows, leading, False
-    arr, is_bf16 = narrow
-    if arr.ndim == 0 or arr.shape[-1] != dim:
-        raise ValueError(f"{name}: expected shape (..., {dim}), got {tuple(arr.shape)}")
-    return arr.reshape(-1, dim), tuple(arr.shape[:-1]), is_bf16
+        arr = np.ascontiguousarray(x)
+    else:
+        arr = as_tensor_array(x, name)
+    rows, leading = _rows_of(arr, dim, name)
+    return rows, leading, bfloat16
 
 
 def as_weights(

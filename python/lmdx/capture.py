@@ -373,8 +373,8 @@ def collect_regmean_stats(
         Accumulate one Gram for modules that read the same input tensor.
     precision
         ``"mixed"`` (default): float32 activations are multiplied in float32 in chunks of
-        ≤ 64 rows and summed in float64 (4e-8–7e-8 relative to a float64 Gram in
-        ``bench/bench_regmean.py``; the tests bound it by 1e-6);
+        ≤ 64 rows and summed in float64 (2e-8–5e-8 relative to a float64 Gram on the
+        Gaussian rows of ``bench/bench_core.py``; the tests bound it by 1e-6);
         ``"float64"``: activations are widened and multiplied in float64 (about twice
         the collection overhead in ``bench/bench_regmean.py``; for RegMean at α = 1 on
         ill-conditioned Grams, where the solve amplifies the Gram's relative error by the
