@@ -9,7 +9,7 @@
 3. RegMean merge of one d x d linear layer of K = 3 models (α = 0.9):
    ``lmdx.regmean_merge_layer`` vs FusionBench's ``merging_with_regmean_weights`` (fp32,
    explicit inverse) and the time torch's fp64 GEMM needs for the same flop count (the
-   "GEMM bound": the merge is GEMMs plus a Cholesky, so this is its speed limit).
+   "GEMM bound": the merge is GEMMs plus a Cholesky, so this is the time to compare with).
 
 ``--paths avx2 baseline`` adds rows for lmdx's other SIMD dispatch paths (the raw core
 module of each), run on the same inputs in the same process.
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import os
 import platform
@@ -387,6 +388,29 @@ def set_speedups(rows: list[Row]) -> None:
         r.speedup = r.median_s / lmdx_time
 
 
+def run_case(
+    bench: str,
+    shape: tuple[int, int, int],
+    methods: Sequence[Method],
+    flops: float,
+    args: argparse.Namespace,
+    peaks: dict[int, dict[str, float]],
+    check: Callable[[Method, Any, Row], None],
+) -> list[Row]:
+    """Time every method at one (d, n, threads); ``check(method, result, row)`` fills the
+    row's agreement columns and raises DisagreementError when the result is off."""
+    d, n, t = shape
+    case: list[Row] = []
+    for method in methods:
+        result, times = time_method(method, t, args.reps, args.settle)
+        row = make_row(bench, d, n, t, method, times, flops, peaks)
+        check(method, result, row)
+        del result
+        case.append(row)
+    set_speedups(case)
+    return case
+
+
 # -------------------------------------------------------------------------------- Gram
 
 
@@ -486,6 +510,17 @@ def gram_errors(g: np.ndarray, ref: np.ndarray, lower_only: bool) -> tuple[float
     return rel_frob, max_dev
 
 
+def check_gram(ref: np.ndarray, method: Method, result: Any, row: Row) -> None:
+    g, lower_only = gram_result(method, result)
+    row.error, row.error2 = gram_errors(g, ref, lower_only)
+    if not row.error <= method.tol:
+        raise DisagreementError(
+            f"Gram d={row.d} N={row.n} threads={row.threads}: {method.name} differs from the "
+            f"float64 reference by {row.error:.3g} (relative Frobenius), tolerance "
+            f"{method.tol:g}"
+        )
+
+
 def bench_gram(
     args: argparse.Namespace, peaks: dict[int, dict[str, float]], log: Callable[[str], None]
 ) -> list[Row]:
@@ -501,22 +536,9 @@ def bench_gram(
             ref = reference_gram(x64)
             flops = float(n) * d * (d + 1)
             methods = gram_methods(x32, x64, path_cores(args.paths))
+            check = functools.partial(check_gram, ref)
             for t in args.threads:
-                case: list[Row] = []
-                for method in methods:
-                    result, times = time_method(method, t, args.reps, args.settle)
-                    row = make_row("gram", d, n, t, method, times, flops, peaks)
-                    g, lower_only = gram_result(method, result)
-                    row.error, row.error2 = gram_errors(g, ref, lower_only)
-                    del result, g
-                    if not row.error <= method.tol:
-                        raise DisagreementError(
-                            f"Gram d={d} N={n} threads={t}: {method.name} differs from the "
-                            f"float64 reference by {row.error:.3g} (relative Frobenius), "
-                            f"tolerance {method.tol:g}"
-                        )
-                    case.append(row)
-                set_speedups(case)
+                case = run_case("gram", (d, n, t), methods, flops, args, peaks, check)
                 for row in case:
                     log(format_row(row))
                 rows_out += case
@@ -573,6 +595,21 @@ def solve_methods(
     return methods
 
 
+def check_solve(
+    a: np.ndarray, b: np.ndarray, x_ref: np.ndarray, method: Method, sol: Any, row: Row
+) -> None:
+    row.error = float(np.linalg.norm(sol - x_ref) / np.linalg.norm(x_ref))
+    row.error2 = float(
+        np.linalg.norm(a @ sol - b) / (np.linalg.norm(a) * np.linalg.norm(sol) + np.linalg.norm(b))
+    )
+    if not (row.error <= TOL_SOLVE_DIFF and row.error2 <= TOL_SOLVE_RESIDUAL):
+        raise DisagreementError(
+            f"solve d={row.d} k={row.n} threads={row.threads}: {method.name} relative "
+            f"difference {row.error:.3g} (tolerance {TOL_SOLVE_DIFF:g}), relative residual "
+            f"{row.error2:.3g} (tolerance {TOL_SOLVE_RESIDUAL:g})"
+        )
+
+
 def bench_solve(
     args: argparse.Namespace, peaks: dict[int, dict[str, float]], log: Callable[[str], None]
 ) -> list[Row]:
@@ -587,26 +624,11 @@ def bench_solve(
         del x
         b = rng.standard_normal((d, k))
         x_ref = scipy.linalg.cho_solve(scipy.linalg.cho_factor(a, lower=True), b)
-        norm_a, norm_b, norm_ref = (float(np.linalg.norm(v)) for v in (a, b, x_ref))
         flops = d**3 / 3.0 + 2.0 * d * d * k
         methods = solve_methods(a, b, path_cores(args.paths))
+        check = functools.partial(check_solve, a, b, x_ref)
         for t in args.threads:
-            case: list[Row] = []
-            for method in methods:
-                sol, times = time_method(method, t, args.reps, args.settle)
-                row = make_row("solve", d, k, t, method, times, flops, peaks)
-                row.error = float(np.linalg.norm(sol - x_ref) / norm_ref)
-                row.error2 = float(
-                    np.linalg.norm(a @ sol - b) / (norm_a * np.linalg.norm(sol) + norm_b)
-                )
-                if not (row.error <= TOL_SOLVE_DIFF and row.error2 <= TOL_SOLVE_RESIDUAL):
-                    raise DisagreementError(
-                        f"solve d={d} k={k} threads={t}: {method.name} relative difference "
-                        f"{row.error:.3g} (tolerance {TOL_SOLVE_DIFF:g}), relative residual "
-                        f"{row.error2:.3g} (tolerance {TOL_SOLVE_RESIDUAL:g})"
-                    )
-                case.append(row)
-            set_speedups(case)
+            case = run_case("solve", (d, k, t), methods, flops, args, peaks, check)
             for row in case:
                 log(format_row(row))
             rows_out += case
@@ -718,6 +740,17 @@ def merge_methods(
     return methods
 
 
+def check_merge(ref: np.ndarray, method: Method, result: Any, row: Row) -> None:
+    if result is None:  # the GEMM bound computes no merge
+        return
+    row.error = float(np.linalg.norm(np.asarray(result) - ref) / np.linalg.norm(ref))
+    if not row.error <= method.tol:
+        raise DisagreementError(
+            f"merge d={row.d} threads={row.threads}: {method.name} differs from the float64 "
+            f"formula by {row.error:.3g} (relative Frobenius), tolerance {method.tol:g}"
+        )
+
+
 def bench_merge(
     args: argparse.Namespace, peaks: dict[int, dict[str, float]], log: Callable[[str], None]
 ) -> list[Row]:
@@ -726,25 +759,12 @@ def bench_merge(
     for d in args.merge_sizes:
         grams, counts, weights = merge_inputs(rng, d)
         ref = reference_merge(grams, counts, weights, MERGE_ALPHA)
-        norm_ref = float(np.linalg.norm(ref))
         k = MERGE_MODELS
         flops = 2.0 * k * d**3 + d**3 / 3.0 + 2.0 * d**3
         methods = merge_methods(grams, counts, weights, path_cores(args.paths))
+        check = functools.partial(check_merge, ref)
         for t in args.threads:
-            case: list[Row] = []
-            for method in methods:
-                result, times = time_method(method, t, args.reps, args.settle)
-                row = make_row("merge", d, k, t, method, times, flops, peaks)
-                if result is not None:
-                    row.error = float(np.linalg.norm(np.asarray(result) - ref) / norm_ref)
-                    if not row.error <= method.tol:
-                        raise DisagreementError(
-                            f"merge d={d} threads={t}: {method.name} differs from the float64 "
-                            f"formula by {row.error:.3g} (relative Frobenius), tolerance "
-                            f"{method.tol:g}"
-                        )
-                case.append(row)
-            set_speedups(case)
+            case = run_case("merge", (d, k, t), methods, flops, args, peaks, check)
             bound = next(r for r in case if r.method.startswith("GEMM bound")) if torch else None
             for row in case:
                 if bound is not None:
