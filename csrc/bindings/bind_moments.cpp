@@ -59,7 +59,8 @@ void bind_moments(py::module_& m) {
               throw std::invalid_argument("x: expected a C-contiguous 2-d array, got a " +
                                           describe(x));
             }
-            const ArrayView xv = narrow ? ArrayView{x.data(), false} : float_view(x, "x", 2);
+            const ArrayView xv = narrow ? ArrayView{} : float_view(x, "x", 2);
+            const void* data = x.data();
             if (x.shape(1) != self.dim()) {
               throw std::invalid_argument("x: expected " + std::to_string(self.dim()) +
                                           " columns (the accumulator's dim), got a " + describe(x));
@@ -78,9 +79,9 @@ void bind_moments(py::module_& m) {
             // frame) while the GIL is released for the arithmetic.
             py::gil_scoped_release release;
             if (bfloat16) {
-              self.update(static_cast<const Eigen::bfloat16*>(xv.data), rows, w, n_threads);
+              self.update(static_cast<const Eigen::bfloat16*>(data), rows, w, n_threads);
             } else if (half) {
-              self.update(static_cast<const Eigen::half*>(xv.data), rows, w, n_threads);
+              self.update(static_cast<const Eigen::half*>(data), rows, w, n_threads);
             } else if (xv.is_float32) {
               self.update(xv.f32(), rows, w, n_threads);
             } else {
