@@ -28,8 +28,10 @@ settings.load_profile(os.environ.get("LMDX_HYPOTHESIS_PROFILE", "lmdx"))
 
 @pytest.fixture
 def rng(request: pytest.FixtureRequest) -> np.random.Generator:
-    """A generator seeded from the test's id: reproducible, different per test."""
-    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+    """A generator seeded from the test's file and name: reproducible, different per test
+    (the folder is left out, so a test keeps its data when its file moves)."""
+    path, _, name = request.node.nodeid.partition("::")
+    return np.random.default_rng(zlib.crc32(f"tests/{path.rsplit('/', 1)[-1]}::{name}".encode()))
 
 
 @pytest.fixture(autouse=True)

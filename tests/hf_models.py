@@ -1,7 +1,7 @@
 """Tiny Hugging Face models built from configs, fine-tuned stand-ins and float64 references.
 
-Shared by test_capture.py, test_stats_files.py and test_merge.py. No reference here calls
-lmdx: they (module-input Grams captured by this module's own forward hooks) are
+Shared by stats/test_collect.py, stats/test_stats_file.py and merge/test_merge.py. No
+reference here calls lmdx: they (module-input Grams captured by this module's own forward hooks) are
 independent of the code under test; ``collect`` is only a shorthand for calling it.
 
 * four architectures with a 3-class sequence-classification head: BERT, RoBERTa, GPT-2
@@ -106,7 +106,7 @@ _CLASSES = {
 
 def collect(model: Any, batches: Any, **kwargs: Any) -> Any:
     """lmdx's statistics of ``model`` on ``batches``, without a progress bar."""
-    from lmdx.capture import collect_regmean_stats
+    from lmdx.stats.collect import collect_regmean_stats
 
     return collect_regmean_stats(model, batches, progress=False, **kwargs)
 

@@ -1,52 +1,76 @@
 """lmdx: fast, exact linear merging (RegMean) and linear decomposition (LMD) of language
-models on CPU, with a C++/Eigen core."""
+models on CPU, with a C++/Eigen core.
+
+The names here are the public API; the subpackages hold the rest, one concept each:
+:mod:`lmdx.stats` (statistics files and their collection), :mod:`lmdx.merge` (the merge
+engine and its methods), :mod:`lmdx.lmd` (Language Model Decomposition), :mod:`lmdx.files`
+(strict safetensors, checkpoints, atomic outputs), :mod:`lmdx.data` (texts and batches)
+and :mod:`lmdx.cli` (the ``lmdx`` command).
+"""
 
 from __future__ import annotations
 
+import importlib
+import warnings
+from typing import Any
+
+from . import data, files, lmd, merge, stats
 from ._core import core as _native
-from ._errors import NotPositiveDefiniteError, RegularizationWarning
+from ._errors import (
+    DataError,
+    DiskFullError,
+    LmdxError,
+    MergeError,
+    ModelMismatchError,
+    NotPositiveDefiniteError,
+    RegularizationWarning,
+    SampleSizeWarning,
+    StatisticsFileError,
+)
 from .average import fisher_average, weighted_average
-from .capture import collect_fisher, collect_regmean_stats, text_batches
 from .config import config, default_threads, show_config
-from .decompose import (
-    COMPAT_ALPHA,
-    DEFAULT_RHO_GRID,
-    MIN_ROWS_PER_DIM,
-    SPLITS,
-    BlockLayout,
+from .data.batches import text_batches
+from .lmd import (
     Decomposition,
     DecompositionResult,
+    HFEncoder,
     LMDFit,
-    SampleSizeWarning,
-    SplitMoments,
+    load_pypi_encoder,
+    plot_group_r2,
+    plot_pairwise_heatmap,
 )
-from .distributed import collect_regmean_stats_ray  # imports Ray only when called
-from .io import DiskFullError
-from .merge import MergeError, MergeResult, merge_models, save_merged
-from .merge_config import load_merge_config, plan_merge, run_merge
-from .moments import DEFAULT_CHUNK_ROWS, Moments
-from .plots import plot_group_r2, plot_pairwise_heatmap
+from .merge import (
+    MergeResult,
+    StreamMergeResult,
+    load_merge_config,
+    merge_models,
+    plan_merge,
+    run_merge,
+    save_merged,
+    stream_merge,
+)
+from .moments import Moments
 from .regmean import RegMeanResult, regmean_merge_layer
 from .spd import SolveResult, spd_solve
-from .stats import ModelMismatchError, Statistics, StatisticsFileError, add_statistics
-from .stream import Checkpoint, MergePlan, StreamMergeResult, stream_merge
+from .stats import (
+    Statistics,
+    add_statistics,
+    collect_fisher,
+    collect_regmean_stats,
+    collect_regmean_stats_ray,
+)
 
 __version__: str = _native.__version__
 
 __all__ = [
-    "COMPAT_ALPHA",
-    "DEFAULT_CHUNK_ROWS",
-    "DEFAULT_RHO_GRID",
-    "MIN_ROWS_PER_DIM",
-    "SPLITS",
-    "BlockLayout",
-    "Checkpoint",
+    "DataError",
     "Decomposition",
     "DecompositionResult",
     "DiskFullError",
+    "HFEncoder",
     "LMDFit",
+    "LmdxError",
     "MergeError",
-    "MergePlan",
     "MergeResult",
     "ModelMismatchError",
     "Moments",
@@ -55,7 +79,6 @@ __all__ = [
     "RegularizationWarning",
     "SampleSizeWarning",
     "SolveResult",
-    "SplitMoments",
     "Statistics",
     "StatisticsFileError",
     "StreamMergeResult",
@@ -65,9 +88,14 @@ __all__ = [
     "collect_regmean_stats",
     "collect_regmean_stats_ray",
     "config",
+    "data",
     "default_threads",
+    "files",
     "fisher_average",
+    "lmd",
     "load_merge_config",
+    "load_pypi_encoder",
+    "merge",
     "merge_models",
     "plan_merge",
     "plot_group_r2",
@@ -77,7 +105,33 @@ __all__ = [
     "save_merged",
     "show_config",
     "spd_solve",
+    "stats",
     "stream_merge",
     "text_batches",
     "weighted_average",
 ]
+
+#: Names that lived here before the subpackages; they still resolve, with a warning.
+_MOVED = {
+    "BlockLayout": "lmdx.lmd",
+    "COMPAT_ALPHA": "lmdx.lmd",
+    "Checkpoint": "lmdx.files",
+    "DEFAULT_CHUNK_ROWS": "lmdx.moments",
+    "DEFAULT_RHO_GRID": "lmdx.lmd",
+    "MIN_ROWS_PER_DIM": "lmdx.lmd",
+    "MergePlan": "lmdx.merge",
+    "SPLITS": "lmdx.lmd",
+    "SplitMoments": "lmdx.lmd",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _MOVED.get(name)
+    if home is None:
+        raise AttributeError(f"module 'lmdx' has no attribute {name!r}")
+    warnings.warn(
+        f"lmdx.{name} moved to {home}.{name}; import it from there",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(home), name)

@@ -1,14 +1,63 @@
-"""Exception and warning classes (a leaf module: the native core imports it by name)."""
+"""Every error and warning lmdx raises (a leaf module: the native core imports it by name).
+
+All errors derive from :class:`LmdxError`, so ``except lmdx.LmdxError`` catches any of
+them; each also keeps the built-in base users caught before (``ValueError``,
+``OSError``), so existing handlers keep working.
+"""
 
 from __future__ import annotations
 
-__all__ = ["NotPositiveDefiniteError", "RegularizationWarning"]
+__all__ = [
+    "CliError",
+    "DataError",
+    "DiskFullError",
+    "LmdxError",
+    "MergeError",
+    "ModelMismatchError",
+    "NotPositiveDefiniteError",
+    "RegularizationWarning",
+    "SampleSizeWarning",
+    "StatisticsFileError",
+]
 
 
-class NotPositiveDefiniteError(ValueError):
+class LmdxError(Exception):
+    """Base of every lmdx error. The message names the file, tensor, layer or argument
+    at fault and says what to do."""
+
+
+class NotPositiveDefiniteError(LmdxError, ValueError):
     """A system could not be factored: not positive definite and regularization forbidden
     or exhausted. The message names the system (e.g. the layer) and the failing pivot."""
 
 
+class StatisticsFileError(LmdxError, ValueError):
+    """A statistics file is unreadable, truncated, foreign or inconsistent."""
+
+
+class ModelMismatchError(LmdxError, ValueError):
+    """Statistics were computed on a different model than the one they are used with."""
+
+
+class MergeError(LmdxError, ValueError):
+    """The models, statistics or options cannot be merged as asked (message says why)."""
+
+
+class DataError(LmdxError, ValueError):
+    """A data file or corpus cannot be read as texts (the message names it)."""
+
+
+class DiskFullError(LmdxError, OSError):
+    """No space left for an output file; nothing was written (the message says where)."""
+
+
+class CliError(LmdxError):
+    """A problem with a command's arguments; the CLI prints it without a traceback."""
+
+
 class RegularizationWarning(UserWarning):
     """The solver had to raise the ridge above the requested one to factor a system."""
+
+
+class SampleSizeWarning(UserWarning):
+    """Too few train rows for the basis dimension: in-sample R² is optimistic."""

@@ -14,7 +14,42 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["as_float64", "as_gram_rows", "as_rows", "as_tensor_array", "as_weights"]
+__all__ = [
+    "FLOAT_DTYPES",
+    "OUTPUT_DTYPES",
+    "ST_NUMPY",
+    "TORCH_OF_ST",
+    "as_float64",
+    "as_gram_rows",
+    "as_rows",
+    "as_tensor_array",
+    "as_weights",
+    "dtype_name",
+    "from_stored",
+    "to_stored",
+    "to_torch",
+]
+
+#: The one dtype table: safetensors code -> (NumPy dtype of the stored bytes, torch dtype
+#: name). bfloat16 has no NumPy dtype: its bytes are kept as raw uint16.
+DTYPES: dict[str, tuple[str, str]] = {
+    "F64": ("float64", "float64"),
+    "F32": ("float32", "float32"),
+    "F16": ("float16", "float16"),
+    "BF16": ("uint16", "bfloat16"),
+    "I64": ("int64", "int64"),
+    "I32": ("int32", "int32"),
+    "I16": ("int16", "int16"),
+    "I8": ("int8", "int8"),
+    "U8": ("uint8", "uint8"),
+    "BOOL": ("bool", "bool"),
+}
+ST_NUMPY: dict[str, str] = {code: stored for code, (stored, _) in DTYPES.items()}
+TORCH_OF_ST: dict[str, str] = {code: torch for code, (_, torch) in DTYPES.items()}
+#: Floating-point dtype names (torch spelling): the tensors a merge computes.
+FLOAT_DTYPES = frozenset(("float64", "float32", "float16", "bfloat16"))
+#: What a merge can write: each tensor's input dtype ("auto") or one float dtype.
+OUTPUT_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 _NARROW_TORCH = ("torch.bfloat16", "torch.float16")
 
@@ -108,3 +143,36 @@ def as_weights(
         arr = arr.reshape(rows)
         out = arr if out is None else out * arr
     return None if out is None else np.ascontiguousarray(out)
+
+
+def dtype_name(t: Any) -> str:
+    """The dtype of a torch tensor or NumPy array in torch's spelling (``"bfloat16"``)."""
+    return str(t.dtype).removeprefix("torch.")
+
+
+def to_torch(arr: Any, dtype: str) -> Any:
+    """A NumPy array (any float dtype) as a torch tensor of dtype name ``dtype``."""
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(arr)).to(getattr(torch, dtype))
+
+
+def to_stored(t: Any, dtype: str) -> NDArray[Any]:
+    """A torch tensor as the NumPy array of its bytes in ``dtype`` (bfloat16 as uint16)."""
+    import torch
+
+    t = _cpu_tensor(t).to(getattr(torch, dtype)).contiguous()
+    if dtype == "bfloat16":
+        return t.view(torch.int16).numpy().view(np.uint16)  # type: ignore[no-any-return]
+    return t.numpy()  # type: ignore[no-any-return]
+
+
+def from_stored(raw: NDArray[Any], dtype: str) -> Any:
+    """Inverse of :func:`to_stored`: stored bytes as a torch tensor of ``dtype``
+    (a writable copy when ``raw`` is read-only, as arrays from Ray's store are)."""
+    import torch
+
+    arr = raw if raw.flags.writeable else np.array(raw)
+    if dtype == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(arr).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(arr))

@@ -1,0 +1,49 @@
+"""Small helpers every part of lmdx shares: progress bars, sizes, name patterns."""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["matches", "parse_size", "progress_bar"]
+
+
+def progress_bar(total: int, desc: str, enabled: bool, unit: str = "it") -> Any:
+    """A tqdm bar when tqdm is installed and ``enabled`` (tqdm hides itself off a TTY);
+    otherwise an object with the same ``update``/``close`` that does nothing."""
+    if enabled:
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            pass
+        else:
+            return tqdm(total=total, desc=desc, unit=unit, disable=None, leave=False)
+    return _NoProgress()
+
+
+class _NoProgress:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from ``"2GB"``, ``"500MB"``, ``"64KB"``, ``"10B"`` (decimal units) or an int."""
+    if isinstance(size, int):
+        return size
+    text = str(size).strip().upper()
+    for unit, mult in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)):
+        if text.endswith(unit):
+            with contextlib.suppress(ValueError):
+                return int(float(text[: -len(unit)]) * mult)
+            break
+    raise ValueError(f"size: expected e.g. '2GB' or a number of bytes, got {size!r}")
+
+
+def matches(name: str, patterns: Sequence[str] | None) -> bool:
+    """``name`` matches one of the shell-style ``patterns`` (``fnmatch``, case-sensitive)."""
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns or ())

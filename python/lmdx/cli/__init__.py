@@ -1,0 +1,7 @@
+"""The ``lmdx`` command line (``lmdx info | stats | merge | decompose``)."""
+
+from __future__ import annotations
+
+from .main import main
+
+__all__ = ["main"]

@@ -1,0 +1,66 @@
+"""The ``lmdx`` command: ``info``, ``stats``, ``merge`` and ``decompose``."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from typing import Any
+
+from .._errors import CliError, DataError
+from .decompose import add_decompose_parser, run_decompose
+from .merge import add_merge_parser, run_merge_cli
+from .stats import add_stats_parser, run_stats_cli
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; a SIGTERM (e.g. from a job scheduler) is handled like Ctrl-C, so
+    partial outputs are removed before the process ends."""
+    if threading.current_thread() is not threading.main_thread():
+        return _main(argv)
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt("terminated (SIGTERM)")
+
+
+def _main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="lmdx", description="Fast, exact RegMean merging and LMD on CPU."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.add_parser("info", help="print version, SIMD path, OpenMP and thread settings")
+    add_stats_parser(sub)
+    add_merge_parser(sub)
+    add_decompose_parser(sub)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "stats":
+        return run_stats_cli(argv[1:])
+    args = parser.parse_args(argv)
+    if args.command == "merge":
+        return run_merge_cli(args)
+    if args.command == "info":
+        from ..config import show_config
+
+        show_config()
+        return 0
+    if args.command == "decompose":
+        try:
+            return run_decompose(args)
+        except (CliError, DataError) as exc:
+            print(f"lmdx decompose: error: {exc}", file=sys.stderr)
+            return 2
+    parser.print_help(sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,108 @@
+"""``lmdx merge CONFIG --out DIR``: a merge as a configuration file says."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .._errors import (
+    CliError,
+    DiskFullError,
+    MergeError,
+    ModelMismatchError,
+    StatisticsFileError,
+)
+from .common import size_of
+
+__all__ = ["add_merge_parser", "run_merge_cli"]
+
+
+def add_merge_parser(sub: Any) -> None:
+    from ..merge.config import __doc__ as config_doc
+
+    p = sub.add_parser(
+        "merge",
+        help="merge models fine-tuned from one checkpoint (regmean, average, fisher, "
+        "task_arithmetic) as a config file says",
+        description=(config_doc or "").strip(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("config", metavar="CONFIG", help="YAML or JSON merge configuration")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder (must not exist)")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the plan (steps, output shards, memory and disk estimates) and stop",
+    )
+    p.add_argument(
+        "--in-memory",
+        action="store_true",
+        help="load the models whole instead of streaming them tensor by tensor (needed for "
+        "pickle .bin checkpoints)",
+    )
+    p.add_argument(
+        "--ray-workers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="solve the RegMean layers on N Ray actors (lmdx[ray]; a local Ray unless "
+        "--ray-address)",
+    )
+    p.add_argument("--ray-address", default=None, metavar="ADDRESS", help="auto or HOST:PORT")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def run_merge_cli(args: argparse.Namespace) -> int:
+    from ..files.atomic import existing_parent
+    from ..merge.config import load_merge_config, plan_merge, run_merge
+    from ..merge.stream import peak_rss_bytes
+
+    try:
+        out = Path(args.out)
+        if out.exists():
+            raise CliError(f"--out {out}: already exists; choose a new folder")
+        if args.ray_workers and args.in_memory:
+            raise CliError("--ray-workers: only for the streaming merge; drop --in-memory")
+        if args.ray_workers < 0:
+            raise CliError(f"--ray-workers: expected N >= 0, got {args.ray_workers}")
+        cfg = load_merge_config(args.config)
+        if args.dry_run:
+            if args.in_memory:
+                raise CliError("--dry-run plans the streaming merge; drop --in-memory")
+            plan = plan_merge(cfg)
+            free = shutil.disk_usage(existing_parent(out)).free
+            print(plan.describe())
+            print(f"disk:     {free / 1e9:.2f} GB free at {existing_parent(out)}")
+            if free < plan.output_bytes:
+                print("lmdx merge: warning: not enough free disk for the output", file=sys.stderr)
+            print(f"lmdx merge: dry run; nothing written (would write {out})")
+            return 0
+        t0 = time.perf_counter()
+        run_merge(
+            cfg,
+            out,
+            progress=not args.no_progress,
+            streaming=not args.in_memory,
+            ray_workers=args.ray_workers,
+            ray_address=args.ray_address,
+        )
+    except (CliError, MergeError, ModelMismatchError, StatisticsFileError) as exc:
+        print(f"lmdx merge: error: {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError, FileExistsError, DiskFullError, OSError) as exc:
+        print(f"lmdx merge: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("lmdx merge: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    size = size_of(out)
+    print(
+        f"lmdx merge: {cfg.method} of {len(cfg.models)} models in "
+        f"{time.perf_counter() - t0:.1f} s; wrote {out} ({size / 1e6:.1f} MB); "
+        f"peak RSS {peak_rss_bytes() / 1e9:.2f} GB"
+    )
+    return 0

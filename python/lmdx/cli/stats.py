@@ -1,0 +1,335 @@
+"""``lmdx stats``: collect, add and show statistics files."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .._errors import CliError, DataError
+from ..data.files import read_data
+from .common import size_of
+
+__all__ = ["add_stats_parser", "run_stats_cli"]
+
+
+# --------------------------------------------------------------------------- parsers
+
+
+def add_stats_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "stats",
+        help="collect RegMean Gram or Fisher statistics of a model on data; add or show files",
+        description=(
+            "Collect the statistics a contributor shares instead of data: the Gram of every "
+            "linear module's input (RegMean) or the diagonal Fisher, over the texts in DATA, "
+            "written to one safetensors file with JSON metadata.\n\n"
+            "  lmdx stats MODEL DATA --out FILE   collect\n"
+            "  lmdx stats add FILE FILE... --out FILE   add statistics of disjoint data shards\n"
+            "  lmdx stats show FILE   print a file's metadata\n\n"
+            "DATA is a text file (one text per line), a .jsonl file (field --text-field), a "
+            ".csv file (column --text-field) or corpus:NAME (a corpus of lmdx.corpora)."
+        ),
+        epilog=(
+            "examples:\n"
+            "  lmdx stats finetuned/bbc corpus:bbc_news --max-texts 1000 --out bbc.safetensors\n"
+            "  lmdx stats finetuned/bbc train.jsonl --kind fisher --out bbc-fisher.safetensors\n"
+            "  lmdx stats finetuned/bbc corpus:bbc_news --out bbc.safetensors --ray --workers 4\n"
+            "  lmdx stats add part1.safetensors part2.safetensors --out all.safetensors"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", metavar="MODEL", help="a save_pretrained model folder")
+    p.add_argument(
+        "data", metavar="DATA", help="texts: FILE.txt, FILE.jsonl, FILE.csv, corpus:NAME"
+    )
+    p.add_argument("--out", required=True, metavar="FILE", help="statistics file to write")
+    p.add_argument("--kind", choices=("regmean", "fisher"), default="regmean")
+    p.add_argument("--description", default=None, help="what the data is (stored in the file)")
+    p.add_argument("--text-field", default="text", help="field/column of .jsonl/.csv texts")
+    p.add_argument("--label-field", default="label", help="field/column of gold labels")
+    p.add_argument("--max-texts", type=int, default=None, metavar="N", help="use the first N")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--max-length", type=int, default=128, help="tokens per text (truncation)")
+    p.add_argument(
+        "--include-padding",
+        action="store_true",
+        help="count padding tokens like the reference code (default: left out)",
+    )
+    p.add_argument("--include", nargs="+", metavar="PATTERN", help="module name patterns")
+    p.add_argument("--exclude", nargs="+", metavar="PATTERN", help="module name patterns")
+    p.add_argument(
+        "--no-share-inputs", action="store_true", help="one Gram per module even for q/k/v"
+    )
+    p.add_argument(
+        "--float64-products",
+        action="store_true",
+        help="multiply activations in float64 (default: float32 chunks summed in float64)",
+    )
+    p.add_argument(
+        "--labels",
+        choices=("predicted", "gold"),
+        default="predicted",
+        help="Fisher: log-likelihood of the predicted (default) or gold label",
+    )
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument(
+        "--max-memory",
+        default=None,
+        metavar="SIZE",
+        help="bound on the Grams held in memory (e.g. 4GB): more passes over the data, each "
+        "writing its Grams to --out as it ends (regmean, without --ray)",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        default=None,
+        metavar="SIZE",
+        help="write --out as a folder of shards of at most SIZE (e.g. 2GB) with an index",
+    )
+    ray = p.add_argument_group(
+        "Ray (RegMean only; pip install 'lmdx[ray]')",
+        "split the batches into contiguous shards collected by Ray workers that each load "
+        "MODEL once; the shards' statistics are added in float64 (the same file as without "
+        "Ray, Grams to <= 1e-12 relative, plus extra.ray naming the shards)",
+    )
+    ray.add_argument(
+        "--ray",
+        nargs="?",
+        const="local",
+        default=None,
+        metavar="ADDRESS",
+        help="collect with Ray: no value starts a local Ray; 'auto', HOST:PORT or "
+        "ray://HOST:PORT joins a cluster (MODEL must be readable on every node)",
+    )
+    ray.add_argument("--workers", type=int, default=None, metavar="N", help="Ray workers (2)")
+    ray.add_argument(
+        "--threads-per-worker", type=int, default=None, metavar="T", help="CPUs per worker (1)"
+    )
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _stats_add_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lmdx stats add",
+        description="Add statistics of disjoint data shards of one model into one file.",
+    )
+    p.add_argument("files", nargs="+", metavar="FILE")
+    p.add_argument("--out", required=True, metavar="FILE")
+    p.add_argument("--description", default=None)
+    p.add_argument(
+        "--max-shard-size", default=None, metavar="SIZE", help="write a folder of shards"
+    )
+    return p
+
+
+def _stats_show_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lmdx stats show", description="Print a file's metadata.")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--json", action="store_true", help="the full metadata as JSON")
+    return p
+
+
+def _label_ids(labels: list[Any] | None, model: Any, spec: str) -> list[int]:
+    if labels is None:
+        raise CliError(f"--labels gold: DATA {spec} has no labels (--label-field)")
+    label2id = {str(k): int(v) for k, v in (model.config.label2id or {}).items()}
+    out = []
+    for v in labels:
+        if isinstance(v, int) or (isinstance(v, str) and v.isdigit()):
+            out.append(int(v))
+        elif str(v) in label2id:
+            out.append(label2id[str(v)])
+        else:
+            raise CliError(
+                f"--labels gold: label {v!r} is neither an integer nor in the model's "
+                f"label2id {sorted(label2id)}"
+            )
+    return out
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def run_stats_cli(argv: list[str]) -> int:
+    """``lmdx stats ...`` (argv after ``stats``); returns the exit code."""
+    try:
+        if argv and argv[0] == "add":
+            return _stats_add(_stats_add_parser().parse_args(argv[1:]))
+        if argv and argv[0] == "show":
+            return _stats_show(_stats_show_parser().parse_args(argv[1:]))
+        parser = argparse.ArgumentParser(prog="lmdx")
+        add_stats_parser(parser.add_subparsers(dest="command"))
+        return _stats_collect(parser.parse_args(["stats", *argv]))
+    except (CliError, DataError) as exc:
+        print(f"lmdx stats: error: {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError, OSError) as exc:
+        print(f"lmdx stats: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("lmdx stats: interrupted; nothing was written", file=sys.stderr)
+        return 130
+
+
+def _check_out_file(out: Path) -> None:
+    if out.exists():
+        raise CliError(f"--out {out}: already exists; choose a new file name")
+    if not out.parent.is_dir():
+        raise CliError(f"--out: the folder {out.parent} does not exist")
+
+
+def _stats_collect(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from ..data.batches import text_batches
+    from ..files.hf import load_model
+    from ..stats.collect import collect_regmean_stats
+    from ..stats.fisher import collect_fisher
+
+    out = Path(args.out)
+    _check_out_file(out)
+    ray_address = _ray_options(args)
+    if args.max_memory is not None and (args.ray is not None or args.kind != "regmean"):
+        raise CliError("--max-memory: only for --kind regmean without --ray")
+    model_dir = Path(args.model)
+    if not (model_dir / "config.json").is_file():
+        raise CliError(f"MODEL {model_dir}: not a save_pretrained folder (no config.json)")
+    texts, labels, source = read_data(
+        args.data,
+        text_field=args.text_field,
+        label_field=args.label_field,
+        max_texts=args.max_texts,
+    )
+    t0 = time.perf_counter()
+    # with Ray the workers load the model; here only the tokenizer is needed
+    model = None if args.ray else load_model(model_dir, progress=not args.no_progress)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    gold = (
+        _label_ids(labels, model, args.data)
+        if args.kind == "fisher" and args.labels == "gold"
+        else None
+    )
+    batches = text_batches(
+        texts, tokenizer, batch_size=args.batch_size, max_length=args.max_length, labels=gold
+    )
+    common: dict[str, Any] = {
+        "include": args.include,
+        "exclude": args.exclude,
+        "description": args.description or f"{len(texts)} texts from {source}",
+        "progress": not args.no_progress,
+    }
+    regmean_options: dict[str, Any] = {
+        "include_padding": args.include_padding,
+        "share_inputs": not args.no_share_inputs,
+        "precision": "float64" if args.float64_products else "mixed",
+    }
+    where = ""
+    if args.ray:
+        from ..stats.ray import collect_regmean_stats_ray
+
+        workers, threads = args.workers or 2, args.threads_per_worker or 1
+        stats = collect_regmean_stats_ray(
+            model_dir,
+            batches,
+            address=ray_address,
+            num_workers=workers,
+            threads_per_worker=threads,
+            **regmean_options,
+            **common,
+        )
+        where = f" on Ray ({stats.extra['ray']['workers']} workers × {threads} threads)"
+    elif args.kind == "regmean":
+        stats = collect_regmean_stats(
+            model,
+            batches,
+            n_threads=args.threads,
+            out=out,
+            max_memory=args.max_memory,
+            max_shard_size=args.max_shard_size,
+            **regmean_options,
+            **common,
+        )
+    else:
+        stats = collect_fisher(model, batches, labels=args.labels, **common)
+    if not out.exists():
+        stats.save(out, max_shard_size=args.max_shard_size)
+    print(
+        f"lmdx stats: {stats!r} from {len(texts)} texts{where} in "
+        f"{time.perf_counter() - t0:.1f} s; wrote {out} ({size_of(out) / 1e6:.1f} MB)"
+    )
+    return 0
+
+
+def _ray_options(args: argparse.Namespace) -> str | None:
+    """Check the Ray options; the address to pass on (None: a local Ray)."""
+    if args.ray is None:
+        for flag, value in (
+            ("--workers", args.workers),
+            ("--threads-per-worker", args.threads_per_worker),
+        ):
+            if value is not None:
+                raise CliError(f"{flag}: only with --ray")
+        return None
+    if args.kind != "regmean":
+        raise CliError(
+            "--ray: only for --kind regmean (Fisher statistics are collected in one process); "
+            "drop --ray or use --kind regmean"
+        )
+    if args.threads is not None:
+        raise CliError("--threads: with --ray, set --threads-per-worker instead")
+    for flag, value in (
+        ("--workers", args.workers),
+        ("--threads-per-worker", args.threads_per_worker),
+    ):
+        if value is not None and value < 1:
+            raise CliError(f"{flag}: must be >= 1, got {value}")
+    from .._ray import import_ray
+
+    try:
+        import_ray()
+    except ImportError as exc:
+        raise CliError(f"--ray: {exc}") from None
+    return None if args.ray == "local" else str(args.ray)
+
+
+def _stats_add(args: argparse.Namespace) -> int:
+    from ..stats.add import add_statistics
+    from ..stats.file import Statistics
+
+    out = Path(args.out)
+    _check_out_file(out)
+    parts = [Statistics.load(f) for f in args.files]
+    total = add_statistics(parts, data=args.description)
+    total.save(out, max_shard_size=args.max_shard_size)
+    print(f"lmdx stats add: {len(parts)} files -> {out} ({total!r})")
+    return 0
+
+
+def _stats_show(args: argparse.Namespace) -> int:
+    from ..stats.file import Statistics
+
+    stats = Statistics.load(args.file)
+    meta = stats.metadata()
+    if args.json:
+        print(json.dumps(meta, indent=2))
+        return 0
+    print(f"file:        {args.file}")
+    print(f"kind:        {stats.kind}  (format {meta['format']} v{meta['format_version']})")
+    print(
+        f"model:       {stats.model['architecture']}  weights sha256 "
+        f"{stats.model['weights_sha256'][:16]}…  ({len(stats.model['parameters'])} tensors)"
+    )
+    print(f"data:        {stats.data}")
+    if stats.kind == "regmean-gram":
+        print(f"padding:     {stats.padding}")
+        print(f"modules:     {len(stats.modules)} in {len(stats.groups)} input groups")
+        for g, v in stats.groups.items():
+            members = [m for m, i in stats.modules.items() if i["group"] == g]
+            print(f"  {g}: dim {v['dim']}, rows {v['count']:g}, modules {len(members)}")
+    else:
+        print(f"examples:    {stats.count():g}  labels {stats.extra.get('labels')}")
+        print(f"parameters:  {len(stats.parameters)}")
+    return 0

@@ -1,0 +1,137 @@
+"""The weights of a Hugging Face model folder, read one tensor at a time."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .._errors import MergeError
+from .._tensors import FLOAT_DTYPES, TORCH_OF_ST
+from .safetensors import SafetensorsFile, open_shards, read_safetensors_header
+
+__all__ = ["INDEX_FILE", "SINGLE_FILE", "Checkpoint"]
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class Checkpoint:
+    """The weights of a Hugging Face model folder, read one tensor at a time.
+
+    ``path`` is a ``save_pretrained`` folder holding ``model.safetensors`` or
+    ``model.safetensors.index.json`` with its shards (or a single ``.safetensors``
+    file). Every shard's header is validated against its size when opened; a shard
+    missing, cut short or not holding what the index says raises :class:`MergeError`
+    naming the file.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], label: str | None = None) -> None:
+        self.path = Path(path)
+        self.label = label or str(path)
+        self.config: dict[str, Any] = {}
+        self._files: dict[Path, SafetensorsFile] = {}
+        self._where: dict[str, SafetensorsFile] = {}
+        self._sha: dict[str, str] = {}
+        if self.path.is_file():
+            self._open_single(self.path)
+            return
+        if not self.path.is_dir():
+            raise MergeError(f"model {self.path}: no such folder")
+        cfg = self.path / "config.json"
+        if cfg.is_file():
+            try:
+                self.config = json.loads(cfg.read_text())
+            except json.JSONDecodeError as exc:
+                raise MergeError(
+                    f"model {self.path}: config.json is not valid JSON ({exc})"
+                ) from None
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            self._open_index(index)
+        elif (self.path / SINGLE_FILE).is_file():
+            self._open_single(self.path / SINGLE_FILE)
+        else:
+            found = sorted(p.name for p in self.path.iterdir() if p.suffix in (".bin", ".pt"))
+            hint = (
+                f" (it has {found[0]}: a pickle checkpoint; re-save the model with "
+                "save_pretrained(..., safe_serialization=True), or use the in-memory merge)"
+                if found
+                else ""
+            )
+            raise MergeError(f"model {self.path}: no {SINGLE_FILE} or {INDEX_FILE}{hint}")
+
+    def _open_single(self, file: Path) -> None:
+        handle = read_safetensors_header(file, "shard", MergeError)
+        self._files[file] = handle
+        for name in handle.keys():
+            self._where[name] = handle
+
+    def _open_index(self, index: Path) -> None:
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise MergeError(
+                f"model {self.path}: {index.name} is not a valid index ({exc!s}); re-save the model"
+            ) from None
+        self._where = open_shards(self.path, weight_map, index.name, "model", MergeError)
+        self._files = {h.path: h for h in self._where.values()}
+
+    # -- queries --------------------------------------------------------------------
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).shape(name))
+
+    def dtype(self, name: str) -> str:
+        """torch dtype name (``"float32"``, ``"bfloat16"``, ``"int64"``, ...)."""
+        return TORCH_OF_ST[self._handle(name).dtype(name)]
+
+    def is_float(self, name: str) -> bool:
+        return self.dtype(name) in FLOAT_DTYPES
+
+    def nbytes(self, name: str) -> int:
+        return self._handle(name).nbytes(name)
+
+    def file_of(self, name: str) -> Path:
+        return self._handle(name).path
+
+    def total_bytes(self) -> int:
+        return sum(f.path.stat().st_size for f in self._files.values())
+
+    def _handle(self, name: str) -> SafetensorsFile:
+        try:
+            return self._where[name]
+        except KeyError:
+            raise MergeError(f"model {self.label}: no tensor {name!r}") from None
+
+    def read(self, name: str) -> Any:
+        """One tensor as a torch tensor in its stored dtype."""
+        import torch
+
+        handle = self._handle(name)
+        try:
+            raw = handle.get_raw(name)
+        except ValueError as exc:
+            raise MergeError(f"model {self.label}: {exc}") from None
+        t = torch.from_numpy(np.ascontiguousarray(raw))
+        if handle.dtype(name) == "BF16":
+            t = t.view(torch.bfloat16)
+        return t
+
+    def sha256(self, name: str) -> str:
+        if name not in self._sha:
+            self._sha[name] = self._handle(name).sha256(name)
+        return self._sha[name]
+
+    def architecture(self) -> str | None:
+        archs = self.config.get("architectures") or []
+        return str(archs[0]) if archs else None

@@ -1,0 +1,391 @@
+"""safetensors files read and written tensor by tensor, strictly, without pickle.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header (name ->
+dtype, shape, byte range; plus ``__metadata__``, a str -> str map) and the raw bytes.
+Because every shape is known before any data exists, :class:`SafetensorsWriter` writes
+the header first, reserves the whole file on disk (so a full disk is reported before
+any work, not after) and then takes tensors one at a time, in any order, at their
+offsets; a file of many large tensors never needs them all in memory. Files are read
+back tensor by tensor with plain reads (:func:`read_safetensors_header`), not memory
+maps, so what was read and dropped does not stay resident.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from .._tensors import ST_NUMPY
+from .atomic import atomic_file, disk_full, is_disk_full
+
+__all__ = [
+    "SafetensorsFile",
+    "SafetensorsWriter",
+    "TensorSpec",
+    "open_shards",
+    "read_safetensors_header",
+    "write_safetensors",
+]
+
+_ST_OF: dict[str, str] = {v: k for k, v in ST_NUMPY.items() if k != "BF16"}
+_ST_OF["bfloat16"] = "BF16"
+
+
+class TensorSpec:
+    """Name, dtype and shape of one tensor of a file being written.
+
+    ``dtype`` is a NumPy dtype or ``"bfloat16"`` (then arrays are given as raw uint16).
+    """
+
+    __slots__ = ("dtype", "name", "shape", "st_dtype")
+
+    def __init__(self, name: str, dtype: Any, shape: Sequence[int]) -> None:
+        self.name = name
+        if isinstance(dtype, str) and dtype == "bfloat16":
+            self.st_dtype = "BF16"
+            self.dtype = np.dtype(np.uint16)
+        else:
+            self.dtype = np.dtype(dtype)
+            if self.dtype.name not in _ST_OF:
+                raise ValueError(f"{name}: dtype {self.dtype} cannot be written")
+            self.st_dtype = _ST_OF[self.dtype.name]
+        self.shape = tuple(int(s) for s in shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * int(self.dtype.itemsize)
+
+
+class SafetensorsWriter:
+    """Write one safetensors file whose tensors arrive one at a time, in any order.
+
+    The header is written and the file's full size reserved when the writer opens;
+    :meth:`write` puts a tensor at its offset; :meth:`close` checks every tensor was
+    written and renames the temporary file to ``path``. Use as a context manager: on any
+    error (including KeyboardInterrupt) the temporary file is removed and ``path`` is
+    untouched.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        specs: Sequence[TensorSpec],
+        metadata: Mapping[str, str] | None = None,
+        *,
+        header_reserve: int = 0,
+    ) -> None:
+        self.path = Path(path)
+        self._specs = {s.name: s for s in specs}
+        if len(self._specs) != len(specs):
+            dup = next(s.name for s in specs if sum(t.name == s.name for t in specs) > 1)
+            raise ValueError(f"{self.path}: tensor {dup!r} listed twice")
+        header: dict[str, Any] = {}
+        if metadata:
+            header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+        offset = 0
+        self._offsets: dict[str, int] = {}
+        for spec in specs:
+            header[spec.name] = {
+                "dtype": spec.st_dtype,
+                "shape": list(spec.shape),
+                "data_offsets": [offset, offset + spec.nbytes],
+            }
+            self._offsets[spec.name] = offset
+            offset += spec.nbytes
+        self._header = header
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (header_reserve + (-(len(raw) + header_reserve) % 8))
+        self._data_start = 8 + len(raw)
+        self.size = self._data_start + offset
+        self._written: set[str] = set()
+        self._tmp_cm = atomic_file(self.path)
+        self._tmp = self._tmp_cm.__enter__()
+        try:
+            self._fd = os.open(self._tmp, os.O_WRONLY)
+            try:
+                _reserve(self._fd, self.size)
+            except OSError as exc:
+                if is_disk_full(exc):
+                    raise disk_full(self.path, exc, self.size) from None
+                raise
+            self._pwrite(len(raw).to_bytes(8, "little") + raw, 0)
+        except BaseException as exc:
+            self._abort(exc)
+            raise
+
+    def _pwrite(self, data: Any, offset: int) -> None:
+        view = memoryview(data).cast("B")
+        try:
+            while view:
+                n = os.pwrite(self._fd, view, offset)
+                view = view[n:]
+                offset += n
+        except OSError as exc:
+            if is_disk_full(exc):
+                raise disk_full(self.path, exc, self.size) from None
+            raise
+
+    def set_metadata(self, metadata: Mapping[str, str]) -> None:
+        """Replace the ``__metadata__`` written at open (e.g. counts known only at the end);
+        the new header must fit in the space reserved with ``header_reserve``."""
+        header = dict(self._header)
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        room = self._data_start - 8
+        if len(raw) > room:
+            raise ValueError(
+                f"{self.path}: new header needs {len(raw)} bytes, {room} were reserved"
+            )
+        self._pwrite(raw + b" " * (room - len(raw)), 8)
+
+    def write(self, name: str, arr: NDArray[Any]) -> None:
+        """Write tensor ``name`` (announced dtype and shape)."""
+        spec = self._specs.get(name)
+        if spec is None:
+            raise ValueError(f"{self.path}: tensor {name!r} was not announced")
+        if name in self._written:
+            raise ValueError(f"{self.path}: tensor {name!r} written twice")
+        arr = np.asarray(arr)
+        if arr.dtype != spec.dtype or arr.shape != spec.shape:
+            raise ValueError(
+                f"{self.path}: tensor {name!r} announced as {spec.dtype}{list(spec.shape)}, "
+                f"got {arr.dtype}{list(arr.shape)}"
+            )
+        little = np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<"), copy=False)
+        if little.size:
+            self._pwrite(little.reshape(-1), self._data_start + self._offsets[name])
+        self._written.add(name)
+
+    def missing(self) -> list[str]:
+        return [n for n in self._specs if n not in self._written]
+
+    def close(self) -> Path:
+        """Check completeness, flush and rename to the final name."""
+        try:
+            missing = self.missing()
+            if missing:
+                raise ValueError(
+                    f"{self.path}: {len(missing)} tensors never written (e.g. {missing[0]!r})"
+                )
+            os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+        except BaseException as exc:
+            self._abort(exc)
+            raise
+        self._tmp_cm.__exit__(None, None, None)
+        return self.path
+
+    def _abort(self, exc: BaseException) -> None:
+        if getattr(self, "_fd", -1) >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        with contextlib.suppress(BaseException):
+            self._tmp_cm.__exit__(type(exc), exc, exc.__traceback__)
+
+    def __enter__(self) -> SafetensorsWriter:
+        return self
+
+    def __exit__(self, typ: Any, exc: Any, tb: Any) -> None:
+        if exc is None:
+            self.close()
+        else:
+            self._abort(exc)
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Allocate ``size`` bytes for the file now (posix_fallocate where the filesystem
+    supports it), so a full disk fails here, before any work."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            os.ftruncate(fd, size)
+        else:
+            raise
+    except AttributeError:  # pragma: no cover - platforms without posix_fallocate
+        os.ftruncate(fd, size)
+
+
+def write_safetensors(
+    path: str | os.PathLike[str],
+    specs: Sequence[TensorSpec],
+    produce: Callable[[str], NDArray[Any]],
+    metadata: Mapping[str, str] | None = None,
+) -> None:
+    """Write a safetensors file tensor by tensor, atomically.
+
+    ``produce(name)`` is called once per spec, in order, and must return an array of the
+    announced dtype and shape. The file appears at ``path`` only when complete; on any
+    error the temporary file is removed and ``path`` is untouched.
+    """
+    with SafetensorsWriter(path, specs, metadata) as writer:
+        for spec in specs:
+            writer.write(spec.name, produce(spec.name))
+
+
+class SafetensorsFile:
+    """A safetensors file read with plain reads (no memory map, so tensors read and
+    dropped do not stay resident), its header validated against the file size."""
+
+    def __init__(self, path: Path, entries: dict[str, Any], data_start: int, meta: Any) -> None:
+        self.path = path
+        self._entries = entries
+        self._data_start = data_start
+        self._metadata = meta
+
+    def metadata(self) -> dict[str, str]:
+        return dict(self._metadata or {})
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._entries[name]["shape"])
+
+    def dtype(self, name: str) -> str:
+        """The safetensors dtype (``"F32"``, ``"BF16"``, ...)."""
+        return str(self._entries[name]["dtype"])
+
+    def nbytes(self, name: str) -> int:
+        begin, end = self._entries[name]["data_offsets"]
+        return int(end - begin)
+
+    def get_raw(self, name: str) -> NDArray[Any]:
+        """The stored values as a NumPy array (bfloat16 as raw uint16)."""
+        e = self._entries[name]
+        dtype = np.dtype(ST_NUMPY[e["dtype"]]).newbyteorder("<")
+        count = int(np.prod(e["shape"], dtype=np.int64))
+        arr = np.fromfile(
+            self.path, dtype=dtype, count=count, offset=self._data_start + e["data_offsets"][0]
+        )
+        if arr.size != count:
+            raise ValueError(f"{self.path}: tensor {name!r} is cut short")
+        out: NDArray[Any] = arr.reshape(e["shape"]).astype(dtype.newbyteorder("="), copy=False)
+        return out
+
+    def get_tensor(self, name: str) -> NDArray[Any]:
+        """The values as NumPy (bfloat16 widened to float32)."""
+        arr = self.get_raw(name)
+        if self.dtype(name) == "BF16":
+            return (arr.astype(np.uint32) << 16).view(np.float32)
+        return arr
+
+    def sha256(self, name: str) -> str:
+        """SHA-256 of a tensor's stored bytes (equal to hashing the tensor in memory)."""
+        e = self._entries[name]
+        begin, end = e["data_offsets"]
+        h = hashlib.sha256()
+        with open(self.path, "rb") as f:
+            f.seek(self._data_start + begin)
+            left = end - begin
+            while left > 0:
+                block = f.read(min(left, 1 << 24))
+                if not block:
+                    raise ValueError(f"{self.path}: tensor {name!r} is cut short")
+                h.update(block)
+                left -= len(block)
+        return h.hexdigest()
+
+
+def open_shards(
+    folder: Path,
+    weight_map: Any,
+    index_name: str,
+    what: str,
+    error: type[Exception],
+    check: Callable[[SafetensorsFile], None] | None = None,
+) -> dict[str, SafetensorsFile]:
+    """Tensor name -> its open shard, for the ``weight_map`` of a sharded folder's index.
+
+    Every shard's header is validated once (``check``, if given, then inspects it); a bad
+    shard name, a missing shard or a tensor that is not where the index says raises
+    ``error`` naming the folder, the shard and the tensor.
+    """
+    if not isinstance(weight_map, dict):
+        raise error(f"{what} {folder}: {index_name} has no weight_map")
+    files: dict[str, SafetensorsFile] = {}
+    where: dict[str, SafetensorsFile] = {}
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or "/" in shard or shard.startswith(".."):
+            raise error(f"{what} {folder}: {index_name} names a bad shard {shard!r}")
+        if shard not in files:
+            file = folder / shard
+            if not file.is_file():
+                raise error(
+                    f"{what} {folder}: shard {shard} listed in {index_name}: {file} is missing; "
+                    "copy the complete folder"
+                )
+            files[shard] = read_safetensors_header(file, f"{what} shard", error)
+            if check is not None:
+                check(files[shard])
+        if name not in files[shard]:
+            raise error(
+                f"{what} {folder}: shard {shard} lacks tensor {name!r} that {index_name} "
+                "places there; the shard is from another run or was overwritten"
+            )
+        where[name] = files[shard]
+    return where
+
+
+def read_safetensors_header(
+    path: str | os.PathLike[str], what: str = "file", error: type[Exception] = ValueError
+) -> SafetensorsFile:
+    """Parse and check a safetensors header (dtypes, shapes, byte ranges within the file);
+    ``error`` names the file and what is wrong."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} {path}: no such file")
+
+    def fail(msg: str) -> Exception:
+        return error(f"{what} {path}: {msg}; the file is truncated, corrupted or of another format")
+
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise fail(f"only {size} bytes")
+        n = int.from_bytes(prefix, "little")
+        if n < 2 or 8 + n > size:
+            raise fail(f"header length {n} does not fit in {size} bytes")
+        try:
+            header = json.loads(f.read(n).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise fail(f"header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise fail("header is not a JSON object")
+    meta = header.pop("__metadata__", None)
+    if meta is not None and not isinstance(meta, dict):
+        raise fail("__metadata__ is not an object")
+    data_start = 8 + n
+    for name, e in header.items():
+        ok = (
+            isinstance(e, dict)
+            and e.get("dtype") in ST_NUMPY
+            and isinstance(e.get("shape"), list)
+            and all(isinstance(d, int) and d >= 0 for d in e["shape"])
+            and isinstance(e.get("data_offsets"), list)
+            and len(e["data_offsets"]) == 2
+            and all(isinstance(o, int) for o in e["data_offsets"])
+        )
+        if not ok:
+            raise fail(f"entry {name!r} of the header is malformed")
+        begin, end = e["data_offsets"]
+        nbytes = int(np.prod(e["shape"], dtype=np.int64)) * np.dtype(ST_NUMPY[e["dtype"]]).itemsize
+        if end - begin != nbytes or begin < 0:
+            raise fail(f"tensor {name!r}: byte range does not match its shape")
+        if data_start + end > size:
+            raise fail(f"tensor {name!r} ends at byte {data_start + end} of {size}")
+    return SafetensorsFile(path, header, data_start, meta)

@@ -1,0 +1,77 @@
+"""Statistics of disjoint data shards added into the statistics of their union."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from .._errors import ModelMismatchError
+from ..files.identity import describe_mismatch
+from .file import Statistics
+
+__all__ = ["add_statistics"]
+
+
+def _same(field: str, values: Sequence[Any], names: Sequence[str]) -> None:
+    for v, n in zip(values[1:], names[1:], strict=True):
+        if v != values[0]:
+            raise ValueError(f"cannot add statistics: {field} differs between {names[0]} and {n}")
+
+
+def add_statistics(parts: Iterable[Statistics], *, data: str | None = None) -> Statistics:
+    """Statistics of the union of disjoint data shards: counts, sums and Grams add.
+
+    All parts must be of one kind, one model (same weights hash), one padding policy and
+    one module/group layout. Tensors are summed lazily when read or saved (one group at a
+    time), so adding large files does not hold them all in memory.
+    """
+    parts = list(parts)
+    if not parts:
+        raise ValueError("add_statistics: nothing to add")
+    names = [p.source or f"statistics #{i}" for i, p in enumerate(parts)]
+    _same("kind", [p.kind for p in parts], names)
+    for p, n in zip(parts[1:], names[1:], strict=True):
+        if p.model["weights_sha256"] != parts[0].model["weights_sha256"]:
+            raise ModelMismatchError(
+                f"cannot add statistics of different models: {names[0]} vs {n}: "
+                f"{describe_mismatch(parts[0].model, p.model)}"
+            )
+    first = parts[0]
+
+    def summed(name: str) -> Callable[[], NDArray[Any]]:
+        def read() -> NDArray[Any]:
+            total = np.array(parts[0].packed(name), dtype=np.float64)
+            for p in parts[1:]:
+                total += p.packed(name)
+            return total
+
+        return read
+
+    kwargs: dict[str, Any] = {}
+    if first.kind == "regmean-gram":
+        _same("padding policy", [p.padding for p in parts], names)
+        _same("module layout", [p.modules for p in parts], names)
+        _same(
+            "group dimensions", [{g: v["dim"] for g, v in p.groups.items()} for p in parts], names
+        )
+        kwargs["padding"] = first.padding
+        kwargs["modules"] = first.modules
+        kwargs["groups"] = {
+            g: {"dim": v["dim"], "count": sum(p.group_count(g) for p in parts)}
+            for g, v in first.groups.items()
+        }
+    else:
+        _same("parameter set", [p.parameters for p in parts], names)
+        kwargs["parameters"] = first.parameters
+        kwargs["count"] = sum(p.count() for p in parts)
+    return Statistics(
+        kind=first.kind,
+        model=first.model,
+        data=data if data is not None else " + ".join(p.data for p in parts),
+        tensors={spec.name: summed(spec.name) for spec in first.specs()},
+        extra={"added_from": names},
+        **kwargs,
+    )

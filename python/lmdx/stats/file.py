@@ -1,0 +1,347 @@
+"""Statistics files: the artifact contributors share instead of their data.
+
+One safetensors file holds, in float64,
+
+* ``kind = "regmean-gram"``: per *input group* (one or more linear modules that read the
+  same input tensor) the packed upper triangle of the Gram ``G = Σ x xᵀ`` (row-major,
+  ``d(d+1)/2`` values, tensor ``gram/<group>``) and the sum ``s = Σ x`` (``sum/<group>``);
+* ``kind = "fisher"``: per parameter the sum over examples of squared gradients
+  (``fisher/<parameter>``);
+
+plus JSON metadata (``__metadata__["lmdx"]``): format version, kind, the identity of the
+model they were computed on (architecture, every parameter's name, shape, dtype and
+content hash), the user's data description, the padding policy, counts and, for Grams,
+which module reads which group and in which layout. Sums (not means) are stored, so
+statistics of disjoint data shards add exactly: :func:`add_statistics`.
+
+Loading (:meth:`Statistics.load`) validates the whole header against the file; tensors
+are read one group at a time when merging (plain reads, nothing stays resident). No
+pickle is involved.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from .._errors import ModelMismatchError, StatisticsFileError
+from ..files.identity import describe_mismatch
+from ..files.safetensors import (
+    SafetensorsFile,
+    TensorSpec,
+    open_shards,
+    read_safetensors_header,
+)
+from ..moments import Moments
+from .format import FORMAT, FORMAT_VERSION, INDEX_FORMAT, INDEX_NAME, KINDS, validate_metadata
+from .packing import pack_upper, unpack_upper
+from .writer import StatisticsWriter
+
+__all__ = ["Statistics"]
+
+
+class Statistics:
+    """Gram (RegMean) or diagonal Fisher statistics of one model on one dataset.
+
+    Build with :func:`lmdx.capture.collect_regmean_stats` /
+    :func:`lmdx.capture.collect_fisher`, or :meth:`load` a file. Tensors are read lazily
+    (one group at a time) from a loaded file.
+
+    Attributes
+    ----------
+    kind
+        ``"regmean-gram"`` or ``"fisher"``.
+    model
+        Identity of the model the statistics belong to (:func:`model_identity`).
+    data
+        The user's description of the data.
+    padding
+        ``"excluded"`` or ``"included"`` (Grams), None for Fisher.
+    modules
+        Grams: module name -> ``{"group", "layout", "weight", "dim"}``.
+    groups
+        Grams: group name -> ``{"dim", "count"}``.
+    parameters
+        Fisher: parameter name -> ``{"shape"}``.
+    """
+
+    def __init__(
+        self,
+        *,
+        kind: str,
+        model: Mapping[str, Any],
+        data: str = "",
+        padding: str | None = None,
+        modules: Mapping[str, Mapping[str, Any]] | None = None,
+        groups: Mapping[str, Mapping[str, Any]] | None = None,
+        parameters: Mapping[str, Mapping[str, Any]] | None = None,
+        count: float | None = None,
+        tensors: Mapping[str, NDArray[Any] | Callable[[], NDArray[Any]]] | None = None,
+        moments: Mapping[str, Moments] | None = None,
+        source: str | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
+        self.kind = kind
+        self.model = dict(model)
+        self.data = str(data)
+        self.padding = padding
+        self.modules = {k: dict(v) for k, v in (modules or {}).items()}
+        self.groups = {k: dict(v) for k, v in (groups or {}).items()}
+        self.parameters = {k: dict(v) for k, v in (parameters or {}).items()}
+        self._count = count
+        self._tensors: dict[str, Any] = dict(tensors or {})
+        self._moments: dict[str, Moments] = dict(moments or {})
+        self._file: Any = None
+        self.source = source
+        self.extra = dict(extra or {})
+
+    # ------------------------------------------------------------------ accessors
+
+    def group_of(self, module: str) -> str:
+        try:
+            return str(self.modules[module]["group"])
+        except KeyError:
+            raise KeyError(f"{self._where()}: no statistics for module {module!r}") from None
+
+    def count(self, module: str | None = None) -> float:
+        """Rows seen by a module's input (Grams) or examples (Fisher)."""
+        if self.kind == "fisher":
+            return float(self._count or 0.0)
+        g = self.group_of(str(module))
+        if g in self._moments:
+            return self._moments[g].count
+        return float(self.groups[g]["count"])
+
+    def gram(self, module: str) -> NDArray[np.float64]:
+        """The (d, d) float64 Gram ``Σ x xᵀ`` of a module's input."""
+        g = self.group_of(module)
+        if g in self._moments:
+            return self._moments[g].gram()
+        return unpack_upper(self.tensor(f"gram/{g}"), int(self.groups[g]["dim"]))
+
+    def sum(self, module: str) -> NDArray[np.float64]:
+        """The (d,) float64 sum ``Σ x`` of a module's input."""
+        g = self.group_of(module)
+        if g in self._moments:
+            return self._moments[g].sum
+        return np.asarray(self.tensor(f"sum/{g}"), dtype=np.float64)
+
+    def fisher(self, parameter: str) -> NDArray[np.float64]:
+        """Sum over examples of squared gradients of a parameter (divide by :meth:`count`)."""
+        if parameter not in self.parameters:
+            raise KeyError(f"{self._where()}: no Fisher statistics for {parameter!r}")
+        return np.asarray(self.tensor(f"fisher/{parameter}"), dtype=np.float64)
+
+    def tensor(self, name: str) -> NDArray[Any]:
+        """A stored tensor by its file name (``gram/<group>``, ``sum/<group>``,
+        ``fisher/<parameter>``), as held in memory or read from the file."""
+        if name in self._tensors:
+            v = self._tensors[name]
+            return np.asarray(v() if callable(v) else v)
+        if self._file is not None:
+            try:
+                return np.asarray(self._file.get_tensor(name))
+            except Exception as exc:
+                raise StatisticsFileError(
+                    f"{self._where()}: cannot read tensor {name!r} ({exc}); the file may be "
+                    "truncated or corrupted"
+                ) from None
+        raise KeyError(f"{self._where()}: tensor {name!r} is missing")
+
+    def _where(self) -> str:
+        return f"statistics {self.source}" if self.source else "statistics"
+
+    def __repr__(self) -> str:
+        n = len(self.modules) if self.kind == "regmean-gram" else len(self.parameters)
+        what = "modules" if self.kind == "regmean-gram" else "parameters"
+        return f"Statistics(kind={self.kind!r}, {what}={n}, model={self.model['architecture']})"
+
+    # ------------------------------------------------------------------ checks
+
+    def check_model(self, identity: Mapping[str, Any], model_name: str = "model") -> None:
+        """Raise :class:`ModelMismatchError` unless these statistics belong to ``identity``."""
+        if identity["weights_sha256"] == self.model["weights_sha256"]:
+            return
+        raise ModelMismatchError(
+            f"{self._where()} do not belong to {model_name}: "
+            f"{describe_mismatch(self.model, identity)}. Collect statistics on the model "
+            "being merged (lmdx stats MODEL DATA --out FILE)."
+        )
+
+    # ------------------------------------------------------------------ files
+
+    def metadata(self) -> dict[str, Any]:
+        """The JSON metadata written to the file."""
+        from .._core import core
+
+        meta: dict[str, Any] = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "lmdx_version": core.__version__,
+            "kind": self.kind,
+            "dtype": "float64",
+            "data": self.data,
+            "model": self.model,
+            "extra": self.extra,
+        }
+        if self.kind == "regmean-gram":
+            meta["padding"] = self.padding
+            meta["modules"] = self.modules
+            meta["groups"] = {
+                g: {"dim": int(v["dim"]), "count": self.group_count(g)}
+                for g, v in self.groups.items()
+            }
+        else:
+            meta["count"] = self.count()
+            meta["parameters"] = self.parameters
+        return meta
+
+    def group_count(self, g: str) -> float:
+        """Rows seen by input group ``g``."""
+        if g in self._moments:
+            return self._moments[g].count
+        return float(self.groups[g]["count"])
+
+    def specs(self) -> list[TensorSpec]:
+        """Name, dtype and shape of every tensor the file holds, in file order."""
+        specs = []
+        if self.kind == "regmean-gram":
+            for g, v in self.groups.items():
+                d = int(v["dim"])
+                specs.append(TensorSpec(f"gram/{g}", np.float64, (d * (d + 1) // 2,)))
+                specs.append(TensorSpec(f"sum/{g}", np.float64, (d,)))
+        else:
+            for p, v in self.parameters.items():
+                specs.append(TensorSpec(f"fisher/{p}", np.float64, v["shape"]))
+        return specs
+
+    def packed(self, name: str) -> NDArray[Any]:
+        """Tensor ``name`` as stored in the file (a Gram as its packed triangle)."""
+        kind, _, key = name.partition("/")
+        if key in self._moments:
+            m = self._moments[key]
+            return pack_upper(m.gram()) if kind == "gram" else m.sum
+        return np.asarray(self.tensor(name), dtype=np.float64)
+
+    def save(
+        self, path: str | os.PathLike[str], *, max_shard_size: int | str | None = None
+    ) -> Path:
+        """Write to ``path``, one tensor at a time, atomically.
+
+        Without ``max_shard_size``: one safetensors file. With it: a folder ``path``
+        holding shards of at most that size (``"2GB"`` or bytes; a tensor larger than
+        that gets a shard of its own) and the index ``lmdx_stats.index.json``.
+        """
+        path = Path(path)
+        specs = self.specs()
+        meta = self.metadata()
+        with StatisticsWriter(path, specs, meta, max_shard_size=max_shard_size) as w:
+            for spec in specs:
+                w.write(spec.name, self.packed(spec.name))
+            w.close(meta)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Statistics:
+        """Open and validate a statistics file; tensors are read on demand."""
+        path = Path(path)
+        handle: SafetensorsFile | _ShardedStatistics
+        if path.is_dir():
+            handle = _ShardedStatistics(path)
+            where = f"statistics folder {path}"
+            meta = handle.meta
+        else:
+            handle = read_safetensors_header(path, "statistics file", StatisticsFileError)
+            where = f"statistics file {path}"
+            raw = (handle.metadata() or {}).get("lmdx")
+            if raw is None:
+                raise StatisticsFileError(
+                    f"{where}: no lmdx metadata; this is not an lmdx statistics file"
+                )
+            try:
+                meta = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise StatisticsFileError(f"{where}: metadata is not valid JSON ({exc})") from None
+        validate_metadata(meta, where)
+        assert isinstance(meta, dict)
+        stats = cls(
+            kind=meta["kind"],
+            model=meta["model"],
+            data=meta.get("data", ""),
+            padding=meta.get("padding"),
+            modules=meta.get("modules"),
+            groups=meta.get("groups"),
+            parameters=meta.get("parameters"),
+            count=meta.get("count"),
+            source=str(path),
+            extra=meta.get("extra"),
+        )
+        stats._file = handle
+        present = {}
+        for key in handle.keys():
+            present[key] = handle.shape(key)
+        for spec in stats.specs():
+            if spec.name not in present:
+                raise StatisticsFileError(f"{where}: tensor {spec.name!r} is missing")
+            if present[spec.name] != list(spec.shape):
+                raise StatisticsFileError(
+                    f"{where}: tensor {spec.name!r} has shape {present[spec.name]}, the "
+                    f"metadata says {list(spec.shape)}"
+                )
+        return stats
+
+
+class _ShardedStatistics:
+    """The shards of a statistics folder behind one ``get_tensor``/``keys``/``shape``."""
+
+    def __init__(self, folder: Path) -> None:
+        index = folder / INDEX_NAME
+        where = f"statistics folder {folder}"
+        if not index.is_file():
+            raise StatisticsFileError(
+                f"{where}: no {INDEX_NAME}; give a statistics file or a folder written by "
+                "lmdx (stats ... --max-shard-size)"
+            )
+        try:
+            data = json.loads(index.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise StatisticsFileError(f"{where}: {INDEX_NAME} is not valid JSON ({exc})") from None
+        if not isinstance(data, dict) or data.get("format") != INDEX_FORMAT:
+            raise StatisticsFileError(f"{where}: {INDEX_NAME} is not an lmdx statistics index")
+        weight_map, self.id = data.get("weight_map"), data.get("id")
+        if not isinstance(weight_map, dict) or not isinstance(self.id, str):
+            raise StatisticsFileError(f"{where}: {INDEX_NAME} lacks weight_map/id")
+        self.meta = data.get("metadata")
+        self._where = open_shards(
+            folder, weight_map, INDEX_NAME, "statistics folder", StatisticsFileError, self._same_id
+        )
+
+    def _same_id(self, handle: SafetensorsFile) -> None:
+        """A shard must carry this collection's id (no files of different runs mixed)."""
+        try:
+            tag = json.loads(handle.metadata().get("lmdx_shard", "{}"))
+        except json.JSONDecodeError:
+            tag = {}
+        if not isinstance(tag, dict) or tag.get("id") != self.id:
+            raise StatisticsFileError(
+                f"statistics shard {handle.path}: belongs to another statistics collection "
+                f"(id {tag.get('id') if isinstance(tag, dict) else None!r}, the index says "
+                f"{self.id!r}); the folder mixes files of different runs"
+            )
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def shape(self, name: str) -> list[int]:
+        return self._where[name].shape(name)
+
+    def get_tensor(self, name: str) -> NDArray[Any]:
+        return self._where[name].get_tensor(name)

@@ -1,0 +1,442 @@
+"""``lmdx stats`` and ``lmdx merge`` end to end on tiny BERT classifiers saved to disk.
+
+References are computed here: Grams from this module's own forward hooks in float64,
+the RegMean solve with ``numpy.linalg.solve``, averages with NumPy.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from lmdx.cli import main
+from lmdx.stats import Statistics
+from safetensors.numpy import load_file
+from tiny_bert import WORDS, build_tiny_bert
+from transformers import AutoTokenizer, BertForSequenceClassification
+
+K = 3
+MODULE = "bert.encoder.layer.1.intermediate.dense"
+
+
+def _texts(rng: np.random.Generator, n: int) -> list[str]:
+    return [" ".join(rng.choice(WORDS, size=rng.integers(2, 14))) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("merge-cli")
+    tiny = build_tiny_bert(root / "tokenizer-source")
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny))
+    torch.manual_seed(1)
+    base = BertForSequenceClassification.from_pretrained(str(tiny), num_labels=2)
+    base.save_pretrained(root / "base")
+    tokenizer.save_pretrained(root / "base")
+    gen = torch.Generator().manual_seed(2)
+    for i in range(K):
+        model = BertForSequenceClassification.from_pretrained(str(root / "base"))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+        model.save_pretrained(root / f"m{i}")
+        tokenizer.save_pretrained(root / f"m{i}")
+    rng = np.random.default_rng(3)
+    texts = _texts(rng, 64)
+    (root / "all.txt").write_text("\n".join(texts) + "\n")
+    (root / "part1.txt").write_text("\n".join(texts[:32]) + "\n")
+    (root / "part2.txt").write_text("\n".join(texts[32:]) + "\n")
+    with open(root / "labeled.jsonl", "w") as f:
+        for j, t in enumerate(texts):
+            f.write(json.dumps({"text": t, "label": j % 2}) + "\n")
+    for i in range(K):
+        rc = main(
+            [
+                "stats",
+                str(root / f"m{i}"),
+                str(root / "all.txt"),
+                "--batch-size",
+                "8",
+                "--out",
+                str(root / f"s{i}.safetensors"),
+                "--no-progress",
+            ]
+        )
+        assert rc == 0
+    return root
+
+
+def _reference_gram(folder: Path, texts: list[str], module: str) -> tuple[np.ndarray, float]:
+    """Σ x xᵀ of ``module``'s input over real tokens, float64, one text at a time."""
+    model = BertForSequenceClassification.from_pretrained(str(folder)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    rows: list[np.ndarray] = []
+    handle = model.get_submodule(module).register_forward_pre_hook(
+        lambda m, args: rows.append(
+            args[0].detach().double().reshape(-1, args[0].shape[-1]).numpy()
+        )
+    )
+    with torch.no_grad():
+        for t in texts:  # no padding at all
+            model(**tokenizer([t], truncation=True, max_length=128, return_tensors="pt"))
+    handle.remove()
+    x = np.concatenate(rows)
+    return x.T @ x, float(x.shape[0])
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+def test_stats_file_holds_reference_gram(workspace: Path) -> None:
+    texts = (workspace / "all.txt").read_text().splitlines()
+    ref, n = _reference_gram(workspace / "m0", texts, MODULE)
+    stats = Statistics.load(workspace / "s0.safetensors")
+    assert stats.kind == "regmean-gram" and stats.padding == "excluded"
+    assert stats.count(MODULE) == n
+    assert _rel(stats.gram(MODULE), ref) < 1e-6
+    assert "64 texts" in stats.data
+
+
+def test_stats_add_equals_whole(workspace: Path) -> None:
+    parts = []
+    for name in ("part1", "part2"):
+        out = workspace / f"m0-{name}.safetensors"
+        rc = main(
+            [
+                "stats",
+                str(workspace / "m0"),
+                str(workspace / f"{name}.txt"),
+                "--batch-size",
+                "8",
+                "--out",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        assert rc == 0
+        parts.append(str(out))
+    total = workspace / "m0-added.safetensors"
+    assert main(["stats", "add", *parts, "--out", str(total)]) == 0
+    added, whole = Statistics.load(total), Statistics.load(workspace / "s0.safetensors")
+    for module in whole.modules:
+        assert added.count(module) == whole.count(module)
+        assert _rel(added.gram(module), whole.gram(module)) < 1e-12
+        assert _rel(added.sum(module), whole.sum(module)) < 1e-12
+
+
+def test_stats_show(workspace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["stats", "show", str(workspace / "s0.safetensors")]) == 0
+    out = capsys.readouterr().out
+    assert "regmean-gram" in out and "padding:     excluded" in out
+    assert "bert.encoder.layer.0.attention.self.query: dim 32" in out
+    assert main(["stats", "show", "--json", str(workspace / "s0.safetensors")]) == 0
+    meta = json.loads(capsys.readouterr().out)
+    assert meta["format"] == "lmdx-stats" and meta["model"]["architecture"] == (
+        "BertForSequenceClassification"
+    )
+
+
+def test_fisher_stats_gold_labels(workspace: Path) -> None:
+    out = workspace / "f0.safetensors"
+    rc = main(
+        [
+            "stats",
+            str(workspace / "m0"),
+            str(workspace / "labeled.jsonl"),
+            "--kind",
+            "fisher",
+            "--labels",
+            "gold",
+            "--max-texts",
+            "6",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
+    assert rc == 0
+    stats = Statistics.load(out)
+    model = BertForSequenceClassification.from_pretrained(str(workspace / "m0")).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(workspace / "m0"))
+    lines = [json.loads(s) for s in (workspace / "labeled.jsonl").read_text().splitlines()[:6]]
+    name = "classifier.weight"
+    ref = np.zeros(tuple(model.get_parameter(name).shape))
+    for row in lines:
+        model.zero_grad()
+        logits = model(**tokenizer([row["text"]], return_tensors="pt")).logits
+        torch.log_softmax(logits, -1)[0, row["label"]].backward()
+        ref += model.get_parameter(name).grad.double().numpy() ** 2
+    assert stats.count() == 6
+    assert _rel(stats.fisher(name), ref) < 1e-5
+
+
+def _write_config(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def _regmean_config(workspace: Path, name: str, alpha: float = 0.9) -> Path:
+    models = "\n".join(f"  - {{path: m{i}, stats: s{i}.safetensors}}" for i in range(K))
+    return _write_config(
+        workspace / name,
+        f"method: regmean\nmodels:\n{models}\nalpha: {alpha}\n"
+        "heads: {patterns: ['classifier.*'], policy: keep}\n",
+    )
+
+
+def test_merge_regmean_matches_numpy(workspace: Path) -> None:
+    cfg = _regmean_config(workspace, "regmean.yaml")
+    out = workspace / "merged-regmean"
+    assert main(["merge", str(cfg), "--out", str(out), "--no-progress"]) == 0
+    merged = BertForSequenceClassification.from_pretrained(str(out))
+    alpha = 0.9
+    grams, weights = [], []
+    for i in range(K):
+        s = Statistics.load(workspace / f"s{i}.safetensors")
+        g = s.gram(MODULE) / s.count(MODULE)
+        grams.append(alpha * g + (1 - alpha) * np.diag(np.diag(g)))
+        w = load_file(str(workspace / f"m{i}" / "model.safetensors"))[f"{MODULE}.weight"]
+        weights.append(w.astype(np.float64))
+    ref = np.linalg.solve(sum(grams), sum(g @ w.T for g, w in zip(grams, weights, strict=True))).T
+    got = merged.get_parameter(f"{MODULE}.weight").detach().double().numpy()
+    assert _rel(got, ref) < 1e-6
+    bias = np.mean(
+        [
+            load_file(str(workspace / f"m{i}" / "model.safetensors"))[f"{MODULE}.bias"]
+            for i in range(K)
+        ],
+        axis=0,
+        dtype=np.float64,
+    )
+    assert _rel(merged.get_parameter(f"{MODULE}.bias").detach().double().numpy(), bias) < 1e-6
+    heads = [load_file(str(out / "heads" / f"{i}.safetensors")) for i in range(K)]
+    for i, head in enumerate(heads):
+        own = load_file(str(workspace / f"m{i}" / "model.safetensors"))
+        np.testing.assert_array_equal(head["classifier.weight"], own["classifier.weight"])
+    record = json.loads((out / "lmdx_merge.json").read_text())
+    assert record["config"]["method"] == "regmean" and record["config"]["alpha"] == alpha
+    assert len(record["inputs"]) == K and all(v["stats_sha256"] for v in record["inputs"].values())
+    assert (out / "tokenizer.json").is_file() or (out / "vocab.txt").is_file()
+
+
+def test_merge_task_arithmetic_and_average(workspace: Path) -> None:
+    models = "\n".join(f"  - m{i}" for i in range(K))
+    cfg = _write_config(
+        workspace / "ta.yaml",
+        f"method: task_arithmetic\nbase: base\nscaling: 0.5\nmodels:\n{models}\n",
+    )
+    out = workspace / "merged-ta"
+    assert main(["merge", str(cfg), "--out", str(out), "--no-progress"]) == 0
+    name = "bert.encoder.layer.0.output.dense.weight"
+    base = load_file(str(workspace / "base" / "model.safetensors"))[name].astype(np.float64)
+    thetas = [
+        load_file(str(workspace / f"m{i}" / "model.safetensors"))[name].astype(np.float64)
+        for i in range(K)
+    ]
+    ref = base + 0.5 * sum(t - base for t in thetas)
+    got = load_file(str(out / "model.safetensors"))[name]
+    assert _rel(got.astype(np.float64), ref) < 1e-6
+
+    cfg = _write_config(
+        workspace / "avg.yaml",
+        "method: average\nmodels:\n"
+        + "\n".join(f"  - {{path: m{i}, coefficient: {i + 1}}}" for i in range(K)),
+    )
+    out = workspace / "merged-avg"
+    assert main(["merge", str(cfg), "--out", str(out), "--no-progress"]) == 0
+    ref = sum((i + 1) * t for i, t in enumerate(thetas)) / 6.0
+    assert _rel(load_file(str(out / "model.safetensors"))[name].astype(np.float64), ref) < 1e-6
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        ("method: regmean\nmodels: [m0, m1]\nalpah: 0.5\n", r"unknown key\(s\) \['alpah'\]"),
+        ("method: mean\nmodels: [m0, m1]\n", "method must be one of"),
+        ("method: regmean\nmodels: [m0, m1]\n", r"models\[0\]\.stats is required"),
+        ("method: average\nmodels: [m0]\n", "at least 2"),
+        ("method: average\nmodels: [m0, nowhere]\n", r"models\[1\]\.path .*no such model folder"),
+        (
+            "method: regmean\nmodels:\n  - {path: m0, stats: s0.safetensors}\n"
+            "  - {path: m1, stats: missing.safetensors}\n",
+            r"models\[1\]\.stats .*no such file",
+        ),
+        (
+            "method: regmean\nmodels:\n  - {path: m0, stats: s1.safetensors}\n"
+            "  - {path: m1, stats: s1.safetensors}\n",
+            "do not belong to .*m0: parameter",
+        ),
+        ("method: average\nalpha: 2\nmodels: [m0, m1]\n", r"alpha must be in \[0, 1\]"),
+        ("method: task_arithmetic\nmodels: [m0, m1]\n", "needs base"),
+        ("method: average\nmodels: [m0, m1]\noutput: {dtype: int8}\n", "output.dtype"),
+        ("method: [unclosed\n", "cannot parse"),
+    ],
+)
+def test_merge_config_errors(
+    workspace: Path, body: str, match: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = _write_config(workspace / "bad.yaml", body)
+    out = workspace / "never-written"
+    before = _leftovers(workspace)
+    assert main(["merge", str(cfg), "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lmdx merge: error:")
+    import re
+
+    assert re.search(match, err), err
+    assert not out.exists()
+    assert _leftovers(workspace) == before
+
+
+def test_merge_refuses_existing_output(workspace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = workspace / "exists"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    cfg = _regmean_config(workspace, "again.yaml")
+    assert main(["merge", str(cfg), "--out", str(out), "--no-progress"]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def test_stats_errors(workspace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = workspace / "x.safetensors"
+    assert (
+        main(["stats", str(workspace / "m0"), str(workspace / "nope.txt"), "--out", str(out)]) == 2
+    )
+    assert "no such file" in capsys.readouterr().err
+    assert main(["stats", str(workspace), str(workspace / "all.txt"), "--out", str(out)]) == 2
+    assert "not a save_pretrained folder" in capsys.readouterr().err
+    assert (
+        main(
+            [
+                "stats",
+                str(workspace / "m0"),
+                str(workspace / "all.txt"),
+                "--out",
+                str(workspace / "s0.safetensors"),
+            ]
+        )
+        == 2
+    )
+    assert "already exists" in capsys.readouterr().err
+    assert (
+        main(
+            [
+                "stats",
+                str(workspace / "m0"),
+                str(workspace / "all.txt"),
+                "--kind",
+                "fisher",
+                "--labels",
+                "gold",
+                "--out",
+                str(out),
+            ]
+        )
+        == 2
+    )
+    assert "has no labels" in capsys.readouterr().err
+    truncated = workspace / "truncated.safetensors"
+    truncated.write_bytes((workspace / "s0.safetensors").read_bytes()[:-100])
+    assert main(["stats", "show", str(truncated)]) == 1
+    assert "truncated" in capsys.readouterr().err
+    assert not out.exists()
+
+
+# --------------------------------------------------------------------------- out of core
+
+
+def _same_tensors(a: Statistics, b: Statistics) -> None:
+    assert a.modules == b.modules
+    for m in a.modules:
+        assert a.count(m) == b.count(m)
+        assert np.array_equal(a.gram(m), b.gram(m)), m
+        assert np.array_equal(a.sum(m), b.sum(m)), m
+
+
+def test_stats_disk_backed_and_sharded(workspace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = workspace / "s0-sharded"
+    rc = main(
+        [
+            "stats",
+            str(workspace / "m0"),
+            str(workspace / "all.txt"),
+            "--batch-size",
+            "8",
+            "--max-memory",
+            "30KB",
+            "--max-shard-size",
+            "20KB",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
+    assert rc == 0, capsys.readouterr().err
+    assert out.is_dir() and len(list(out.glob("stats-*.safetensors"))) > 1
+    got = Statistics.load(out)
+    assert got.extra["passes"] > 1
+    _same_tensors(got, Statistics.load(workspace / "s0.safetensors"))
+    # shards add like files, into a sharded folder
+    added = workspace / "added-sharded"
+    files = [str(out), str(workspace / "s0.safetensors")]
+    assert main(["stats", "add", *files, "--out", str(added), "--max-shard-size", "20KB"]) == 0
+    total = Statistics.load(added)
+    ref = Statistics.load(workspace / "s0.safetensors")
+    assert np.array_equal(total.gram(MODULE), 2 * ref.gram(MODULE))
+    assert main(["stats", "show", str(added)]) == 0
+    assert "regmean-gram" in capsys.readouterr().out
+    fisher = ["--kind", "fisher", "--max-memory", "1GB", "--out", str(workspace / "f.st")]
+    assert main(["stats", str(workspace / "m0"), str(workspace / "all.txt"), *fisher]) == 2
+    assert "--max-memory: only for --kind regmean" in capsys.readouterr().err
+
+
+def test_merge_dry_run_and_in_memory_equal_streaming(
+    workspace: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = _regmean_config(workspace, "ooc.yaml")
+    out = workspace / "ooc-stream"
+    assert main(["merge", str(cfg), "--out", str(out), "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "regmean" in text and "GB peak estimated" in text and "dry run" in text
+    assert not out.exists()
+    assert main(["merge", str(cfg), "--out", str(out), "--no-progress"]) == 0
+    assert "peak RSS" in capsys.readouterr().out
+    mem = workspace / "ooc-mem"
+    assert main(["merge", str(cfg), "--out", str(mem), "--in-memory", "--no-progress"]) == 0
+    a = BertForSequenceClassification.from_pretrained(str(out)).state_dict()
+    b = BertForSequenceClassification.from_pretrained(str(mem)).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert json.loads((out / "lmdx_merge.json").read_text())["report"]["streaming"] is True
+
+
+def test_sigterm_during_merge_leaves_nothing(workspace: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import time
+
+    cfg = _regmean_config(workspace, "term.yaml")
+    out = tmp_path / "merged"
+    script = (
+        "import time, lmdx.merge as s\n"
+        "s.regmean_merge_layer = lambda *a, **k: time.sleep(60)\n"
+        "from lmdx.cli import main\n"
+        f"raise SystemExit(main(['merge', {str(cfg)!r}, '--out', {str(out)!r}, '--no-progress']))\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and not _leftovers(tmp_path):
+        time.sleep(0.05)
+    assert _leftovers(tmp_path), "the merge started writing"
+    proc.terminate()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted; nothing was written" in err
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,458 @@
+"""Statistics files: contents read back by this suite's own parser, adding shards, bad files.
+
+Every file here is checked byte-level with a reader written in the test (8-byte header
+length, JSON header, raw little-endian tensors), not only with lmdx's own loader.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+
+import hf_models as H
+import numpy as np
+import pytest
+import safetensors.numpy as safetensors_numpy
+import transformers  # noqa: F401
+from hypothesis import given
+from hypothesis import strategies as st
+from lmdx import ModelMismatchError, StatisticsFileError
+from lmdx.files.atomic import atomic_directory
+from lmdx.files.identity import model_identity
+from lmdx.files.safetensors import TensorSpec, write_safetensors
+from lmdx.merge import merge_models
+from lmdx.stats import Statistics, add_statistics
+from lmdx.stats.fisher import collect_fisher
+from lmdx.stats.packing import pack_upper, unpack_upper
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+_collect = H.collect
+
+
+def read_file(path):
+    """(metadata dict, {name: float64 array}) of a safetensors file, parsed by hand."""
+    raw = Path(path).read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    meta = header.pop("__metadata__", {})
+    data = raw[8 + n :]
+    tensors = {}
+    for name, info in header.items():
+        assert info["dtype"] == "F64", name
+        lo, hi = info["data_offsets"]
+        tensors[name] = np.frombuffer(data[lo:hi], dtype="<f8").reshape(info["shape"])
+    return meta, tensors
+
+
+def unpack_by_hand(packed, d):
+    """Symmetric matrix from its upper triangle stored row by row."""
+    g = np.zeros((d, d))
+    g[np.triu_indices(d)] = packed
+    return g + np.triu(g, 1).T
+
+
+# --------------------------------------------------------------------------- packing
+
+
+@given(d=st.integers(1, 12), seed=st.integers(0, 2**32 - 1))
+def test_pack_upper_is_the_row_major_upper_triangle(d, seed):
+    a = np.random.default_rng(seed).standard_normal((d, d))
+    s = a + a.T
+    packed = pack_upper(s)
+    assert packed.shape == (d * (d + 1) // 2,) and packed.dtype == np.float64
+    assert np.array_equal(packed, s[np.triu_indices(d)])
+    assert np.array_equal(unpack_upper(packed, d), s)
+    assert np.array_equal(
+        unpack_upper(a[np.triu_indices(d)], d), unpack_by_hand(a[np.triu_indices(d)], d)
+    )
+
+
+def test_unpack_upper_rejects_a_wrong_length():
+    with pytest.raises(ValueError, match="dimension 4: expected 10 values"):
+        unpack_upper(np.zeros(9), 4)
+
+
+# --------------------------------------------------------------------------- metadata
+
+
+def sha256_of(t):
+    return hashlib.sha256(t.detach().contiguous().numpy().tobytes()).hexdigest()
+
+
+@pytest.mark.parametrize("include_padding", [False, True])
+@pytest.mark.parametrize("arch", ["bert", "gpt2"])
+def test_regmean_file_holds_metadata_and_the_reference_statistics(arch, include_padding, tmp_path):
+    _, models, batches = H.cached_family(arch, "float64")
+    model, data = models[0], list(batches[0])
+    stats = _collect(model, data, include_padding=include_padding, description="40 random seqs")
+    path = stats.save(tmp_path / "s.safetensors")
+    meta_raw, tensors = read_file(path)
+    meta = json.loads(meta_raw["lmdx"])
+
+    assert meta["format"] == "lmdx-stats" and meta["format_version"] == 1
+    assert meta["kind"] == "regmean-gram" and meta["dtype"] == "float64"
+    assert meta["data"] == "40 random seqs"
+    assert meta["padding"] == ("included" if include_padding else "excluded")
+    identity = meta["model"]
+    assert identity["architecture"] == type(model).__name__
+    assert identity["model_type"] == arch
+    assert re.fullmatch("[0-9a-f]{64}", identity["weights_sha256"])
+    state = model.state_dict()
+    assert set(identity["parameters"]) == set(state)
+    for name, t in state.items():
+        entry = identity["parameters"][name]
+        assert entry == {"shape": list(t.shape), "dtype": "float64", "sha256": sha256_of(t)}
+
+    ref = H.reference_grams(model, data, include_padding)
+    layouts = {n: lay for n, (_, lay) in H.linear_modules(model).items()}
+    assert set(meta["modules"]) == set(ref)
+    for name, info in meta["modules"].items():
+        assert info["layout"] == layouts[name] and info["weight"] == f"{name}.weight"
+        group = info["group"]
+        d = ref[name]["gram"].shape[0]
+        assert info["dim"] == meta["groups"][group]["dim"] == d
+        assert meta["groups"][group]["count"] == ref[name]["count"]
+        assert tensors[f"gram/{group}"].shape == (d * (d + 1) // 2,)
+        assert H.rel_err(unpack_by_hand(tensors[f"gram/{group}"], d), ref[name]["gram"]) <= 1e-12
+        assert H.rel_err(tensors[f"sum/{group}"], ref[name]["sum"]) <= 1e-12
+    assert set(tensors) == {f"{k}/{g}" for g in meta["groups"] for k in ("gram", "sum")}
+
+
+def test_weights_hash_follows_the_weights_not_the_container():
+    _, models, _ = H.cached_family("bert")
+    a = model_identity(models[0])
+    assert model_identity(dict(models[0].state_dict()))["weights_sha256"] == a["weights_sha256"]
+    assert model_identity(models[1])["weights_sha256"] != a["weights_sha256"]
+    changed = {n: t.clone() for n, t in models[0].state_dict().items()}
+    changed["classifier.bias"][0] += 1e-6
+    b = model_identity(changed)
+    assert b["weights_sha256"] != a["weights_sha256"]
+    differing = [n for n in a["parameters"] if a["parameters"][n] != b["parameters"][n]]
+    assert differing == ["classifier.bias"]
+
+
+def test_fisher_file_holds_metadata_and_sums(tmp_path):
+    _, models, _ = H.cached_family("bert")
+    model = models[1]
+    data = H.random_batches("bert", 4, n_sequences=6, batch_size=3, labels=True)
+    stats = collect_fisher(model, data, labels="gold", include=["*.layer.0.*"], progress=False)
+    path = stats.save(tmp_path / "f.safetensors")
+    meta_raw, tensors = read_file(path)
+    meta = json.loads(meta_raw["lmdx"])
+    assert meta["kind"] == "fisher" and meta["count"] == 6
+    assert meta["extra"]["labels"] == "gold"
+    assert meta["model"]["architecture"] == "BertForSequenceClassification"
+    params = dict(model.named_parameters())
+    assert set(meta["parameters"]) == {n for n in params if ".layer.0." in n}
+    for name, info in meta["parameters"].items():
+        assert info["shape"] == list(params[name].shape)
+        assert tensors[f"fisher/{name}"].shape == tuple(params[name].shape)
+    ref, _ = H.reference_fisher(model, data, gold=True)
+    loaded = Statistics.load(path)
+    H.assert_fisher_close(loaded, ref)
+    assert loaded.count() == 6
+    for name in meta["parameters"]:
+        assert np.array_equal(loaded.fisher(name), tensors[f"fisher/{name}"])
+
+
+def test_save_load_round_trip_is_exact(tmp_path):
+    _, models, batches = H.cached_family("llama")
+    stats = _collect(models[1], batches[1], description="d")
+    loaded = Statistics.load(stats.save(tmp_path / "s.safetensors"))
+    assert loaded.source == str(tmp_path / "s.safetensors")
+    assert (loaded.kind, loaded.padding, loaded.data) == ("regmean-gram", "excluded", "d")
+    assert loaded.modules == stats.modules and loaded.model == stats.model
+    for name in stats.modules:
+        assert loaded.count(name) == stats.count(name)
+        assert np.array_equal(loaded.gram(name), stats.gram(name))
+        assert np.array_equal(loaded.sum(name), stats.sum(name))
+
+
+# --------------------------------------------------------------------------- adding
+
+
+@pytest.mark.parametrize("arch", ["roberta", "gpt2"])
+def test_statistics_of_shards_add_up_to_statistics_of_all_data(arch, tmp_path):
+    _, models, batches = H.cached_family(arch)
+    model, data = models[0], list(batches[0])
+    full = _collect(model, data)
+    first = _collect(model, data[:2], description="shard 1")
+    second = _collect(model, data[2:], description="shard 2")
+    ref = H.reference_grams(model, data, False)
+
+    in_memory = add_statistics([first, second])
+    p1, p2 = first.save(tmp_path / "1.safetensors"), second.save(tmp_path / "2.safetensors")
+    from_files = add_statistics([Statistics.load(p1), Statistics.load(p2)], data="both")
+    resaved = Statistics.load(from_files.save(tmp_path / "sum.safetensors"))
+    assert in_memory.data == "shard 1 + shard 2" and resaved.data == "both"
+    for added in (in_memory, from_files, resaved):
+        assert added.padding == "excluded" and added.modules == full.modules
+        for name in full.modules:
+            assert first.count(name) < full.count(name)
+            assert added.count(name) == full.count(name) == ref[name]["count"]
+            assert H.rel_err(added.gram(name), full.gram(name)) <= 1e-12, name
+            assert H.rel_err(added.sum(name), full.sum(name)) <= 1e-12, name
+            assert H.rel_err(added.gram(name), ref[name]["gram"]) <= 1e-6, name
+
+
+def test_fisher_statistics_add(tmp_path):
+    _, models, _ = H.cached_family("gpt2")
+    data = H.random_batches("gpt2", 9, n_sequences=6, batch_size=3)
+    kw = {"include": ["transformer.h.1.*"], "progress": False}
+    full = collect_fisher(models[0], data, **kw)
+    parts = [collect_fisher(models[0], data[:1], **kw), collect_fisher(models[0], data[1:], **kw)]
+    paths = [p.save(tmp_path / f"{i}.safetensors") for i, p in enumerate(parts)]
+    added = add_statistics([Statistics.load(p) for p in paths])
+    assert added.count() == full.count() == 6
+    for name in full.parameters:
+        assert H.rel_err(added.fisher(name), full.fisher(name)) <= 1e-12, name
+
+
+def test_adding_mismatched_statistics_is_an_error():
+    _, models, batches = H.cached_family("bert")
+    a = _collect(models[0], batches[0][:1])
+    other_model = _collect(models[1], batches[0][:1])
+    padded = _collect(models[0], batches[0][1:2], include_padding=True)
+    fisher = collect_fisher(models[0], batches[0][:1], progress=False)
+    with pytest.raises(ModelMismatchError, match="cannot add statistics of different models"):
+        add_statistics([a, other_model])
+    with pytest.raises(ValueError, match="padding policy differs"):
+        add_statistics([a, padded])
+    with pytest.raises(ValueError, match="kind differs"):
+        add_statistics([a, fisher])
+    with pytest.raises(ValueError, match="nothing to add"):
+        add_statistics([])
+
+
+# --------------------------------------------------------------------------- sharing
+
+
+@pytest.mark.parametrize(
+    ("arch", "groups_shared", "groups_separate"), [("bert", 10, 14), ("llama", 9, 15)]
+)
+def test_shared_inputs_make_the_file_smaller(arch, groups_shared, groups_separate, tmp_path):
+    _, models, batches = H.cached_family(arch)
+    shared = _collect(models[0], batches[0], share_inputs=True)
+    separate = _collect(models[0], batches[0], share_inputs=False)
+    p_shared = shared.save(tmp_path / "shared.safetensors")
+    p_separate = separate.save(tmp_path / "separate.safetensors")
+    _, t_shared = read_file(p_shared)
+    _, t_separate = read_file(p_separate)
+    assert sum(k.startswith("gram/") for k in t_shared) == groups_shared
+    assert sum(k.startswith("gram/") for k in t_separate) == groups_separate
+    assert os.path.getsize(p_shared) < os.path.getsize(p_separate)
+    # the Gram payload shrinks by the duplicated triangles exactly
+    saved = sum(v.nbytes for v in t_separate.values()) - sum(v.nbytes for v in t_shared.values())
+    dup = sum(
+        8 * (d * (d + 1) // 2 + d)
+        for n, d in ((n, separate.modules[n]["dim"]) for n in separate.modules)
+        if shared.group_of(n) != n
+    )
+    assert saved == dup
+
+
+# --------------------------------------------------------------------------- bad files
+
+
+@pytest.fixture(scope="module")
+def good_file(tmp_path_factory):
+    _, models, batches = H.cached_family("bert")
+    path = tmp_path_factory.mktemp("good") / "stats.safetensors"
+    _collect(models[0], batches[0][:2]).save(path)
+    return path
+
+
+def _variant(tmp_path, name, data):
+    path = tmp_path / name
+    path.write_bytes(data)
+    return path
+
+
+def _header(raw):
+    n = int.from_bytes(raw[:8], "little")
+    return n, json.loads(raw[8 : 8 + n])
+
+
+def _rewrite(raw, header):
+    """The same file with a new JSON header (tensor bytes unchanged)."""
+    n = int.from_bytes(raw[:8], "little")
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + raw[8 + n :]
+
+
+def _with_meta(raw, edit):
+    _, header = _header(raw)
+    meta = json.loads(header["__metadata__"]["lmdx"])
+    edit(meta)
+    header["__metadata__"]["lmdx"] = json.dumps(meta)
+    return _rewrite(raw, header)
+
+
+def _bad_files(raw):
+    n, header = _header(raw)
+    first = next(k for k in header if k != "__metadata__")
+    wrong_shape = json.loads(json.dumps(header))
+    wrong_shape[first]["shape"] = [wrong_shape[first]["shape"][0] // 2, 2]
+    bad_json = json.loads(json.dumps(header))
+    bad_json["__metadata__"]["lmdx"] = "{not json"
+    return {
+        "truncated-1": (raw[:-1], "truncated"),
+        "truncated-half": (raw[: len(raw) // 2], "truncated"),
+        "header-only": (raw[: 8 + n], "truncated"),
+        "corrupt-header": (raw[:8] + b"#" + raw[9:], "corrupted"),
+        "huge-header-length": ((1 << 40).to_bytes(8, "little") + raw[8:], "corrupted"),
+        "not-safetensors": (b"hello, I am a text file\n" * 10, "another format"),
+        "empty": (b"", "truncated"),
+        "lmdx-json-broken": (_rewrite(raw, bad_json), "metadata is not valid JSON"),
+        "foreign-format": (
+            _with_meta(raw, lambda m: m.update(format="other")),
+            "not an lmdx statistics file",
+        ),
+        "future-version": (
+            _with_meta(raw, lambda m: m.update(format_version=99)),
+            "format version 99 is not supported",
+        ),
+        "unknown-kind": (_with_meta(raw, lambda m: m.update(kind="lmd")), "kind 'lmd'"),
+        "no-identity": (_with_meta(raw, lambda m: m.pop("model")), "model identity"),
+        "bad-padding": (
+            _with_meta(raw, lambda m: m.update(padding="sometimes")),
+            "padding policy 'sometimes'",
+        ),
+        "dim-mismatch": (
+            _with_meta(raw, lambda m: next(iter(m["groups"].values())).update(dim=3)),
+            "has shape",
+        ),
+        "tensor-reshaped": (_rewrite(raw, wrong_shape), "has shape"),
+    }
+
+
+BAD_FILE_CASES = (
+    "truncated-1",
+    "truncated-half",
+    "header-only",
+    "corrupt-header",
+    "huge-header-length",
+    "not-safetensors",
+    "empty",
+    "lmdx-json-broken",
+    "foreign-format",
+    "future-version",
+    "unknown-kind",
+    "no-identity",
+    "bad-padding",
+    "dim-mismatch",
+    "tensor-reshaped",
+)
+
+
+@pytest.mark.parametrize("case", BAD_FILE_CASES)
+def test_bad_statistics_file_is_a_clear_error(case, good_file, tmp_path):
+    cases = _bad_files(good_file.read_bytes())
+    assert set(cases) == set(BAD_FILE_CASES)
+    data, what = cases[case]
+    path = _variant(tmp_path, f"{case}.safetensors", data)
+    with pytest.raises(StatisticsFileError, match=re.escape(str(path))) as info:
+        Statistics.load(path)
+    assert what in str(info.value)
+
+
+def test_foreign_safetensors_file_without_lmdx_metadata(tmp_path):
+    path = tmp_path / "weights.safetensors"
+    safetensors_numpy.save_file({"w": np.zeros((2, 2))}, str(path), metadata={"a": "b"})
+    with pytest.raises(StatisticsFileError, match="no lmdx metadata; this is not an lmdx"):
+        Statistics.load(path)
+
+
+def test_missing_statistics_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"nothing\.safetensors: no such file"):
+        Statistics.load(tmp_path / "nothing.safetensors")
+
+
+def test_truncated_file_given_to_merge_is_an_error_and_writes_nothing(good_file, tmp_path):
+    _, models, batches = H.cached_family("bert")
+    stats = [_collect(m, batches[0][:2]) for m in models]
+    cut = _variant(tmp_path, "cut.safetensors", good_file.read_bytes()[:-64])
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(StatisticsFileError, match=r"cut\.safetensors"):
+        merge_models(models, stats=[cut, stats[1], stats[2]], progress=False)
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+# --------------------------------------------------------------------------- io atomicity
+
+
+def test_write_safetensors_round_trip(tmp_path):
+    rng = np.random.default_rng(0)
+    arrays = {"a": rng.standard_normal((3, 4)), "b": rng.standard_normal(5).astype(np.float32)}
+    specs = [TensorSpec(n, a.dtype, a.shape) for n, a in arrays.items()]
+    path = tmp_path / "t.safetensors"
+    write_safetensors(path, specs, arrays.__getitem__, {"k": "v"})
+    loaded = safetensors_numpy.load_file(str(path))
+    assert set(loaded) == set(arrays)
+    for n, a in arrays.items():
+        assert loaded[n].dtype == a.dtype and np.array_equal(loaded[n], a)
+    assert H.leftovers(tmp_path) == []
+
+
+def test_writer_takes_tensors_in_any_order_and_new_metadata(tmp_path):
+    from lmdx.files.safetensors import SafetensorsWriter
+
+    rng = np.random.default_rng(1)
+    arrays = {n: rng.standard_normal((i + 2, 3)) for i, n in enumerate("abcd")}
+    specs = [TensorSpec(n, a.dtype, a.shape) for n, a in arrays.items()]
+    path = tmp_path / "t.safetensors"
+    with SafetensorsWriter(path, specs, {"n": "0"}, header_reserve=64) as w:
+        for n in ("c", "a", "d", "b"):  # not the announced order
+            w.write(n, arrays[n])
+        w.set_metadata({"n": "4", "more": "x" * 40})  # grows into the reserved space
+    with safetensors_numpy.safe_open(str(path), "np") as f:
+        assert f.metadata() == {"n": "4", "more": "x" * 40}
+        assert all(np.array_equal(f.get_tensor(n), a) for n, a in arrays.items())
+    incomplete = tmp_path / "u.safetensors"
+    with (
+        pytest.raises(ValueError, match="never written"),
+        SafetensorsWriter(incomplete, specs) as w,
+    ):
+        w.write("a", arrays["a"])
+    assert H.leftovers(tmp_path) == [] and not incomplete.exists()
+
+
+def test_failed_write_leaves_nothing_and_keeps_the_old_file(tmp_path):
+    path = tmp_path / "t.safetensors"
+    path.write_bytes(b"old contents")
+    specs = [TensorSpec("a", np.float64, (4,)), TensorSpec("b", np.float64, (4,))]
+
+    def fails_on_b(name):
+        if name == "b":
+            raise RuntimeError("producer broke")
+        return np.zeros(4)
+
+    with pytest.raises(RuntimeError, match="producer broke"):
+        write_safetensors(path, specs, fails_on_b)
+    with pytest.raises(
+        ValueError, match="tensor 'b' announced as float64\\[4\\], got float64\\[3\\]"
+    ):
+        write_safetensors(path, specs, lambda n: np.zeros(4 if n == "a" else 3))
+    assert path.read_bytes() == b"old contents"
+    assert os.listdir(tmp_path) == ["t.safetensors"]
+
+
+def test_atomic_directory_refuses_existing_and_cleans_up(tmp_path):
+    existing = tmp_path / "out"
+    existing.mkdir()
+    (existing / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="already exists"), atomic_directory(existing):
+        pass
+    assert (existing / "keep.txt").read_text() == "mine"
+    target = tmp_path / "new"
+    with pytest.raises(KeyError), atomic_directory(target) as tmp:
+        (tmp / "partial").write_text("x")
+        raise KeyError("interrupted")
+    assert not target.exists()
+    assert sorted(os.listdir(tmp_path)) == ["out"]
