@@ -44,6 +44,7 @@ import threadpoolctl
 from lmdx._core import core as lmdx_core
 from lmdx._core import load as lmdx_load_core
 from lmdx._core import supported_variants as lmdx_supported_paths
+from lmdx.moments import DEFAULT_CHUNK_ROWS
 from scipy.linalg import blas as scipy_blas
 
 try:
@@ -266,7 +267,7 @@ def collect_meta(args: argparse.Namespace) -> dict[str, Any]:
             "paths": args.paths,
             "threads": args.threads,
             "reps": args.reps,
-            "lmdx_chunk_rows": lmdx.DEFAULT_CHUNK_ROWS,
+            "lmdx_chunk_rows": DEFAULT_CHUNK_ROWS,
             "seed": args.seed,
         },
     }
@@ -474,7 +475,7 @@ def gram_methods(
 
 
 def _raw_update(mod: Any, x32: np.ndarray, t: int) -> Any:
-    m = mod.Moments(x32.shape[1], lmdx.DEFAULT_CHUNK_ROWS)
+    m = mod.Moments(x32.shape[1], DEFAULT_CHUNK_ROWS)
     m.update(x32, None, t)
     return m
 

@@ -25,11 +25,12 @@ import statistics
 import time
 
 import lmdx
-import lmdx.capture as capture
-import lmdx.stats
+import lmdx.moments
+import lmdx.stats.collect as collect
 import numpy as np
 import torch
 import transformers
+from lmdx.files.identity import model_identity
 
 
 def _batches(n: int, length: int, batch: int, vocab: int, seed: int) -> list[dict]:
@@ -48,26 +49,24 @@ def _batches(n: int, length: int, batch: int, vocab: int, seed: int) -> list[dic
 
 
 class _NoArithmetic:
-    """Stands in for the native accumulator: records what it was handed."""
+    """Stands in for the native accumulator: counts the rows it was handed."""
 
     def __init__(self, dim: int) -> None:
         self.dim = dim
         self.count = 0.0
         self.calls = 0
 
-    def update(self, rows, weights, n_threads, bfloat16=False):
+    def update(self, rows, *args, **kwargs):
         self.calls += 1
         self.count += rows.shape[0]
 
 
-class _StubMoments:
+class _StubMoments(lmdx.Moments):
+    """``lmdx.Moments`` whose ``update`` runs its Python side (the hand-over of the rows,
+    mask and weights) and hands the rows to :class:`_NoArithmetic` instead of the core."""
+
     def __init__(self, dim: int) -> None:
         self._native = _NoArithmetic(dim)
-        self.dim = dim
-
-    @property
-    def count(self) -> float:
-        return self._native.count
 
     @property
     def sum(self):
@@ -91,11 +90,11 @@ def main() -> None:
     model = transformers.BertModel(cfg, add_pooling_layer=False).eval()
     batches = _batches(args.seqs, args.seq_len, args.batch, cfg.vocab_size, 0)
     real = sum(int(b["attention_mask"].sum()) for b in batches)
-    n_modules = len(capture.find_linear_modules(model))
+    n_modules = len(collect.find_linear_modules(model))
 
     # the hand-over makes no copy: check on every call of one collection
     shared = {"yes": 0, "no": 0}
-    real_as_rows = capture.as_gram_rows
+    real_as_rows = lmdx.moments.as_gram_rows
 
     def checking_as_rows(x, dim, name="x"):
         rows, leading, bfloat16 = real_as_rows(x, dim, name)
@@ -103,11 +102,11 @@ def main() -> None:
         shared["yes" if np.shares_memory(rows, whole) else "no"] += 1
         return rows, leading, bfloat16
 
-    capture.as_gram_rows = checking_as_rows
+    lmdx.moments.as_gram_rows = checking_as_rows
     try:
-        capture.collect_regmean_stats(model, batches[:1], progress=False, n_threads=args.threads)
+        collect.collect_regmean_stats(model, batches[:1], progress=False, n_threads=args.threads)
     finally:
-        capture.as_gram_rows = real_as_rows
+        lmdx.moments.as_gram_rows = real_as_rows
 
     def forward() -> None:
         with torch.no_grad():
@@ -115,10 +114,10 @@ def main() -> None:
                 model(**b)
 
     def full() -> None:
-        capture.collect_regmean_stats(model, batches, progress=False, n_threads=args.threads)
+        collect.collect_regmean_stats(model, batches, progress=False, n_threads=args.threads)
 
     inside = {"seconds": 0.0, "calls": 0}
-    real_accumulate = capture._Collector._accumulate
+    real_accumulate = collect._Collector._accumulate
 
     def timed_accumulate(self, name, x):
         t0 = time.perf_counter()
@@ -129,14 +128,14 @@ def main() -> None:
             inside["calls"] += 1
 
     def hooks() -> None:
-        real_moments = capture.Moments
-        capture.Moments = _StubMoments  # type: ignore[misc,assignment]
-        capture._Collector._accumulate = timed_accumulate  # type: ignore[method-assign]
+        real_moments = collect.Moments
+        collect.Moments = _StubMoments  # type: ignore[misc,assignment]
+        collect._Collector._accumulate = timed_accumulate  # type: ignore[method-assign]
         try:
-            capture.collect_regmean_stats(model, batches, progress=False, n_threads=args.threads)
+            collect.collect_regmean_stats(model, batches, progress=False, n_threads=args.threads)
         finally:
-            capture.Moments = real_moments  # type: ignore[misc]
-            capture._Collector._accumulate = real_accumulate  # type: ignore[method-assign]
+            collect.Moments = real_moments  # type: ignore[misc]
+            collect._Collector._accumulate = real_accumulate  # type: ignore[method-assign]
 
     times: dict[str, list[float]] = {"forward": [], "hooks": [], "full": []}
     for _ in range(args.reps):  # interleaved, so the three see the same conditions
@@ -146,7 +145,7 @@ def main() -> None:
             times[name].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
     t0 = time.perf_counter()
-    lmdx.stats.model_identity(model)
+    model_identity(model)
     identity = time.perf_counter() - t0
     calls = n_modules * len(batches)
     print(

