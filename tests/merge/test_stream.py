@@ -300,7 +300,7 @@ def test_existing_output_is_refused(folders, tmp_path):
 
 
 def test_interrupt_leaves_nothing(folders, tmp_path, monkeypatch):
-    import lmdx.merge.memory as merge
+    import lmdx.merge.methods as merge
 
     calls = {"n": 0}
     real = merge.regmean_merge_layer
@@ -324,7 +324,7 @@ def test_interrupt_leaves_nothing(folders, tmp_path, monkeypatch):
 def test_disk_full_is_reported_before_any_work(folders, tmp_path, monkeypatch):
     import shutil
 
-    import lmdx.merge.stream as stream
+    import lmdx.files.atomic as stream
 
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(stream.shutil, "disk_usage", lambda p: usage._replace(free=1000))
@@ -355,7 +355,7 @@ def test_killed_merge_leaves_no_output_and_the_next_run_cleans_up(folders, tmp_p
     f = folders["bert"]
     script = textwrap.dedent(
         f"""
-        import time, lmdx.merge.memory as m, lmdx.merge.stream as s
+        import time, lmdx.merge.methods as m, lmdx.merge as s
         def slow(*a, **k):
             time.sleep(60)
         m.regmean_merge_layer = slow

@@ -59,7 +59,7 @@ def add_merge_parser(sub: Any) -> None:
 def run_merge_cli(args: argparse.Namespace) -> int:
     from ..files.atomic import existing_parent
     from ..merge.config import load_merge_config, plan_merge, run_merge
-    from ..merge.stream import peak_rss_bytes
+    from ..merge.plan import peak_rss_bytes
 
     try:
         out = Path(args.out)

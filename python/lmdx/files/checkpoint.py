@@ -7,10 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from .._errors import MergeError
-from .._tensors import FLOAT_DTYPES, TORCH_OF_ST
+from .._tensors import FLOAT_DTYPES, TORCH_OF_ST, from_stored
 from .safetensors import SafetensorsFile, open_shards, read_safetensors_header
 
 __all__ = ["INDEX_FILE", "SINGLE_FILE", "Checkpoint"]
@@ -104,6 +102,14 @@ class Checkpoint:
     def file_of(self, name: str) -> Path:
         return self._handle(name).path
 
+    def where(self, name: str) -> str:
+        """`` (in FILE)``: the file holding ``name``, for messages."""
+        return f" (in {self.file_of(name).name})"
+
+    def aliases(self) -> dict[str, str]:
+        """Tied weights are stored once and the file does not say so: none known here."""
+        return {}
+
     def total_bytes(self) -> int:
         return sum(f.path.stat().st_size for f in self._files.values())
 
@@ -115,17 +121,12 @@ class Checkpoint:
 
     def read(self, name: str) -> Any:
         """One tensor as a torch tensor in its stored dtype."""
-        import torch
-
         handle = self._handle(name)
         try:
             raw = handle.get_raw(name)
         except ValueError as exc:
             raise MergeError(f"model {self.label}: {exc}") from None
-        t = torch.from_numpy(np.ascontiguousarray(raw))
-        if handle.dtype(name) == "BF16":
-            t = t.view(torch.bfloat16)
-        return t
+        return from_stored(raw, self.dtype(name))
 
     def sha256(self, name: str) -> str:
         if name not in self._sha:

@@ -32,6 +32,7 @@ __all__ = [
     "SafetensorsWriter",
     "TensorSpec",
     "open_shards",
+    "plan_shards",
     "read_safetensors_header",
     "write_safetensors",
 ]
@@ -119,7 +120,7 @@ class SafetensorsWriter:
                 raise
             self._pwrite(len(raw).to_bytes(8, "little") + raw, 0)
         except BaseException as exc:
-            self._abort(exc)
+            self.abort(exc)
             raise
 
     def _pwrite(self, data: Any, offset: int) -> None:
@@ -180,13 +181,19 @@ class SafetensorsWriter:
             os.close(self._fd)
             self._fd = -1
         except BaseException as exc:
-            self._abort(exc)
+            self.abort(exc)
             raise
         self._tmp_cm.__exit__(None, None, None)
         return self.path
 
-    def _abort(self, exc: BaseException) -> None:
-        if getattr(self, "_fd", -1) >= 0:
+    @property
+    def is_open(self) -> bool:
+        """Still writing: neither closed nor aborted."""
+        return getattr(self, "_fd", -1) >= 0
+
+    def abort(self, exc: BaseException) -> None:
+        """Give up: close and remove the temporary file (``exc`` is the cause)."""
+        if self.is_open:
             os.close(self._fd)
             self._fd = -1
         with contextlib.suppress(BaseException):
@@ -199,7 +206,7 @@ class SafetensorsWriter:
         if exc is None:
             self.close()
         else:
-            self._abort(exc)
+            self.abort(exc)
 
 
 def _reserve(fd: int, size: int) -> None:
@@ -389,3 +396,17 @@ def read_safetensors_header(
         if data_start + end > size:
             raise fail(f"tensor {name!r} ends at byte {data_start + end} of {size}")
     return SafetensorsFile(path, header, data_start, meta)
+
+
+def plan_shards(sizes: Sequence[int], limit: int) -> list[list[int]]:
+    """Split tensors of ``sizes`` bytes, in order, into shards of at most ``limit`` bytes
+    (a tensor larger than ``limit`` gets a shard of its own); returns indices per shard."""
+    shards: list[list[int]] = [[]]
+    size = 0
+    for i, nbytes in enumerate(sizes):
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(i)
+        size += nbytes
+    return shards

@@ -32,7 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import MergeError
-from .memory import METHODS
+from ..files.hf import load_model
+from .api import merge_models, save_merged, stream_merge
+from .options import METHODS
+from .plan import MergePlan
 
 __all__ = ["MergeConfig", "ModelEntry", "load_merge_config", "plan_merge", "run_merge"]
 
@@ -228,7 +231,8 @@ def load_merge_config(path: str | os.PathLike[str]) -> MergeConfig:
     return cfg
 
 
-def _stream_kwargs(cfg: MergeConfig) -> dict[str, Any]:
+def _merge_kwargs(cfg: MergeConfig) -> dict[str, Any]:
+    """The keyword arguments of both merge front doors for ``cfg``."""
     labels = [m.name or m.path for m in cfg.models]
     coefficients = (
         None if cfg.models[0].coefficient is None else [m.coefficient or 0.0 for m in cfg.models]
@@ -251,22 +255,25 @@ def _stream_kwargs(cfg: MergeConfig) -> dict[str, Any]:
     }
 
 
-def plan_merge(cfg: MergeConfig) -> Any:
-    """The streaming merge's plan for ``cfg`` (:class:`lmdx.stream.MergePlan`): steps,
-    output shards, memory and disk estimates. Reads headers (and, with statistics, hashes
-    the weights they are checked against); writes nothing."""
-    from .stream import stream_merge
+def _output_kwargs(cfg: MergeConfig) -> dict[str, Any]:
+    return {
+        "head_policy": cfg.head_policy,
+        "dtype": cfg.dtype,
+        "max_shard_size": cfg.max_shard_size,
+    }
 
-    kwargs = _stream_kwargs(cfg)
+
+def plan_merge(cfg: MergeConfig) -> MergePlan:
+    """The streaming merge's plan for ``cfg``: steps, output shards, memory and disk
+    estimates. Reads headers (and, with statistics, hashes the weights they are checked
+    against); writes nothing."""
     result = stream_merge(
         [m.path for m in cfg.models],
         Path(os.devnull),
-        head_policy=cfg.head_policy,
-        dtype=cfg.dtype,
-        max_shard_size=cfg.max_shard_size,
         dry_run=True,
         progress=False,
-        **kwargs,
+        **_output_kwargs(cfg),
+        **_merge_kwargs(cfg),
     )
     return result.plan
 
@@ -282,62 +289,39 @@ def run_merge(
 ) -> Path:
     """Merge as ``cfg`` says and write the result to ``out_dir`` (atomically).
 
-    ``streaming=True`` (default): out of core with :func:`lmdx.stream.stream_merge`
+    ``streaming=True`` (default): out of core with :func:`lmdx.stream_merge`
     (safetensors checkpoints; memory bounded by the largest layer); ``False``: load all
-    models with transformers and merge in memory (:func:`lmdx.merge.merge_models`; also
-    reads pickle ``.bin`` checkpoints that transformers accepts). ``ray_workers > 0``
-    solves the RegMean groups on Ray actors (streaming only).
+    models with transformers and merge in memory (:func:`lmdx.merge_models`; also reads
+    pickle ``.bin`` checkpoints that transformers accepts). ``ray_workers > 0`` solves the
+    RegMean groups on Ray actors (streaming only). Both write the same folder.
     """
-    from ..files.hf import load_model
-    from ..files.identity import file_sha256
-    from .memory import merge_models, save_merged
-
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise MergeError(f"output {out_dir}: already exists; choose a new directory")
+    record = {"config": cfg.to_dict()}
     if streaming:
-        from .stream import stream_merge
-
         result = stream_merge(
             [m.path for m in cfg.models],
             out_dir,
-            head_policy=cfg.head_policy,
-            dtype=cfg.dtype,
-            max_shard_size=cfg.max_shard_size,
-            record={"config": cfg.to_dict()},
+            record=record,
             progress=progress,
             ray_workers=ray_workers,
             ray_address=ray_address,
-            **_stream_kwargs(cfg),
+            **_output_kwargs(cfg),
+            **_merge_kwargs(cfg),
         )
         assert result.out_dir is not None
         return result.out_dir
+    if ray_workers:
+        raise MergeError("ray_workers: only for the streaming merge")
     models = [load_model(m.path, progress=progress) for m in cfg.models]
-    kwargs = _stream_kwargs(cfg)
-    labels = kwargs["labels"]
-    result_mem = merge_models(models, progress=progress, **kwargs)
-    record = {
-        "config": cfg.to_dict(),
-        "inputs": {
-            label: {
-                "path": m.path,
-                "weights_sha256": sha,
-                "stats": m.stats,
-                "stats_sha256": file_sha256(m.stats) if m.stats else None,
-            }
-            for label, m, sha in zip(
-                labels, cfg.models, result_mem.report["weights_sha256"], strict=True
-            )
-        },
-    }
+    merged = merge_models(models, progress=progress, **_merge_kwargs(cfg))
     return save_merged(
-        result_mem,
+        merged,
         out_dir,
         models[0],
-        head_policy=cfg.head_policy,
-        dtype=cfg.dtype,
-        max_shard_size=cfg.max_shard_size,
         tokenizer_from=cfg.models[0].path,
         record=record,
         progress=progress,
+        **_output_kwargs(cfg),
     )

@@ -14,7 +14,7 @@ from numpy.typing import NDArray
 
 from .._util import parse_size
 from ..files.atomic import atomic_directory
-from ..files.safetensors import SafetensorsWriter, TensorSpec
+from ..files.safetensors import SafetensorsWriter, TensorSpec, plan_shards
 from .format import INDEX_FORMAT, INDEX_NAME
 
 __all__ = ["StatisticsWriter"]
@@ -61,14 +61,8 @@ class StatisticsWriter:
                 )
             self._tmp = self._stack.enter_context(atomic_directory(self.path))
             self.id = uuid.uuid4().hex
-            shards: list[list[TensorSpec]] = [[]]
-            size = 0
-            for spec in specs:
-                if shards[-1] and size + spec.nbytes > limit:
-                    shards.append([])
-                    size = 0
-                shards[-1].append(spec)
-                size += spec.nbytes
+            groups = plan_shards([spec.nbytes for spec in specs], limit)
+            shards = [[specs[i] for i in group] for group in groups]
             n = len(shards)
             for j, members in enumerate(shards):
                 fname = f"stats-{j + 1:05d}-of-{n:05d}.safetensors"
@@ -121,10 +115,10 @@ class StatisticsWriter:
     def abort(self, exc: BaseException) -> None:
         single = getattr(self, "_single", None)
         if single is not None:
-            single._abort(exc)
+            single.abort(exc)
         for w in self._writers.values():
-            if w.missing() or getattr(w, "_fd", -1) >= 0:
-                w._abort(exc)
+            if w.missing() or w.is_open:
+                w.abort(exc)
         with contextlib.suppress(BaseException):
             self._stack.__exit__(type(exc), exc, exc.__traceback__)
 

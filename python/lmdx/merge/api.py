@@ -1,0 +1,448 @@
+"""The merge's front doors: models in memory (:func:`merge_models`, then
+:func:`save_merged`) and checkpoints on disk (:func:`stream_merge`). Both plan with
+:func:`lmdx.merge.plan.make_plan` and run the same engine, so they give bit-identical
+tensors; they differ only in where tensors come from and go to.
+
+Task heads (``heads`` patterns, e.g. ``classifier.*``) are not merged: each model keeps
+its own (:meth:`MergeResult.model_state`, ``heads/<i>.safetensors``) or they are dropped.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .._errors import MergeError
+from ..files.checkpoint import Checkpoint
+from ..files.identity import file_sha256
+from ..stats.file import Statistics
+from ..stats.format import INDEX_NAME
+from .engine import Executor, run
+from .options import MergeOptions
+from .plan import MergePlan, make_plan, open_stats, peak_rss_bytes
+from .ray import RayGroupSolver
+from .sink import FolderSink, MemorySink, merge_record, output_config
+from .source import StateDictSource, TensorSource, model_source
+
+__all__ = ["MergeResult", "StreamMergeResult", "merge_models", "save_merged", "stream_merge"]
+
+StatsArg = Sequence[Statistics | str | os.PathLike[str]] | None
+
+
+@dataclass
+class MergeResult:
+    """A merged model in memory.
+
+    Attributes
+    ----------
+    state_dict
+        Merged parameters (torch tensors in each parameter's input dtype), without the
+        task heads; tied weights are one tensor under each of their names.
+    heads
+        Per input model, its own head tensors (empty dicts when there are no heads).
+    report
+        What was done: method, options, per-layer solver information, timings.
+    inputs
+        Per input model: path, architecture, size, statistics file and its hash (recorded
+        in ``lmdx_merge.json`` by :func:`save_merged`).
+    """
+
+    state_dict: dict[str, Any]
+    heads: list[dict[str, Any]]
+    report: dict[str, Any] = field(default_factory=dict)
+    inputs: dict[str, Any] = field(default_factory=dict)
+
+    def model_state(self, i: int = 0) -> dict[str, Any]:
+        """Full state dict for model ``i``: the merged body plus model ``i``'s own head."""
+        return {**self.state_dict, **self.heads[i]}
+
+
+@dataclass
+class StreamMergeResult:
+    """Output folder (None for a dry run), the plan, the report written to
+    ``lmdx_merge.json`` and the process's peak RSS."""
+
+    out_dir: Path | None
+    plan: MergePlan
+    report: dict[str, Any]
+    peak_rss: int
+
+
+def _labels(models: Sequence[Any], labels: Sequence[str] | None) -> list[str]:
+    if labels is None:
+        return [
+            str(m) if isinstance(m, (str, os.PathLike)) else f"model{i}"
+            for i, m in enumerate(models)
+        ]
+    if len(labels) != len(models):
+        raise MergeError(f"labels: {len(labels)} names for {len(models)} models")
+    return list(labels)
+
+
+def _report(plan: MergePlan, options: MergeOptions, streaming: bool) -> dict[str, Any]:
+    report: dict[str, Any] = {
+        "method": options.method,
+        "streaming": streaming,
+        "models": plan.labels,
+        "alpha": options.alpha if options.method == "regmean" else None,
+        "coefficients": None if options.coefficients is None else list(options.coefficients),
+        "exclude": list(options.exclude),
+        "heads": list(options.heads),
+        "head_tensors": plan.heads,
+        "layers": {},
+    }
+    if plan.tied:
+        report["tied"] = plan.tied
+    if options.method == "task_arithmetic":
+        report["scaling"] = options.scaling
+    return report
+
+
+def _inputs(sources: Sequence[TensorSource], stats: Sequence[Statistics] | None) -> dict[str, Any]:
+    """Per input model: path, architecture, size, statistics file and its hash."""
+    return {
+        src.label: {
+            "path": None if src.path is None else str(src.path.absolute()),
+            "architecture": src.architecture(),
+            "bytes": src.total_bytes(),
+            "stats": None if s is None else s.source,
+            "stats_sha256": _stats_sha256(s),
+        }
+        for src, s in zip(sources, list(stats) if stats else [None] * len(sources), strict=True)
+    }
+
+
+def _stats_sha256(stats: Statistics | None) -> str | None:
+    """SHA-256 of a statistics file, or of a sharded folder's index (which names every
+    shard and the collection id each shard carries)."""
+    if stats is None or not stats.source:
+        return None
+    path = Path(stats.source)
+    if path.is_dir():
+        path = path / INDEX_NAME
+    return file_sha256(path) if path.is_file() else None
+
+
+def merge_models(
+    models: Sequence[Any],
+    method: str = "regmean",
+    *,
+    stats: StatsArg = None,
+    alpha: float = 1.0,
+    coefficients: Sequence[float] | None = None,
+    exclude: Sequence[str] = (),
+    heads: Sequence[str] = (),
+    base: Any = None,
+    scaling: float = 0.3,
+    fisher_eps: float = 1e-8,
+    ridge: float = 0.0,
+    allow_regularization: bool = True,
+    labels: Sequence[str] | None = None,
+    progress: bool = True,
+    n_threads: int | None = None,
+) -> MergeResult:
+    """Merge K models fine-tuned from one checkpoint, in memory.
+
+    Parameters
+    ----------
+    models
+        K torch modules, state dicts or Hugging Face model folders.
+    method
+        ``"regmean"``, ``"average"``, ``"fisher"`` or ``"task_arithmetic"``.
+    stats
+        ``regmean``: K Gram statistics (objects, files or sharded folders), one per model,
+        in order; ``fisher``: K Fisher statistics. Each is verified to belong to its model
+        (per-tensor SHA-256 of its weights).
+    alpha
+        RegMean's off-diagonal scaling in [0, 1] (the paper uses 0.9 for transformers).
+    coefficients
+        Optional K non-negative per-model coefficients (RegMean: multiply the Grams;
+        averages: weights; task arithmetic: per task-vector factors).
+    exclude
+        ``fnmatch`` patterns of module names RegMean must not solve (they are averaged).
+    heads
+        ``fnmatch`` patterns of parameter names that are task heads: not merged; each
+        model's own head is kept in :attr:`MergeResult.heads`.
+    base
+        The pre-trained model (``task_arithmetic``).
+    scaling
+        λ of task arithmetic.
+    fisher_eps
+        ε added to every Fisher value.
+    ridge, allow_regularization
+        Passed to the RegMean solves (see :func:`lmdx.regmean_merge_layer`).
+    labels
+        Names of the models for messages and the report (default: their paths or
+        ``model0``...).
+    """
+    t0 = time.perf_counter()
+    models = list(models)
+    options = MergeOptions.checked(
+        len(models),
+        method=method,
+        alpha=alpha,
+        coefficients=coefficients,
+        exclude=exclude,
+        heads=heads,
+        scaling=scaling,
+        fisher_eps=fisher_eps,
+        ridge=ridge,
+        allow_regularization=allow_regularization,
+        n_threads=n_threads,
+    )
+    names = _labels(models, labels)
+    sources = [
+        model_source(m, lab, progress=progress) for m, lab in zip(models, names, strict=True)
+    ]
+    base_source = None if base is None else model_source(base, "base", progress=progress)
+    stat_objs = open_stats(stats, method, len(models), names)
+    plan = make_plan(sources, options, stat_objs, base_source, folder=False)
+    report = _report(plan, options, streaming=False)
+    sink = MemorySink(plan)
+    executor = Executor(sources, stat_objs, base_source, plan, options, report)
+    run(plan, executor.result, sink, f"merge ({method})", progress)
+    ref = sources[0]
+    state = {}
+    for name in ref.state:  # every name, tied aliases as the very tensor they alias
+        if name in plan.heads:
+            continue
+        state[name] = sink.tensors[plan.tied.get(name, name)]
+    report["seconds"] = time.perf_counter() - t0
+    head_states = [{h: src.state[h] for h in plan.heads} for src in sources]
+    return MergeResult(state, head_states, report, _inputs(sources, stat_objs))
+
+
+def save_merged(
+    result: MergeResult,
+    out_dir: str | os.PathLike[str],
+    template: Any,
+    *,
+    head_policy: str = "keep",
+    dtype: str = "auto",
+    max_shard_size: int | str = "2GB",
+    tokenizer_from: str | os.PathLike[str] | None = None,
+    record: Mapping[str, Any] | None = None,
+    progress: bool = True,
+) -> Path:
+    """Write a merged model as a Hugging Face ``save_pretrained`` folder, atomically,
+    exactly as :func:`stream_merge` writes its output.
+
+    Parameters
+    ----------
+    result
+        From :func:`merge_models`.
+    out_dir
+        Output folder; must not exist. Written to a temporary folder beside it and
+        renamed when complete; on any error nothing is left behind.
+    template
+        A model (or model folder) of the merged architecture, e.g. the first input model:
+        its configuration is written and every merged tensor must fit one of its tensors
+        (it is not modified).
+    head_policy
+        ``"keep"``: the model is saved with the first model's head and every model's head
+        is written to ``heads/<i>.safetensors``; ``"drop"``: the backbone is saved
+        without heads (its class in ``architectures``).
+    dtype
+        ``"auto"`` (each tensor's dtype in the inputs), ``"float32"``, ``"bfloat16"`` or
+        ``"float16"``.
+    tokenizer_from
+        A model folder whose tokenizer and generation files are copied (default: the
+        template's folder when it is one).
+    record
+        Extra entries for ``lmdx_merge.json`` (e.g. the resolved config).
+    progress
+        Show progress bars (transformers' own included).
+    """
+    head_names = list(result.heads[0]) if result.heads else []
+    options = MergeOptions.checked(
+        2,
+        method="average",
+        heads=[glob.escape(h) for h in head_names],
+        head_policy=head_policy,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+    )
+    out = Path(out_dir)
+    if out.exists():
+        raise MergeError(f"output {out}: already exists; choose a new directory")
+    model = model_source(template, "template", progress=progress)
+    folder = Path(tokenizer_from) if tokenizer_from is not None else model.path
+    merged = StateDictSource(
+        result.model_state(0),
+        "merged model",
+        architecture=model.architecture(),
+        config=model.config,
+    )
+    plan = make_plan([merged], options, None, None, folder=True)
+    _check_template(plan, model, options)
+    heads = [StateDictSource(h, f"model{i}") for i, h in enumerate(result.heads)]
+    with FolderSink(out, plan) as sink:
+        run(plan, merged.read, sink, "save merged", progress)
+        sink.finish(
+            heads if options.head_policy == "keep" and any(result.heads) else [],
+            output_config(model.config, plan, options),
+            folder,
+            merge_record(result.report, options, result.inputs, record),
+        )
+    return out
+
+
+def _check_template(plan: MergePlan, template: StateDictSource, options: MergeOptions) -> None:
+    """Every output tensor fits a tensor of the template model, and every parameter of
+    the template gets a merged value."""
+    expected = {}
+    for n in template.names():
+        if options.head_policy == "drop" and plan.base_prefix:
+            if not n.startswith(plan.base_prefix + "."):
+                continue
+            n_out = n.removeprefix(plan.base_prefix + ".")
+        else:
+            n_out = n
+        expected[n_out] = template.shape(n)
+    given = {o.name: o.shape for o in plan.outputs}
+    unexpected = [n for n in given if n not in expected]
+    if unexpected:
+        raise MergeError(f"merged tensors do not fit the template model: {unexpected[:3]}")
+    for n, shape in given.items():
+        if shape != expected[n]:
+            raise MergeError(
+                f"merged tensors do not fit the template model: {n!r} has shape {shape}, the "
+                f"template's {expected[n]}"
+            )
+    missing = [n for n in expected if n not in given]
+    if missing:
+        raise MergeError(f"template parameters have no merged value: {missing[:3]}")
+
+
+def stream_merge(
+    models: Sequence[str | os.PathLike[str]],
+    out_dir: str | os.PathLike[str],
+    method: str = "regmean",
+    *,
+    stats: StatsArg = None,
+    alpha: float = 1.0,
+    coefficients: Sequence[float] | None = None,
+    exclude: Sequence[str] = (),
+    heads: Sequence[str] = (),
+    head_policy: str = "keep",
+    base: str | os.PathLike[str] | None = None,
+    scaling: float = 0.3,
+    fisher_eps: float = 1e-8,
+    ridge: float = 0.0,
+    allow_regularization: bool = True,
+    dtype: str = "auto",
+    max_shard_size: int | str = "2GB",
+    labels: Sequence[str] | None = None,
+    record: Mapping[str, Any] | None = None,
+    dry_run: bool = False,
+    progress: bool = True,
+    n_threads: int | None = None,
+    ray_workers: int = 0,
+    ray_address: str | None = None,
+) -> StreamMergeResult:
+    """Merge K checkpoints out of core into a ``save_pretrained`` folder.
+
+    It never loads a whole model: the K checkpoints (folders with ``model.safetensors``
+    or ``model.safetensors.index.json`` + shards) are read tensor by tensor, one step at a
+    time — a RegMean input group (e.g. q/k/v, which share one Gram: all K models' weights
+    for it plus the K Grams) or one averaged tensor — and each result goes straight into
+    its output shard. Peak memory is one step's inputs and statistics plus its result,
+    independent of depth and of K × model size.
+
+    Parameters are those of :func:`merge_models` and :func:`save_merged` (``models`` and
+    ``base`` are model folders). With ``dry_run=True`` nothing is read beyond headers
+    (and, with statistics, the weights they are checked against) and nothing is written:
+    the result's ``plan`` says what would be done and how much memory and disk it needs.
+
+    The output folder holds ``config.json`` (the first model's, with ``architectures``
+    and the dtype updated as needed), the weights as ``model.safetensors`` or shards of
+    at most ``max_shard_size`` with ``model.safetensors.index.json``, the tokenizer
+    files, ``heads/<i>.safetensors`` (``head_policy="keep"``) and ``lmdx_merge.json``
+    (configuration, per-layer solver information, input hashes, peak RSS). It appears
+    only when complete; a full disk is reported before any work.
+
+    ``ray_workers > 0`` solves the RegMean groups on that many Ray actors (``lmdx[ray]``;
+    ``ray_address`` as in :func:`lmdx.collect_regmean_stats_ray`), a few groups ahead of
+    the writer, each actor reading the inputs and statistics itself (on a cluster every
+    node must see the same paths; statistics must be files or folders). Averages and the
+    writing stay in this process. The output is bit-identical to a run without Ray.
+    """
+    t0 = time.perf_counter()
+    models = list(models)
+    options = MergeOptions.checked(
+        len(models),
+        method=method,
+        alpha=alpha,
+        coefficients=coefficients,
+        exclude=exclude,
+        heads=heads,
+        head_policy=head_policy,
+        scaling=scaling,
+        fisher_eps=fisher_eps,
+        ridge=ridge,
+        allow_regularization=allow_regularization,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        n_threads=n_threads,
+    )
+    names = _labels(models, labels)
+    out = Path(out_dir)
+    if not dry_run and out.exists():
+        raise MergeError(f"output {out}: already exists; choose a new directory")
+    sources = [Checkpoint(m, lab) for m, lab in zip(models, names, strict=True)]
+    stat_objs = open_stats(stats, method, len(models), names)
+    base_source = None if base is None else Checkpoint(base, "base")
+    plan = make_plan(sources, options, stat_objs, base_source, folder=True)
+    if dry_run:
+        return StreamMergeResult(None, plan, {}, peak_rss_bytes())
+    report = _report(plan, options, streaming=True)
+    with FolderSink(out, plan) as sink:
+        remote = None
+        if ray_workers and method == "regmean":
+            remote = _ray_solver(sources, stat_objs, plan, options, ray_workers, ray_address)
+            report["ray_workers"] = ray_workers
+        try:
+            executor = Executor(sources, stat_objs, base_source, plan, options, report, remote)
+            run(plan, executor.result, sink, f"merge ({method}, streaming)", progress)
+            report["seconds"] = time.perf_counter() - t0
+            report["peak_rss_bytes"] = peak_rss_bytes()
+            report["estimated_peak_bytes"] = plan.peak_memory
+            sink.finish(
+                sources if options.head_policy == "keep" else [],
+                output_config(sources[0].config, plan, options),
+                sources[0].path if sources[0].path.is_dir() else None,
+                merge_record(report, options, _inputs(sources, stat_objs), record),
+            )
+        finally:
+            if remote is not None:
+                remote.close()
+    return StreamMergeResult(out, plan, report, peak_rss_bytes())
+
+
+def _ray_solver(
+    sources: Sequence[Checkpoint],
+    stats: Sequence[Statistics] | None,
+    plan: MergePlan,
+    options: MergeOptions,
+    workers: int,
+    address: str | None,
+) -> RayGroupSolver:
+    assert stats is not None
+    paths = [s.source for s in stats]
+    if any(p is None or not Path(p).exists() for p in paths):
+        raise MergeError("ray_workers: the statistics must be files or folders (paths)")
+    return RayGroupSolver(
+        [str(c.path.absolute()) for c in sources],
+        [str(Path(str(p)).absolute()) for p in paths],
+        plan.labels,
+        options,
+        plan.steps,
+        [o.source for o in plan.outputs],
+        workers,
+        address,
+    )

@@ -1,0 +1,126 @@
+"""The merge engine: runs a plan's steps on demand, one at a time, and hands each merged
+tensor to a sink (a dict in memory or a folder on disk).
+
+Every merged float tensor is computed in float64 (:mod:`lmdx.merge.methods`), checked
+finite and cast to its input's dtype; a RegMean group's other members wait, already
+cast, until they are asked for. Peak memory is one step's inputs plus its results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from .._util import progress_bar
+from ..stats.file import Statistics
+from .methods import (
+    average_tensor,
+    cast_merged,
+    fisher_tensor,
+    solve_group,
+    task_arithmetic_tensor,
+)
+from .options import MergeOptions
+from .plan import MergePlan, Step
+from .source import TensorSource
+
+__all__ = ["Executor", "GroupSolver", "Sink", "run"]
+
+
+class GroupSolver(Protocol):
+    """Solves RegMean groups elsewhere (Ray actors): stored tensors and solver report."""
+
+    def result(self, step: Step) -> tuple[dict[str, Any], dict[str, Any]]: ...
+
+    def close(self) -> None: ...
+
+
+class Sink(Protocol):
+    """Where merged tensors go, in plan order."""
+
+    def write(self, index: int, tensor: Any) -> None: ...
+
+
+class Executor:
+    """Computes merged tensors on demand, one step at a time.
+
+    ``report["layers"]`` collects the RegMean solver's information per module and
+    ``report["fisher_weighted"]`` the Fisher-weighted tensors.
+    """
+
+    def __init__(
+        self,
+        sources: Sequence[TensorSource],
+        stats: Sequence[Statistics] | None,
+        base: TensorSource | None,
+        plan: MergePlan,
+        options: MergeOptions,
+        report: dict[str, Any],
+        remote: GroupSolver | None = None,
+    ) -> None:
+        self.sources, self.stats, self.base = sources, stats, base
+        self.options, self.report, self.remote = options, report, remote
+        self.labels = plan.labels
+        self.step_of = {t: s for s in plan.steps for t in s.tensors}
+        self.ready: dict[str, Any] = {}
+        report.setdefault("layers", {})
+
+    def result(self, name: str) -> Any:
+        """Merged tensor ``name`` (torch, in its input dtype); computed once, handed out
+        once."""
+        if name not in self.ready:
+            self._run(name)
+        return self.ready.pop(name)
+
+    def _cast(self, name: str, value: Any) -> Any:
+        return cast_merged(name, value, self.sources[0].dtype(name))
+
+    def _run(self, name: str) -> None:
+        step = self.step_of.get(name)
+        if step is None:  # a head tensor (kept from the first model)
+            self.ready[name] = self.sources[0].read(name)
+            return
+        if step.kind == "regmean":
+            self._regmean(step)
+            return
+        reads = [s.read(name) for s in self.sources]
+        if step.kind == "copy":  # e.g. integer buffers: the first model's, as a copy
+            self.ready[name] = reads[0].clone() if hasattr(reads[0], "clone") else reads[0]
+            return
+        if step.kind == "average":
+            value = average_tensor(name, reads, self.options)
+        elif step.kind == "fisher":
+            assert self.stats is not None
+            self.report.setdefault("fisher_weighted", []).append(name)
+            value = fisher_tensor(name, reads, self.stats, self.options)
+        else:  # task arithmetic
+            assert self.base is not None
+            value = task_arithmetic_tensor(name, self.base.read(name), reads, self.options)
+        self.ready[name] = self._cast(name, value)
+
+    def _regmean(self, step: Step) -> None:
+        assert self.stats is not None
+        if self.remote is not None:
+            stored, layers = self.remote.result(step)
+            self.report["layers"].update(layers)
+            self.ready.update(stored)
+            return
+        weights = [[s.read(w) for w in step.tensors] for s in self.sources]
+        solved, layers = solve_group(step.modules, weights, self.stats, self.labels, self.options)
+        del weights
+        self.report["layers"].update(layers)
+        for w, value in solved.items():
+            self.ready[w] = self._cast(w, value)
+
+
+def run(
+    plan: MergePlan, produce: Callable[[str], Any], sink: Sink, desc: str, progress: bool
+) -> None:
+    """Every output of ``plan``, in order: ``produce(source name)`` into ``sink``."""
+    bar = progress_bar(len(plan.outputs), desc, progress, unit="tensor")
+    try:
+        for i, out in enumerate(plan.outputs):
+            sink.write(i, produce(out.source))
+            bar.update(1)
+    finally:
+        bar.close()

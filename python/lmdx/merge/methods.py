@@ -1,0 +1,182 @@
+"""The arithmetic of one merge step: a RegMean input group, or one averaged, Fisher-weighted
+or task-arithmetic tensor. Every step computes in float64 with the native kernels and is
+shared by every front door (models in memory, checkpoints on disk, Ray workers).
+
+* ``regmean`` (Jin et al., 2023): every linear weight with statistics in all K files is
+  solved in closed form, ``W_Mᵀ = (Σ c_i G̃_i)⁻¹ Σ c_i G̃_i W_iᵀ`` with
+  ``G̃_i = α·G_i/n_i + (1−α)·diag(G_i/n_i)``; modules that share an input Gram (q/k/v)
+  are solved together (one factorization). Everything else is averaged.
+* ``average``: ``Σ c_i θ_i / Σ c_i``.
+* ``fisher``: ``Σ c_i (F_i+ε) θ_i / Σ c_i (F_i+ε)`` with ``F_i`` the mean squared
+  gradients from :func:`lmdx.collect_fisher`.
+* ``task_arithmetic``: ``θ_0 + λ Σ c_i (θ_i − θ_0)`` from a base model ``θ_0``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from .._errors import MergeError
+from .._tensors import as_float64, as_tensor_array, to_torch
+from .._util import matches
+from ..average import fisher_average, weighted_average
+from ..regmean import regmean_merge_layer
+from ..stats.file import Statistics
+from .options import MergeOptions
+
+__all__ = [
+    "average_tensor",
+    "cast_merged",
+    "checked_finite",
+    "fisher_tensor",
+    "regmean_groups",
+    "solve_group",
+    "task_arithmetic_tensor",
+]
+
+
+def checked_finite(name: str, arr: Any) -> NDArray[Any]:
+    """``arr`` as an array, or :class:`MergeError` naming tensor ``name`` if not finite."""
+    out: NDArray[Any] = np.asarray(arr)
+    if not np.isfinite(out).all():
+        raise MergeError(
+            f"merged tensor {name!r} is not finite; check the inputs (NaN/Inf in a model or "
+            "statistics)"
+        )
+    return out
+
+
+def cast_merged(name: str, value: Any, dtype: str) -> Any:
+    """A merged float64 tensor, checked finite, as a torch tensor of ``dtype`` (its
+    input's): the one cast every front door applies."""
+    return to_torch(checked_finite(name, value), dtype)
+
+
+def _named(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> NDArray[np.float64]:
+    """Call an averaging kernel; its input errors name the tensor."""
+    try:
+        return np.asarray(fn(*args, **kwargs))
+    except ValueError as exc:
+        raise MergeError(f"tensor {name!r}: {exc}") from None
+
+
+def average_tensor(name: str, tensors: Sequence[Any], options: MergeOptions) -> NDArray[np.float64]:
+    """``Σ c_i θ_i / Σ c_i`` of one tensor, in float64."""
+    return _named(
+        name, weighted_average, tensors, options.coefficients, n_threads=options.n_threads
+    )
+
+
+def fisher_tensor(
+    name: str, tensors: Sequence[Any], stats: Sequence[Statistics], options: MergeOptions
+) -> NDArray[np.float64]:
+    """One parameter's Fisher-weighted average, the Fisher sums divided by the counts."""
+    fishers = [s.fisher(name) / max(s.count(), 1.0) for s in stats]
+    return _named(
+        name,
+        fisher_average,
+        tensors,
+        fishers,
+        options.coefficients,
+        eps=options.fisher_eps,
+        n_threads=options.n_threads,
+    )
+
+
+def task_arithmetic_tensor(
+    name: str, base: Any, tensors: Sequence[Any], options: MergeOptions
+) -> NDArray[np.float64]:
+    """``θ_0 + λ Σ c_i (θ_i − θ_0)`` of one tensor, in float64."""
+    theta0 = as_float64(base, f"base: {name}")
+    delta = np.zeros_like(theta0)
+    for ci, t in zip(options.coefficients or [1.0] * len(tensors), tensors, strict=True):
+        delta += ci * (as_float64(t, name) - theta0)
+    return theta0 + options.scaling * delta
+
+
+def regmean_groups(
+    stats: Sequence[Statistics],
+    weights: set[str] | Mapping[str, Any],
+    skip: set[str],
+    options: MergeOptions,
+    labels: Sequence[str],
+) -> list[list[str]]:
+    """The modules RegMean solves, grouped: modules that share one input Gram in every
+    statistics file are solved together (one factorization). ``weights``: the weight
+    names the models have; ``skip``: weights never solved (tied ones)."""
+    for i, s in enumerate(stats):
+        missing = [m for m in stats[0].modules if m not in s.modules]
+        if missing:
+            raise MergeError(
+                f"statistics of {labels[i]} lack module {missing[0]!r} that {labels[0]}'s have"
+            )
+    by_group: dict[tuple[str, ...], list[str]] = {}
+    for m, info in stats[0].modules.items():
+        w = info["weight"]
+        if matches(m, options.exclude) or matches(w, options.heads) or w in skip:
+            continue
+        if w not in weights:
+            raise MergeError(f"statistics name module {m!r} but the models have no {w!r}")
+        key = (*(s.group_of(m) for s in stats), info["layout"])
+        by_group.setdefault(key, []).append(m)
+    return list(by_group.values())
+
+
+def solve_group(
+    members: Sequence[str],
+    weights: Sequence[Sequence[Any]],
+    stats: Sequence[Statistics],
+    labels: Sequence[str],
+    options: MergeOptions,
+) -> tuple[dict[str, NDArray[np.float64]], dict[str, Any]]:
+    """RegMean of one group: ``weights[i]`` are model i's weights of ``members``.
+
+    Returns weight name -> merged float64 weight, and module name -> the solver's
+    information (ridge used, attempts, which module's input it shares).
+    """
+    layout = stats[0].modules[members[0]]["layout"]
+    axis = 0 if layout == "linear" else 1
+    weights_k = []
+    sizes: list[int] = []
+    for ws in weights:
+        arrays = [as_tensor_array(w, f"{m}.weight") for m, w in zip(members, ws, strict=True)]
+        sizes = [int(a.shape[axis]) for a in arrays]
+        weights_k.append(np.concatenate(arrays, axis=axis) if len(arrays) > 1 else arrays[0])
+        del arrays
+    counts = [s.count(members[0]) for s in stats]
+    for i, n in enumerate(counts):
+        if n <= 0:
+            raise MergeError(f"statistics of {labels[i]}: module {members[0]!r} saw no rows")
+    name = (
+        members[0] if len(members) == 1 else f"{members[0]} (+{len(members) - 1} sharing its input)"
+    )
+    res = regmean_merge_layer(
+        [s.gram(members[0]) for s in stats],
+        weights_k,
+        counts,
+        alpha=options.alpha,
+        coefficients=options.coefficients,
+        layout=layout,
+        ridge=options.ridge,
+        allow_regularization=options.allow_regularization,
+        name=name,
+        n_threads=options.n_threads,
+    )
+    del weights_k
+    out = {}
+    layers = {}
+    start = 0
+    for m, size in zip(members, sizes, strict=True):
+        part = slice(start, start + size)
+        out[stats[0].modules[m]["weight"]] = res.weight[part] if axis == 0 else res.weight[:, part]
+        start += size
+        layers[m] = {
+            "ridge": float(res.info.ridge),
+            "attempts": int(res.info.attempts),
+            "shared_with": members[0] if m != members[0] else None,
+        }
+    return out, layers

@@ -1,0 +1,377 @@
+"""A merge planned before any arithmetic: the inputs checked against each other and
+against their statistics, the steps, the output tensors and shards, the memory needed.
+
+One plan serves both front doors: :func:`lmdx.merge_models` (models in memory) and
+:func:`lmdx.stream_merge` (checkpoints on disk) call :func:`make_plan` on their tensor
+sources, and the engine runs its steps.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .._errors import MergeError, ModelMismatchError
+from .._tensors import FLOAT_DTYPES
+from .._util import matches
+from ..files.checkpoint import SINGLE_FILE
+from ..files.hf import base_model_info
+from ..files.identity import describe_mismatch
+from ..files.safetensors import plan_shards
+from ..stats.file import Statistics
+from .methods import regmean_groups
+from .options import MergeOptions
+from .source import TensorSource
+
+__all__ = [
+    "MergePlan",
+    "Output",
+    "Step",
+    "check_same_layout",
+    "check_stats_model",
+    "current_rss_bytes",
+    "make_plan",
+    "open_stats",
+    "peak_rss_bytes",
+]
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def current_rss_bytes() -> int:
+    """Resident set size of this process now (bytes; the peak where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return peak_rss_bytes()
+
+
+@dataclass
+class Step:
+    """One unit of work: a RegMean input group or one tensor."""
+
+    kind: str  # "regmean" | "average" | "fisher" | "task_arithmetic" | "copy"
+    tensors: list[str]  # input tensor names (RegMean: the members' weights)
+    modules: list[str] = field(default_factory=list)
+    layout: str = "linear"
+    dim: int = 0
+    memory: int = 0  # estimated bytes while the step runs
+
+
+class Output(NamedTuple):
+    """One tensor of the merged model: its name there, the input tensor it comes from,
+    its dtype and shape."""
+
+    name: str
+    source: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        itemsize = 2 if self.dtype == "bfloat16" else np.dtype(self.dtype).itemsize
+        return int(np.prod(self.shape, dtype=np.int64)) * int(itemsize)
+
+
+@dataclass
+class MergePlan:
+    """What a merge will do, and how much memory and disk it needs."""
+
+    method: str
+    labels: list[str]
+    steps: list[Step]
+    outputs: list[Output]
+    shards: list[tuple[str, list[int]]]  # (file name, indices into outputs)
+    heads: list[str]
+    tied: dict[str, str]
+    input_bytes: int
+    output_bytes: int
+    baseline_rss: int
+    base_class: str | None = None  # head_policy "drop": the backbone's class ...
+    base_prefix: str = ""  # ... and the prefix of its parameters
+
+    @property
+    def peak_memory(self) -> int:
+        """Estimated peak resident memory: the process now plus the largest step."""
+        return self.baseline_rss + max((s.memory for s in self.steps), default=0)
+
+    def describe(self) -> str:
+        """The plan in words (``lmdx merge --dry-run``)."""
+        kinds: dict[str, int] = {}
+        for s in self.steps:
+            kinds[s.kind] = kinds.get(s.kind, 0) + 1
+        biggest = sorted(self.steps, key=lambda s: s.memory, reverse=True)[:3]
+        lines = [
+            f"method:   {self.method} of {len(self.labels)} models",
+            *(f"  model {i}: {lab}" for i, lab in enumerate(self.labels)),
+            f"inputs:   {self.input_bytes / 1e9:.2f} GB in all (read tensor by tensor)",
+            "steps:    "
+            + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+            + f" ({len(self.heads)} head tensors kept per model)",
+            f"output:   {len(self.outputs)} tensors, {self.output_bytes / 1e9:.2f} GB in "
+            f"{len(self.shards)} shard(s)",
+            f"memory:   ~{self.peak_memory / 1e9:.2f} GB peak estimated "
+            f"({self.baseline_rss / 1e9:.2f} GB process now + largest step); largest steps:",
+        ]
+        for s in biggest:
+            what = s.modules[0] if s.modules else s.tensors[0]
+            more = f" (+{len(s.modules) - 1} sharing its input)" if len(s.modules) > 1 else ""
+            lines.append(f"  {s.memory / 1e6:9.1f} MB  {s.kind} {what}{more}")
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def check_same_layout(
+    sources: Sequence[TensorSource], body: Sequence[str], heads: Sequence[str]
+) -> None:
+    """Every source holds ``body`` (the first source's non-head tensors) with the same
+    shapes and nothing else but heads; :class:`MergeError` names the tensor."""
+    ref = sources[0]
+    known = set(body)
+    for c in sources[1:]:
+        for n in body:
+            if n not in c:
+                raise MergeError(
+                    f"{c.label} has no tensor {n!r} that {ref.label} has{ref.where(n)}: the "
+                    "models do not share one architecture"
+                )
+            if c.shape(n) != ref.shape(n):
+                raise MergeError(
+                    f"tensor {n!r}: shape {ref.shape(n)} in {ref.label}{ref.where(n)} but "
+                    f"{c.shape(n)} in {c.label}{c.where(n)}; models must be fine-tuned from "
+                    "one checkpoint (exclude differing task heads with heads=[...])"
+                )
+        extra = [n for n in c.names() if n not in known and not matches(n, heads)]
+        if extra:
+            raise MergeError(
+                f"{c.label} has tensors {ref.label} lacks (e.g. {extra[0]!r}): the models do "
+                "not share one architecture"
+            )
+
+
+def check_stats_model(source: TensorSource, stats: Statistics) -> dict[str, str]:
+    """Verify ``stats`` were computed on the weights of ``source`` (per-tensor SHA-256 of
+    the stored bytes, in name order); return the tied weights the statistics reveal:
+    parameters of the statistics' model that the source does not store because they
+    are stored under another name (alias -> stored name)."""
+    ident = stats.model
+    params: Mapping[str, Any] = ident["parameters"]
+    where = f"statistics {stats.source}" if stats.source else "statistics"
+    arch = source.architecture()
+
+    def fail(msg: str) -> ModelMismatchError:
+        return ModelMismatchError(
+            f"{where} do not belong to {source.label}: {msg}. Collect statistics on the model "
+            "being merged (lmdx stats MODEL DATA --out FILE)."
+        )
+
+    if arch and ident.get("architecture") not in (arch, "state_dict"):
+        raise fail(f"architecture {ident.get('architecture')} (statistics) vs {arch} (model)")
+    stored = {}
+    for name in sorted(source.names()):
+        if name not in params:
+            raise fail(f"parameter {name!r} is in this model but not in the statistics' model")
+        p = params[name]
+        here = {"shape": list(source.shape(name)), "dtype": source.dtype(name)}
+        if p["shape"] != here["shape"] or p["dtype"] != here["dtype"]:
+            here["sha256"] = p["sha256"]
+            raise fail(describe_mismatch({"parameters": {name: p}}, {"parameters": {name: here}}))
+        h = source.sha256(name)
+        if h != p["sha256"]:
+            raise fail(
+                f"parameter {name!r} has different values (sha256 {p['sha256'][:12]}… there, "
+                f"{h[:12]}… here)"
+            )
+        stored[h] = name
+    tied = {}
+    for name, p in params.items():
+        if name in source:
+            continue
+        if p["sha256"] in stored:
+            tied[name] = stored[p["sha256"]]
+        elif p["dtype"] in FLOAT_DTYPES:
+            raise fail(f"parameter {name!r} is in the statistics' model but not in this model")
+    return tied
+
+
+def open_stats(
+    stats: Sequence[Any] | None, method: str, k: int, labels: Sequence[str]
+) -> list[Statistics] | None:
+    """The K statistics a method needs (None for methods without), loaded and checked for
+    kind and a common padding policy; not yet checked against the models."""
+    if method not in ("regmean", "fisher"):
+        if stats:
+            raise MergeError(f"method {method!r} takes no statistics")
+        return None
+    kind = "regmean-gram" if method == "regmean" else "fisher"
+    if stats is None or len(stats) != k:
+        raise MergeError(
+            f"method {method!r} needs one {kind} statistics per model ({k}), got "
+            f"{0 if stats is None else len(stats)}"
+        )
+    objs = [s if isinstance(s, Statistics) else Statistics.load(s) for s in stats]
+    for i, (s, lab) in enumerate(zip(objs, labels, strict=True)):
+        if s.kind != kind:
+            raise MergeError(f"stats[{i}] ({s.source or lab}): kind {s.kind!r}, expected {kind!r}")
+    if kind == "regmean-gram" and len({s.padding for s in objs}) > 1:
+        raise MergeError(
+            "statistics mix padding policies (excluded and included); collect them all the same way"
+        )
+    return objs
+
+
+# --------------------------------------------------------------------------- plan
+
+
+def make_plan(
+    sources: Sequence[TensorSource],
+    options: MergeOptions,
+    stats: Sequence[Statistics] | None,
+    base: TensorSource | None,
+    *,
+    folder: bool,
+) -> MergePlan:
+    """Check the inputs and plan the merge of ``sources``.
+
+    ``folder``: the merged model is written as a ``save_pretrained`` folder (outputs named
+    and cast as ``options.head_policy`` and ``options.dtype`` say, shards planned);
+    otherwise it stays in memory (every non-head tensor in its input dtype).
+    """
+    labels = [s.label for s in sources]
+    ref = sources[0]
+    names = ref.names()
+    head_names = [n for n in names if matches(n, options.heads)]
+    body = [n for n in names if not matches(n, options.heads)]
+    check_same_layout(sources, body, options.heads)
+    tied = ref.aliases()
+    if stats is not None:
+        for source, s in zip(sources, stats, strict=True):
+            tied = {**source.aliases(), **check_stats_model(source, s)}
+    if options.method == "task_arithmetic":
+        if base is None:
+            raise MergeError("task_arithmetic needs base= (the pre-trained model)")
+        check_same_layout([ref, base], body, options.heads)
+    elif base is not None:
+        raise MergeError(f"method {options.method!r} takes no base model")
+
+    steps = _steps(ref, body, stats, set(tied) | set(tied.values()), options, labels)
+    out_size = 0 if options.dtype == "auto" or not folder else _itemsize(options.dtype)
+    for step in steps:
+        step.memory = _step_memory(step, ref, len(sources), out_size)
+
+    base_class = None
+    prefix = ""
+    outputs = []
+    if folder:
+        if options.head_policy == "drop":
+            prefix, base_class = base_model_info(ref.config)
+        for n in names:
+            if n in head_names and options.head_policy == "drop":
+                continue
+            out_name = n
+            if options.head_policy == "drop" and prefix:
+                if not n.startswith(prefix + "."):
+                    continue
+                out_name = n.removeprefix(prefix + ".")
+            src_dtype = ref.dtype(n)
+            keep = options.dtype == "auto" or src_dtype not in FLOAT_DTYPES
+            outputs.append(Output(out_name, n, src_dtype if keep else options.dtype, ref.shape(n)))
+    else:
+        outputs = [Output(n, n, ref.dtype(n), ref.shape(n)) for n in body]
+    shards = _shards(outputs, options.max_shard_size) if folder else []
+    output_bytes = sum(o.nbytes for o in outputs)
+    if folder and options.head_policy == "keep":
+        output_bytes += sum(s.nbytes(h) for s in sources for h in head_names)
+    return MergePlan(
+        method=options.method,
+        labels=labels,
+        steps=steps,
+        outputs=outputs,
+        shards=shards,
+        heads=head_names,
+        tied=tied,
+        input_bytes=sum(s.total_bytes() for s in sources),
+        output_bytes=output_bytes,
+        baseline_rss=current_rss_bytes(),
+        base_class=base_class,
+        base_prefix=prefix,
+    )
+
+
+def _steps(
+    ref: TensorSource,
+    body: Sequence[str],
+    stats: Sequence[Statistics] | None,
+    tied: set[str],
+    options: MergeOptions,
+    labels: Sequence[str],
+) -> list[Step]:
+    steps: list[Step] = []
+    covered: set[str] = set()
+    if options.method == "regmean":
+        assert stats is not None
+        for members in regmean_groups(stats, set(body), tied, options, labels):
+            info = stats[0].modules[members[0]]
+            step = Step(
+                "regmean",
+                [stats[0].modules[m]["weight"] for m in members],
+                members,
+                info["layout"],
+                int(stats[0].groups[stats[0].group_of(members[0])]["dim"]),
+            )
+            steps.append(step)
+            covered.update(step.tensors)
+    for n in body:
+        if n in covered:
+            continue
+        if not ref.is_float(n):
+            kind = "copy"
+        elif options.method == "fisher" and stats is not None and n in stats[0].parameters:
+            kind = "fisher"
+        elif options.method == "task_arithmetic":
+            kind = "task_arithmetic"
+        else:
+            kind = "average"
+        steps.append(Step(kind, [n]))
+    return steps
+
+
+def _step_memory(step: Step, ref: TensorSource, k: int, out_size: int) -> int:
+    n = sum(int(np.prod(ref.shape(t))) for t in step.tensors)
+    read = sum(ref.nbytes(t) for t in step.tensors)
+    widened = 4 * n if any(ref.dtype(t) in ("bfloat16", "float16") for t in step.tensors) else 0
+    out = n * out_size if out_size else read  # 0: the input's dtype
+    if step.kind == "regmean":
+        d = step.dim
+        joined = 4 * n if len(step.tensors) > 1 else 0  # concatenated members
+        # K reads (+ copies), K float64 Grams (+ one packed read), the summed system, the
+        # float64 right-hand side/result and its copy out of the core, the cast result
+        return k * (read + widened + joined) + (k + 1) * 8 * d * d + 4 * d * d + 16 * n + out
+    # K reads (+ widened copies), float64 result (+ Fisher weights), the cast result
+    extra = 2 * k * 8 * n if step.kind == "fisher" else 0
+    return k * (read + widened) + 8 * n + extra + out
+
+
+def _shards(outputs: Sequence[Output], max_shard: int) -> list[tuple[str, list[int]]]:
+    groups = plan_shards([o.nbytes for o in outputs], max_shard)
+    if len(groups) == 1:
+        return [(SINGLE_FILE, groups[0])]
+    n = len(groups)
+    return [(f"model-{j + 1:05d}-of-{n:05d}.safetensors", g) for j, g in enumerate(groups)]
+
+
+def _itemsize(dtype: str) -> int:
+    return 2 if dtype == "bfloat16" else int(np.dtype(dtype).itemsize)

@@ -1,0 +1,158 @@
+"""Where a merge's tensors go: a dict in memory, or a ``save_pretrained`` folder written
+shard by shard that appears only when complete.
+
+:class:`FolderSink` writes the weights as ``model.safetensors`` or shards with
+``model.safetensors.index.json`` (names as ``save_pretrained`` writes them), each shard
+reserved on disk before it is filled; then every model's head (``heads/<i>.safetensors``),
+``config.json`` (dtype and, for a dropped head, the backbone's class updated), the
+tokenizer and generation files of the first model's folder, and ``lmdx_merge.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from .._core import core
+from .._tensors import to_stored
+from ..files.atomic import atomic_directory, check_free_space
+from ..files.checkpoint import INDEX_FILE
+from ..files.hf import copy_model_files
+from ..files.safetensors import SafetensorsWriter, TensorSpec
+from .options import MergeOptions
+from .plan import MergePlan
+from .source import TensorSource
+
+__all__ = ["FolderSink", "MemorySink", "merge_record", "output_config"]
+
+
+class MemorySink:
+    """Merged tensors by output name."""
+
+    def __init__(self, plan: MergePlan) -> None:
+        self.plan = plan
+        self.tensors: dict[str, Any] = {}
+
+    def write(self, index: int, tensor: Any) -> None:
+        self.tensors[self.plan.outputs[index].name] = tensor
+
+
+class FolderSink:
+    """A ``save_pretrained`` folder at ``out_dir``, written through a temporary folder
+    beside it (renamed when :meth:`finish` succeeds; removed on any error, Ctrl-C
+    included). Use as a context manager."""
+
+    def __init__(self, out_dir: Path, plan: MergePlan) -> None:
+        self.out_dir = out_dir
+        self.plan = plan
+        check_free_space(out_dir, plan.output_bytes)  # before any work
+        self._shard_of = {i: j for j, (_, members) in enumerate(plan.shards) for i in members}
+        self._writer: SafetensorsWriter | None = None
+        self._left = 0
+        self._atomic = atomic_directory(out_dir)
+        self.tmp = Path()
+
+    def __enter__(self) -> FolderSink:
+        self.tmp = self._atomic.__enter__()
+        return self
+
+    def __exit__(
+        self,
+        typ: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is not None and self._writer is not None:
+            self._writer.abort(exc)
+        self._atomic.__exit__(typ, exc, tb)
+
+    def write(self, index: int, tensor: Any) -> None:
+        """Output ``index`` of the plan (outputs arrive in plan order)."""
+        if self._writer is None:
+            fname, members = self.plan.shards[self._shard_of[index]]
+            specs = [self._spec(i) for i in members]
+            self._writer = SafetensorsWriter(self.tmp / fname, specs, {"format": "pt"})
+            self._left = len(members)
+        out = self.plan.outputs[index]
+        self._writer.write(out.name, to_stored(tensor, out.dtype))
+        self._left -= 1
+        if self._left == 0:
+            self._writer.close()
+            self._writer = None
+
+    def _spec(self, index: int) -> TensorSpec:
+        out = self.plan.outputs[index]
+        return TensorSpec(out.name, out.dtype, out.shape)
+
+    def finish(
+        self,
+        heads: Sequence[TensorSource],
+        config: Mapping[str, Any],
+        model_folder: Path | None,
+        record: Mapping[str, Any],
+    ) -> None:
+        """The index, heads, configuration, tokenizer files and the record."""
+        if len(self.plan.shards) > 1:
+            index = {
+                out.name: fname
+                for fname, members in self.plan.shards
+                for out in (self.plan.outputs[i] for i in members)
+            }
+            meta = {"total_size": sum(o.nbytes for o in self.plan.outputs)}
+            (self.tmp / INDEX_FILE).write_text(
+                json.dumps({"metadata": meta, "weight_map": index}, indent=2)
+            )
+        names = self.plan.heads
+        if names and heads:
+            (self.tmp / "heads").mkdir()
+            for i, src in enumerate(heads):
+                specs = [TensorSpec(h, src.dtype(h), src.shape(h)) for h in names]
+                with SafetensorsWriter(self.tmp / "heads" / f"{i}.safetensors", specs) as w:
+                    for h in names:
+                        w.write(h, to_stored(src.read(h), src.dtype(h)))
+        if config:
+            (self.tmp / "config.json").write_text(
+                json.dumps(dict(config), indent=2, sort_keys=True) + "\n"
+            )
+        if model_folder is not None and model_folder.is_dir():
+            copy_model_files(model_folder, self.tmp)
+        (self.tmp / "lmdx_merge.json").write_text(json.dumps(dict(record), indent=2, default=str))
+
+
+def output_config(
+    config: Mapping[str, Any], plan: MergePlan, options: MergeOptions
+) -> dict[str, Any]:
+    """The first model's configuration for the merged folder: the output dtype, and the
+    backbone's class when the heads are dropped."""
+    cfg = dict(config)
+    if not cfg:
+        return cfg
+    if options.dtype != "auto":
+        key = "torch_dtype" if "torch_dtype" in cfg and "dtype" not in cfg else "dtype"
+        cfg[key] = options.dtype
+    if options.head_policy == "drop" and plan.base_class:
+        cfg["architectures"] = [plan.base_class]
+    return cfg
+
+
+def merge_record(
+    report: Mapping[str, Any],
+    options: MergeOptions,
+    inputs: Mapping[str, Any],
+    extra: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """The contents of ``lmdx_merge.json``: version, time, output options, the merge's
+    report, the inputs (paths, sizes, statistics hashes) and the caller's ``extra``."""
+    return {
+        "lmdx_version": core.__version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "head_policy": options.head_policy,
+        "dtype": options.dtype,
+        "report": dict(report),
+        "inputs": dict(inputs),
+        **(dict(extra) if extra else {}),
+    }

@@ -1,0 +1,194 @@
+"""Where a merge reads its tensors: one interface over a model in memory and a checkpoint
+on disk, so one engine serves both.
+
+:class:`lmdx.files.Checkpoint` (a ``save_pretrained`` folder read tensor by tensor) and
+:class:`StateDictSource` (a torch module or state dict) both provide what the engine
+asks of a :class:`TensorSource`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from .._errors import MergeError
+from .._tensors import FLOAT_DTYPES, dtype_name
+from ..files.hf import load_model
+from ..files.identity import tensor_sha256
+
+__all__ = ["StateDictSource", "TensorSource", "model_source"]
+
+
+class TensorSource(Protocol):
+    """The tensors of one model as a merge reads them.
+
+    ``names()`` lists the tensors stored once each (a tied weight under its first name
+    only); :meth:`aliases` maps the other names of tied weights to the stored one where
+    the source knows them.
+    """
+
+    label: str
+    config: dict[str, Any]
+
+    @property
+    def path(self) -> Path | None: ...
+
+    def names(self) -> list[str]: ...
+
+    def __contains__(self, name: str) -> bool: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def dtype(self, name: str) -> str: ...
+
+    def is_float(self, name: str) -> bool: ...
+
+    def nbytes(self, name: str) -> int: ...
+
+    def where(self, name: str) -> str: ...
+
+    def read(self, name: str) -> Any: ...
+
+    def sha256(self, name: str) -> str: ...
+
+    def architecture(self) -> str | None: ...
+
+    def aliases(self) -> dict[str, str]: ...
+
+    def total_bytes(self) -> int: ...
+
+
+class StateDictSource:
+    """A model in memory (torch module or name -> tensor mapping) as a tensor source.
+
+    Tensors sharing storage with an earlier one (tied weights, which ``save_pretrained``
+    stores once) are listed under their first name only and reported by :meth:`aliases`.
+    """
+
+    def __init__(
+        self,
+        state: Mapping[str, Any],
+        label: str,
+        *,
+        architecture: str | None = None,
+        config: Mapping[str, Any] | None = None,
+        path: Path | None = None,
+    ) -> None:
+        self.label = label
+        self.config = dict(config or {})
+        self._state = dict(state)
+        self._architecture = architecture
+        self._path = path
+        self._sha: dict[str, str] = {}
+        self._aliases: dict[str, str] = {}
+        first: dict[tuple[int, tuple[int, ...]], str] = {}
+        for name, t in self._state.items():
+            if not hasattr(t, "data_ptr") or t.numel() == 0:
+                continue
+            key = (t.data_ptr(), tuple(t.shape))
+            if key in first:
+                self._aliases[name] = first[key]
+            else:
+                first[key] = name
+        self._names = [n for n in self._state if n not in self._aliases]
+
+    @classmethod
+    def of_model(cls, model: Any, label: str, *, path: Path | None = None) -> StateDictSource:
+        """A torch module (its ``state_dict()``, class name and Hugging Face config) or a
+        state dict."""
+        if isinstance(model, Mapping):
+            return cls(model, label, path=path)
+        if not hasattr(model, "state_dict"):
+            raise MergeError(f"{label}: expected a torch module, a state dict or a model folder")
+        if path is None:  # a Hugging Face model remembers the folder it was loaded from
+            loaded_from = Path(str(getattr(model, "name_or_path", "") or "."))
+            path = loaded_from if str(loaded_from) != "." and loaded_from.is_dir() else None
+        return cls(
+            model.state_dict(),
+            label,
+            architecture=type(model).__name__,
+            config=config_of(model),
+            path=path,
+        )
+
+    @property
+    def path(self) -> Path | None:
+        """The folder the model was loaded from, if any."""
+        return self._path
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """Every tensor by name, tied aliases included."""
+        return self._state
+
+    def names(self) -> list[str]:
+        return list(self._names)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._state and name not in self._aliases
+
+    def _get(self, name: str) -> Any:
+        try:
+            return self._state[name]
+        except KeyError:
+            raise MergeError(f"model {self.label}: no tensor {name!r}") from None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(s) for s in self._get(name).shape)
+
+    def dtype(self, name: str) -> str:
+        return dtype_name(self._get(name))
+
+    def is_float(self, name: str) -> bool:
+        return self.dtype(name) in FLOAT_DTYPES
+
+    def nbytes(self, name: str) -> int:
+        t = self._get(name)
+        itemsize = t.element_size() if hasattr(t, "element_size") else np.asarray(t).itemsize
+        return int(np.prod(self.shape(name), dtype=np.int64)) * int(itemsize)
+
+    def where(self, name: str) -> str:
+        return ""
+
+    def read(self, name: str) -> Any:
+        return self._get(name)
+
+    def sha256(self, name: str) -> str:
+        if name not in self._sha:
+            self._sha[name] = tensor_sha256(self._get(name))
+        return self._sha[name]
+
+    def architecture(self) -> str | None:
+        return self._architecture
+
+    def aliases(self) -> dict[str, str]:
+        return dict(self._aliases)
+
+    def total_bytes(self) -> int:
+        return sum(self.nbytes(n) for n in self._names)
+
+
+def config_of(model: Any) -> dict[str, Any]:
+    """A Hugging Face model's configuration as ``save_pretrained`` writes it (its class
+    in ``architectures``, its dtype); ``{}`` for a model without one."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(cfg, "to_dict"):
+        return {}
+    out: dict[str, Any] = cfg.to_dict()
+    out["architectures"] = [type(model).__name__]
+    if hasattr(model, "dtype"):
+        out["dtype"] = dtype_name(model)
+    return out
+
+
+def model_source(model: Any, label: str, *, progress: bool = True) -> StateDictSource:
+    """A model for the in-memory merge: a torch module, a state dict or a model folder
+    (loaded with the class its ``config.json`` names)."""
+    if isinstance(model, (str, os.PathLike)):
+        path = Path(model)
+        return StateDictSource.of_model(load_model(path, progress=progress), label, path=path)
+    return StateDictSource.of_model(model, label)
