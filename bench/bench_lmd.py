@@ -12,7 +12,7 @@ the N × D matrix.
 Methods, each in its own subprocess (so peak RSS, from ``getrusage``, is its own):
 
 * ``lmdx``: stream the batches into ``lmdx.Decomposition`` (float32 batches, float64
-  moments), then ``fit(rho=ρ, pairwise=False, group=True)``: all m leave-one-out group
+  moments), then ``fit(ridge=ρ, pairwise=False, group=True)``: all m leave-one-out group
   fits from one Cholesky factorization of the joint covariance.
 * ``reference``: the reference code's approach (haozhg/lmd): store all embeddings
   (N × m·d float32, torch), then for each target j build the covariance of the other
@@ -127,7 +127,7 @@ def worker_lmdx(args: argparse.Namespace) -> dict[str, Any]:
     warm = lmdx.Decomposition(["a", "b", "c"], [8, 8, 8])
     wr = np.random.default_rng(1)
     warm.add("train", [wr.standard_normal((512, 8), dtype=np.float32) for _ in range(3)])
-    warm.fit(rho=args.rho, pairwise=False, n_threads=t)
+    warm.fit(ridge=args.rho, pairwise=False, n_threads=t)
     del warm
     baseline = rss_now_bytes()
 
@@ -151,7 +151,7 @@ def worker_lmdx(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", lmdx.SampleSizeWarning)
-            result = dec.fit(rho=args.rho, pairwise=False, group=True, n_threads=t)
+            result = dec.fit(ridge=args.rho, pairwise=False, group=True, n_threads=t)
         fit_times.append(time.perf_counter() - t0)
     assert result is not None
     r2 = result.group_r2("train")
@@ -165,7 +165,7 @@ def worker_lmdx(args: argparse.Namespace) -> dict[str, Any]:
         "fit_median_s": statistics.median(fit_times),
         "wall_s": time.perf_counter() - start,
         "r2": [r2[n] for n in names],
-        "lam": result.group[0].lam,
+        "lam": result.group[0].ridge_absolute,
         "baseline_rss": baseline,
         "peak_rss": peak_rss_bytes(),
     }

