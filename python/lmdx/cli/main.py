@@ -9,6 +9,7 @@ import threading
 from typing import Any
 
 from .._errors import CliError, DataError
+from .common import report_errors
 from .decompose import add_decompose_parser, run_decompose
 from .merge import add_merge_parser, run_merge_cli
 from .stats import add_stats_parser, run_stats_cli
@@ -53,11 +54,7 @@ def _main(argv: list[str] | None = None) -> int:
         show_config()
         return 0
     if args.command == "decompose":
-        try:
-            return run_decompose(args)
-        except (CliError, DataError) as exc:
-            print(f"lmdx decompose: error: {exc}", file=sys.stderr)
-            return 2
+        return report_errors("decompose", lambda: run_decompose(args), usage=(CliError, DataError))
     parser.print_help(sys.stderr)
     return 2
 

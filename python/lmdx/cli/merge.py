@@ -11,12 +11,11 @@ from typing import Any
 
 from .._errors import (
     CliError,
-    DiskFullError,
     MergeError,
     ModelMismatchError,
     StatisticsFileError,
 )
-from .common import size_of
+from .common import report_errors, size_of
 
 __all__ = ["add_merge_parser", "run_merge_cli"]
 
@@ -57,48 +56,47 @@ def add_merge_parser(sub: Any) -> None:
 
 
 def run_merge_cli(args: argparse.Namespace) -> int:
+    """``lmdx merge CONFIG --out DIR [...]``; returns the exit code."""
+    return report_errors(
+        "merge",
+        lambda: _merge(args),
+        usage=(CliError, MergeError, ModelMismatchError, StatisticsFileError),
+    )
+
+
+def _merge(args: argparse.Namespace) -> int:
     from ..files.atomic import existing_parent
     from ..merge.config import load_merge_config, plan_merge, run_merge
     from ..merge.plan import peak_rss_bytes
 
-    try:
-        out = Path(args.out)
-        if out.exists():
-            raise CliError(f"--out {out}: already exists; choose a new folder")
-        if args.ray_workers and args.in_memory:
-            raise CliError("--ray-workers: only for the streaming merge; drop --in-memory")
-        if args.ray_workers < 0:
-            raise CliError(f"--ray-workers: expected N >= 0, got {args.ray_workers}")
-        cfg = load_merge_config(args.config)
-        if args.dry_run:
-            if args.in_memory:
-                raise CliError("--dry-run plans the streaming merge; drop --in-memory")
-            plan = plan_merge(cfg)
-            free = shutil.disk_usage(existing_parent(out)).free
-            print(plan.describe())
-            print(f"disk:     {free / 1e9:.2f} GB free at {existing_parent(out)}")
-            if free < plan.output_bytes:
-                print("lmdx merge: warning: not enough free disk for the output", file=sys.stderr)
-            print(f"lmdx merge: dry run; nothing written (would write {out})")
-            return 0
-        t0 = time.perf_counter()
-        run_merge(
-            cfg,
-            out,
-            progress=not args.no_progress,
-            streaming=not args.in_memory,
-            ray_workers=args.ray_workers,
-            ray_address=args.ray_address,
-        )
-    except (CliError, MergeError, ModelMismatchError, StatisticsFileError) as exc:
-        print(f"lmdx merge: error: {exc}", file=sys.stderr)
-        return 2
-    except (ValueError, FileNotFoundError, FileExistsError, DiskFullError, OSError) as exc:
-        print(f"lmdx merge: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("lmdx merge: interrupted; nothing was written", file=sys.stderr)
-        return 130
+    out = Path(args.out)
+    if out.exists():
+        raise CliError(f"--out {out}: already exists; choose a new folder")
+    if args.ray_workers and args.in_memory:
+        raise CliError("--ray-workers: only for the streaming merge; drop --in-memory")
+    if args.ray_workers < 0:
+        raise CliError(f"--ray-workers: expected N >= 0, got {args.ray_workers}")
+    cfg = load_merge_config(args.config)
+    if args.dry_run:
+        if args.in_memory:
+            raise CliError("--dry-run plans the streaming merge; drop --in-memory")
+        plan = plan_merge(cfg)
+        free = shutil.disk_usage(existing_parent(out)).free
+        print(plan.describe())
+        print(f"disk:     {free / 1e9:.2f} GB free at {existing_parent(out)}")
+        if free < plan.output_bytes:
+            print("lmdx merge: warning: not enough free disk for the output", file=sys.stderr)
+        print(f"lmdx merge: dry run; nothing written (would write {out})")
+        return 0
+    t0 = time.perf_counter()
+    run_merge(
+        cfg,
+        out,
+        progress=not args.no_progress,
+        streaming=not args.in_memory,
+        ray_workers=args.ray_workers,
+        ray_address=args.ray_address,
+    )
     size = size_of(out)
     print(
         f"lmdx merge: {cfg.method} of {len(cfg.models)} models in "

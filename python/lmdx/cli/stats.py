@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from .._errors import CliError, DataError
 from ..data.files import read_data
-from .common import size_of
+from .common import report_errors, size_of
 
 __all__ = ["add_stats_parser", "run_stats_cli"]
 
@@ -155,7 +154,8 @@ def _label_ids(labels: list[Any] | None, model: Any, spec: str) -> list[int]:
 
 def run_stats_cli(argv: list[str]) -> int:
     """``lmdx stats ...`` (argv after ``stats``); returns the exit code."""
-    try:
+
+    def body() -> int:
         if argv and argv[0] == "add":
             return _stats_add(_stats_add_parser().parse_args(argv[1:]))
         if argv and argv[0] == "show":
@@ -163,15 +163,8 @@ def run_stats_cli(argv: list[str]) -> int:
         parser = argparse.ArgumentParser(prog="lmdx")
         add_stats_parser(parser.add_subparsers(dest="command"))
         return _stats_collect(parser.parse_args(["stats", *argv]))
-    except (CliError, DataError) as exc:
-        print(f"lmdx stats: error: {exc}", file=sys.stderr)
-        return 2
-    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError, OSError) as exc:
-        print(f"lmdx stats: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("lmdx stats: interrupted; nothing was written", file=sys.stderr)
-        return 130
+
+    return report_errors("stats", body, usage=(CliError, DataError))
 
 
 def _check_out_file(out: Path) -> None:
