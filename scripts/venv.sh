@@ -1,4 +1,4 @@
-# Sourced by demo.sh and test.sh: create (or reuse) .venv in the repository root,
+# Sourced by demo.sh, regmean_demo.sh and test.sh: create (or reuse) .venv in the repository root,
 # activate it and install the CPU build of torch first (a bare `torch` requirement
 # would pull a multi-GB CUDA build).
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
