@@ -19,6 +19,7 @@ from typing import Any
 
 from .._errors import MergeError
 from ..files.checkpoint import Checkpoint
+from ..files.hf import load_model
 from ..files.identity import file_sha256
 from ..stats.file import Statistics
 from ..stats.format import INDEX_NAME
@@ -107,7 +108,7 @@ def _inputs(sources: Sequence[TensorSource], stats: Sequence[Statistics] | None)
     """Per input model: path, architecture, size, statistics file and its hash."""
     return {
         src.label: {
-            "path": None if src.path is None else str(src.path.absolute()),
+            "path": None if src.path is None else os.path.abspath(src.path),
             "architecture": src.architecture(),
             "bytes": src.total_bytes(),
             "stats": None if s is None else s.source,
@@ -270,8 +271,13 @@ def save_merged(
     out = Path(out_dir)
     if out.exists():
         raise MergeError(f"output {out}: already exists; choose a new directory")
-    model = model_source(template, "template", progress=progress)
-    folder = Path(tokenizer_from) if tokenizer_from is not None else model.path
+    folder: Path | None
+    if isinstance(template, (str, os.PathLike)):
+        folder = Path(tokenizer_from if tokenizer_from is not None else template)
+        template = load_model(template, progress=progress)
+    else:
+        folder = None if tokenizer_from is None else Path(tokenizer_from)
+    model = StateDictSource.of_model(template, "template")
     merged = StateDictSource(
         result.model_state(0),
         "merged model",
@@ -288,8 +294,19 @@ def save_merged(
             output_config(model.config, plan, options),
             folder,
             merge_record(result.report, options, result.inputs, record),
+            _generation_config(template),
         )
     return out
+
+
+def _generation_config(model: Any) -> dict[str, str]:
+    """``generation_config.json`` of a generative Hugging Face model, as ``save_pretrained``
+    writes it (nothing for other models)."""
+    config = getattr(model, "generation_config", None)
+    can_generate = getattr(model, "can_generate", None)
+    if config is None or can_generate is None or not can_generate():
+        return {}
+    return {"generation_config.json": config.to_json_string()}
 
 
 def _check_template(plan: MergePlan, template: StateDictSource, options: MergeOptions) -> None:

@@ -94,8 +94,10 @@ class FolderSink:
         config: Mapping[str, Any],
         model_folder: Path | None,
         record: Mapping[str, Any],
+        files: Mapping[str, str] | None = None,
     ) -> None:
-        """The index, heads, configuration, tokenizer files and the record."""
+        """The index, heads, configuration, ``files`` (name -> text), the tokenizer and
+        generation files of ``model_folder`` and the record."""
         if len(self.plan.shards) > 1:
             index = {
                 out.name: fname
@@ -118,6 +120,8 @@ class FolderSink:
             (self.tmp / "config.json").write_text(
                 json.dumps(dict(config), indent=2, sort_keys=True) + "\n"
             )
+        for fname, text in (files or {}).items():
+            (self.tmp / fname).write_text(text)
         if model_folder is not None and model_folder.is_dir():
             copy_model_files(model_folder, self.tmp)
         (self.tmp / "lmdx_merge.json").write_text(json.dumps(dict(record), indent=2, default=str))
