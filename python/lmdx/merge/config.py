@@ -32,9 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import MergeError
+from .._tensors import OUTPUT_DTYPES
 from ..files.hf import load_model
 from .api import merge_models, save_merged, stream_merge
-from .options import METHODS
+from .options import HEAD_POLICIES, METHODS
 from .plan import MergePlan
 
 __all__ = ["MergeConfig", "ModelEntry", "load_merge_config", "plan_merge", "run_merge"]
@@ -215,7 +216,7 @@ def load_merge_config(path: str | os.PathLike[str]) -> MergeConfig:
         _unknown(heads, _HEAD_KEYS, where, "heads")
         cfg.head_patterns = _patterns(heads.get("patterns"), "heads.patterns", where)
         cfg.head_policy = heads.get("policy", "keep")
-        if cfg.head_policy not in ("keep", "drop"):
+        if cfg.head_policy not in HEAD_POLICIES:
             raise _fail(where, f"heads.policy must be keep or drop, got {cfg.head_policy!r}")
     output = raw.get("output")
     if output is not None:
@@ -223,7 +224,7 @@ def load_merge_config(path: str | os.PathLike[str]) -> MergeConfig:
             raise _fail(where, "output must be a mapping {dtype: ..., max_shard_size: ...}")
         _unknown(output, _OUTPUT_KEYS, where, "output")
         cfg.dtype = output.get("dtype", "auto")
-        if cfg.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        if cfg.dtype not in OUTPUT_DTYPES:
             raise _fail(
                 where, f"output.dtype must be auto/float32/bfloat16/float16, got {cfg.dtype!r}"
             )
