@@ -111,27 +111,25 @@ __all__ = [
     "weighted_average",
 ]
 
-#: Names that lived here before the subpackages; they still resolve, with a warning.
+#: Names that lived here before the subpackages: they still resolve, with a warning that
+#: names where they are now (and their new name where they were renamed).
 _MOVED = {
-    "BlockLayout": "lmdx.lmd",
-    "COMPAT_ALPHA": "lmdx.lmd",
-    "Checkpoint": "lmdx.files",
-    "DEFAULT_CHUNK_ROWS": "lmdx.moments",
-    "DEFAULT_RHO_GRID": "lmdx.lmd",
-    "MIN_ROWS_PER_DIM": "lmdx.lmd",
-    "MergePlan": "lmdx.merge",
-    "SPLITS": "lmdx.lmd",
-    "SplitMoments": "lmdx.lmd",
+    "BlockLayout": "lmdx.lmd.BlockLayout",
+    "COMPAT_ALPHA": "lmdx.lmd.COMPAT_RIDGE_ABSOLUTE",
+    "Checkpoint": "lmdx.files.Checkpoint",
+    "DEFAULT_CHUNK_ROWS": "lmdx.moments.DEFAULT_CHUNK_ROWS",
+    "DEFAULT_RHO_GRID": "lmdx.lmd.DEFAULT_RIDGE_GRID",
+    "MIN_ROWS_PER_DIM": "lmdx.lmd.MIN_ROWS_PER_DIM",
+    "MergePlan": "lmdx.merge.MergePlan",
+    "SPLITS": "lmdx.lmd.SPLITS",
+    "SplitMoments": "lmdx.lmd.SplitMoments",
 }
 
 
 def __getattr__(name: str) -> Any:
-    home = _MOVED.get(name)
-    if home is None:
+    target = _MOVED.get(name)
+    if target is None:
         raise AttributeError(f"module 'lmdx' has no attribute {name!r}")
-    warnings.warn(
-        f"lmdx.{name} moved to {home}.{name}; import it from there",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(importlib.import_module(home), name)
+    warnings.warn(f"lmdx.{name} is now {target}; use that", DeprecationWarning, stacklevel=2)
+    home, _, new = target.rpartition(".")
+    return getattr(importlib.import_module(home), new)
