@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .._tensors import as_rows
+from .._tensors import as_float64, as_rows
 from .._util import matches, parse_size, progress_bar
 from ..config import resolve_threads
 from ..data.batches import as_kwargs
@@ -166,9 +166,9 @@ class _Collector:
         if mask is None:
             self._mask, self._mask_shape = None, None
             return
-        m = mask.detach().cpu()
-        self._mask_shape = tuple(m.shape)
-        arr = m.numpy().astype(np.float64).reshape(-1)
+        arr = as_float64(mask, self.mask_key)
+        self._mask_shape = tuple(arr.shape)
+        arr = arr.reshape(-1)
         if not np.isin(arr, (0.0, 1.0)).all():
             raise ValueError(f"batches: {self.mask_key} must hold 0/1 values")
         self._mask = np.ascontiguousarray(arr)

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from .._tensors import as_float64
 from .._util import matches, progress_bar
 from ..data.batches import as_kwargs
 from ..files.identity import model_identity
@@ -101,7 +102,7 @@ def collect_fisher(
         bar.close()
     if examples == 0:
         raise ValueError("collect_fisher: batches is empty")
-    tensors = {f"fisher/{n}": s.numpy() for n, s in sums.items()}
+    tensors = {f"fisher/{n}": as_float64(s, n) for n, s in sums.items()}
     for n, s in tensors.items():
         if not np.isfinite(s).all():
             raise ValueError(f"collect_fisher: {n} is not finite; check the model and data")
