@@ -13,6 +13,8 @@ __all__ = [
     "DiskFullError",
     "LmdxError",
     "MergeError",
+    "MissingFileError",
+    "MissingStatisticsError",
     "ModelMismatchError",
     "NotPositiveDefiniteError",
     "RegularizationWarning",
@@ -35,6 +37,14 @@ class StatisticsFileError(LmdxError, ValueError):
     """A statistics file is unreadable, truncated, foreign or inconsistent."""
 
 
+class MissingStatisticsError(StatisticsFileError, KeyError):
+    """A statistics file has no statistics for a module or parameter that is asked for
+    (the message names the file and the module)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
 class ModelMismatchError(LmdxError, ValueError):
     """Statistics were computed on a different model than the one they are used with."""
 
@@ -49,6 +59,13 @@ class DataError(LmdxError, ValueError):
 
 class DiskFullError(LmdxError, OSError):
     """No space left for an output file; nothing was written (the message says where)."""
+
+
+class MissingFileError(LmdxError, FileNotFoundError):
+    """An input file or folder does not exist (the message names it)."""
+
+    def __str__(self) -> str:  # OSError would prefix an errno
+        return str(self.args[0]) if self.args else ""
 
 
 class CliError(LmdxError):

@@ -32,14 +32,17 @@ class _NoProgress:
 
 
 def parse_size(size: int | str) -> int:
-    """Bytes from ``"2GB"``, ``"500MB"``, ``"64KB"``, ``"10B"`` (decimal units) or an int."""
-    if isinstance(size, int):
+    """Bytes from ``"2GB"``, ``"500MB"``, ``"64KB"``, ``"10B"`` (decimal units) or an int;
+    at least 1 byte (``"infGB"``, ``"nanMB"`` and negative sizes are refused)."""
+    if isinstance(size, int) and not isinstance(size, bool) and size >= 1:
         return size
     text = str(size).strip().upper()
     for unit, mult in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)):
-        if text.endswith(unit):
-            with contextlib.suppress(ValueError):
-                return int(float(text[: -len(unit)]) * mult)
+        if text.endswith(unit) and not isinstance(size, int):
+            with contextlib.suppress(ValueError, OverflowError):
+                value = int(float(text[: -len(unit)]) * mult)
+                if value >= 1:
+                    return value
             break
     raise ValueError(f"size: expected e.g. '2GB' or a number of bytes, got {size!r}")
 

@@ -94,7 +94,7 @@ def test_regmean_file_holds_metadata_and_the_reference_statistics(arch, include_
     meta_raw, tensors = read_file(path)
     meta = json.loads(meta_raw["lmdx"])
 
-    assert meta["format"] == "lmdx-stats" and meta["format_version"] == 1
+    assert meta["format"] == "lmdx-stats" and meta["format_version"] == 2
     assert meta["kind"] == "regmean-gram" and meta["dtype"] == "float64"
     assert meta["data"] == "40 random seqs"
     assert meta["padding"] == ("included" if include_padding else "excluded")
@@ -121,6 +121,14 @@ def test_regmean_file_holds_metadata_and_the_reference_statistics(arch, include_
         assert H.rel_err(unpack_by_hand(tensors[f"gram/{group}"], d), ref[name]["gram"]) <= 1e-12
         assert H.rel_err(tensors[f"sum/{group}"], ref[name]["sum"]) <= 1e-12
     assert set(tensors) == {f"{k}/{g}" for g in meta["groups"] for k in ("gram", "sum")}
+    # content hashes: every tensor's little-endian float64 bytes, and the metadata without
+    # its hashes as canonical JSON
+    for name, arr in tensors.items():
+        digest = hashlib.sha256(arr.astype("<f8").tobytes()).hexdigest()
+        assert meta["sha256"]["tensors"][name] == digest
+    body = {k: v for k, v in meta.items() if k != "sha256"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    assert meta["sha256"]["metadata"] == hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def test_weights_hash_follows_the_weights_not_the_container():

@@ -1,34 +1,96 @@
-"""What the commands share: one way to report errors, sizes of outputs on disk."""
+"""What the commands share: one way to report errors, sizes of outputs on disk, and text
+from files shown safely on a terminal."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from .._errors import LmdxError
 
-__all__ = ["report_errors", "size_of"]
+__all__ = ["Claimed", "debugging", "printable", "report_errors", "size_of"]
+
+_debug = [os.environ.get("LMDX_DEBUG", "") not in ("", "0")]
+
+
+@contextlib.contextmanager
+def debugging(enabled: bool) -> Iterator[None]:
+    """Within the block, errors propagate with their traceback (``lmdx --debug``, or the
+    environment variable ``LMDX_DEBUG=1``) instead of being reported in one line."""
+    was = _debug[0]
+    _debug[0] = was or enabled
+    try:
+        yield
+    finally:
+        _debug[0] = was
+
+
+def printable(text: object) -> str:
+    """``text`` as one line that is safe to print: line breaks, terminal escape sequences
+    and other invisible characters (from names and descriptions stored in files
+    received from others) are shown escaped, as Python writes them (``\\x1b``)."""
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in str(text))
+
+
+class Claimed:
+    """The output a command has committed to writing (after checking it did not exist):
+    a Ctrl-C that arrives after the output was renamed into place reports it as written."""
+
+    def __init__(self) -> None:
+        self.path: Path | None = None
+
+    def claim(self, path: Path) -> Path:
+        self.path = path
+        return path
 
 
 def report_errors(
-    command: str, body: Callable[[], int], usage: tuple[type[BaseException], ...]
+    command: str,
+    body: Callable[[], int],
+    usage: tuple[type[BaseException], ...],
+    claimed: Claimed | None = None,
 ) -> int:
     """Run a command's ``body`` and turn errors into one line on stderr and an exit code:
     2 for the user's mistakes (``usage``: bad arguments, config, data, statistics that do
-    not fit), 1 for other errors (an unreadable or corrupted file, a full disk), 130 for
-    Ctrl-C or SIGTERM (outputs are written atomically, so nothing was written)."""
+    not fit), 1 for other errors (an unreadable or corrupted file, a full disk, an
+    internal error), 130 for Ctrl-C or SIGTERM (outputs are written atomically: nothing
+    was written, unless the output in ``claimed`` was already complete). The line
+    never carries raw control characters; with :func:`debugging` errors propagate."""
     try:
         return body()
     except usage as exc:
-        print(f"lmdx {command}: error: {exc}", file=sys.stderr)
+        if _debug[0]:
+            raise
+        print(f"lmdx {command}: error: {printable(exc)}", file=sys.stderr)
         return 2
     except (LmdxError, ValueError, RuntimeError, OSError) as exc:
-        print(f"lmdx {command}: error: {exc}", file=sys.stderr)
+        if _debug[0]:
+            raise
+        print(f"lmdx {command}: error: {printable(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"lmdx {command}: interrupted; nothing was written", file=sys.stderr)
+        done = claimed.path if claimed is not None else None
+        if done is not None and done.exists():
+            print(
+                f"lmdx {command}: interrupted after {printable(done)} was written; it is "
+                "complete (outputs appear only when complete)",
+                file=sys.stderr,
+            )
+        else:
+            print(f"lmdx {command}: interrupted; nothing was written", file=sys.stderr)
         return 130
+    except Exception as exc:
+        if _debug[0]:
+            raise
+        print(
+            f"lmdx {command}: internal error: {type(exc).__name__}: {printable(exc)} (run "
+            "with lmdx --debug for the traceback, and please report it)",
+            file=sys.stderr,
+        )
+        return 1
 
 
 def size_of(path: Path) -> int:

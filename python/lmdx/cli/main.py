@@ -8,8 +8,8 @@ import sys
 import threading
 from typing import Any
 
-from .._errors import CliError, DataError
-from .common import report_errors
+from .._errors import CliError, DataError, MissingFileError
+from .common import debugging, report_errors
 from .decompose import add_decompose_parser, run_decompose
 from .merge import add_merge_parser, run_merge_cli
 from .stats import add_stats_parser, run_stats_cli
@@ -34,15 +34,27 @@ def _terminated(signum: int, frame: Any) -> None:
 
 
 def _main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "--debug":
+        with debugging(True):
+            return _command(argv[1:])
+    return _command(argv)
+
+
+def _command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="lmdx", description="Fast, exact RegMean merging and LMD on CPU."
+    )
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="show errors with their traceback (before COMMAND; or LMDX_DEBUG=1)",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.add_parser("info", help="print version, SIMD path, OpenMP and thread settings")
     add_stats_parser(sub)
     add_merge_parser(sub)
     add_decompose_parser(sub)
-    argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "stats":
         return run_stats_cli(argv[1:])
     args = parser.parse_args(argv)
@@ -54,7 +66,9 @@ def _main(argv: list[str] | None = None) -> int:
         show_config()
         return 0
     if args.command == "decompose":
-        return report_errors("decompose", lambda: run_decompose(args), usage=(CliError, DataError))
+        return report_errors(
+            "decompose", lambda: run_decompose(args), usage=(CliError, DataError, MissingFileError)
+        )
     parser.print_help(sys.stderr)
     return 2
 

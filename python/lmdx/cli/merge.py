@@ -12,10 +12,11 @@ from typing import Any
 from .._errors import (
     CliError,
     MergeError,
+    MissingFileError,
     ModelMismatchError,
     StatisticsFileError,
 )
-from .common import report_errors, size_of
+from .common import Claimed, report_errors, size_of
 
 __all__ = ["add_merge_parser", "run_merge_cli"]
 
@@ -57,14 +58,16 @@ def add_merge_parser(sub: Any) -> None:
 
 def run_merge_cli(args: argparse.Namespace) -> int:
     """``lmdx merge CONFIG --out DIR [...]``; returns the exit code."""
+    claimed = Claimed()
     return report_errors(
         "merge",
-        lambda: _merge(args),
-        usage=(CliError, MergeError, ModelMismatchError, StatisticsFileError),
+        lambda: _merge(args, claimed),
+        usage=(CliError, MergeError, MissingFileError, ModelMismatchError, StatisticsFileError),
+        claimed=claimed,
     )
 
 
-def _merge(args: argparse.Namespace) -> int:
+def _merge(args: argparse.Namespace, claimed: Claimed) -> int:
     from ..files.atomic import existing_parent
     from ..merge.config import load_merge_config, plan_merge, run_merge
     from ..merge.plan import peak_rss_bytes
@@ -89,6 +92,7 @@ def _merge(args: argparse.Namespace) -> int:
         print(f"lmdx merge: dry run; nothing written (would write {out})")
         return 0
     t0 = time.perf_counter()
+    claimed.claim(out)
     run_merge(
         cfg,
         out,

@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .._errors import CliError, DataError
+from .._errors import CliError, DataError, MissingFileError
 from ..data.files import read_data
-from .common import report_errors, size_of
+from .common import Claimed, printable, report_errors, size_of
 
 __all__ = ["add_stats_parser", "run_stats_cli"]
 
@@ -155,26 +155,32 @@ def _label_ids(labels: list[Any] | None, model: Any, spec: str) -> list[int]:
 def run_stats_cli(argv: list[str]) -> int:
     """``lmdx stats ...`` (argv after ``stats``); returns the exit code."""
 
+    claimed = Claimed()
+
     def body() -> int:
         if argv and argv[0] == "add":
-            return _stats_add(_stats_add_parser().parse_args(argv[1:]))
+            return _stats_add(_stats_add_parser().parse_args(argv[1:]), claimed)
         if argv and argv[0] == "show":
             return _stats_show(_stats_show_parser().parse_args(argv[1:]))
         parser = argparse.ArgumentParser(prog="lmdx")
         add_stats_parser(parser.add_subparsers(dest="command"))
-        return _stats_collect(parser.parse_args(["stats", *argv]))
+        return _stats_collect(parser.parse_args(["stats", *argv]), claimed)
 
-    return report_errors("stats", body, usage=(CliError, DataError))
+    return report_errors(
+        "stats", body, usage=(CliError, DataError, MissingFileError), claimed=claimed
+    )
 
 
-def _check_out_file(out: Path) -> None:
+def _check_out_file(out: Path, claimed: Claimed) -> None:
+    """``--out`` must not exist and its folder must; then it is the command's output."""
     if out.exists():
         raise CliError(f"--out {out}: already exists; choose a new file name")
     if not out.parent.is_dir():
         raise CliError(f"--out: the folder {out.parent} does not exist")
+    claimed.claim(out)
 
 
-def _stats_collect(args: argparse.Namespace) -> int:
+def _stats_collect(args: argparse.Namespace, claimed: Claimed) -> int:
     from transformers import AutoTokenizer
 
     from ..data.batches import text_batches
@@ -183,7 +189,7 @@ def _stats_collect(args: argparse.Namespace) -> int:
     from ..stats.fisher import collect_fisher
 
     out = Path(args.out)
-    _check_out_file(out)
+    _check_out_file(out, claimed)
     ray_address = _ray_options(args)
     if args.max_memory is not None and (args.ray is not None or args.kind != "regmean"):
         raise CliError("--max-memory: only for --kind regmean without --ray")
@@ -288,12 +294,12 @@ def _ray_options(args: argparse.Namespace) -> str | None:
     return None if args.ray == "local" else str(args.ray)
 
 
-def _stats_add(args: argparse.Namespace) -> int:
+def _stats_add(args: argparse.Namespace, claimed: Claimed) -> int:
     from ..stats.add import add_statistics
     from ..stats.file import Statistics
 
     out = Path(args.out)
-    _check_out_file(out)
+    _check_out_file(out, claimed)
     parts = [Statistics.load(f) for f in args.files]
     total = add_statistics(parts, data=args.description)
     total.save(out, max_shard_size=args.max_shard_size)
@@ -309,20 +315,21 @@ def _stats_show(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(meta, indent=2))
         return 0
-    print(f"file:        {args.file}")
+    model = stats.model
+    print(f"file:        {printable(args.file)}")
     print(f"kind:        {stats.kind}  (format {meta['format']} v{meta['format_version']})")
     print(
-        f"model:       {stats.model['architecture']}  weights sha256 "
-        f"{stats.model['weights_sha256'][:16]}…  ({len(stats.model['parameters'])} tensors)"
+        f"model:       {printable(model['architecture'])}  weights sha256 "
+        f"{model['weights_sha256'][:16]}…  ({len(model['parameters'])} tensors)"
     )
-    print(f"data:        {stats.data}")
+    print(f"data:        {printable(stats.data)}")
     if stats.kind == "regmean-gram":
         print(f"padding:     {stats.padding}")
         print(f"modules:     {len(stats.modules)} in {len(stats.groups)} input groups")
         for g, v in stats.groups.items():
             members = [m for m, i in stats.modules.items() if i["group"] == g]
-            print(f"  {g}: dim {v['dim']}, rows {v['count']:g}, modules {len(members)}")
+            print(f"  {printable(g)}: dim {v['dim']}, rows {v['count']:g}, modules {len(members)}")
     else:
-        print(f"examples:    {stats.count():g}  labels {stats.extra.get('labels')}")
+        print(f"examples:    {stats.count():g}  labels {printable(stats.extra.get('labels'))}")
         print(f"parameters:  {len(stats.parameters)}")
     return 0

@@ -5,6 +5,9 @@ Temporary files and folders carry this host's and process's identity in their na
 (``.NAME.lmdx-<host>-<pid>-*.tmp``); leftovers of a killed run (its process no longer
 alive) are removed by the next run writing the same output. On any error, including
 KeyboardInterrupt, the temporary is removed and the target is untouched.
+
+Outputs get the mode of any file or folder the user creates (``0666`` / ``0777`` less
+the umask), not the private mode of a temporary: :func:`output_mode`.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ __all__ = [
     "disk_full",
     "existing_parent",
     "is_disk_full",
+    "output_mode",
     "remove_stale_temporaries",
 ]
 
@@ -67,6 +71,25 @@ def check_free_space(out: Path, nbytes: int) -> None:
 
 _HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 _TMP_RE = re.compile(r"\.lmdx-([0-9a-f]{8})-(\d+)-[^.]*\.tmp$")
+
+
+def _umask() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # pragma: no cover - no /proc: read it by setting it back
+    os.umask(mask)  # pragma: no cover
+    return mask  # pragma: no cover
+
+
+def output_mode(folder: bool = False) -> int:
+    """The mode outputs get: that of a new file (``0o666``) or folder (``0o777``) less
+    the process's umask, as ``open`` and ``mkdir`` would give them."""
+    return (0o777 if folder else 0o666) & ~_umask()
 
 
 def _tmp_prefix(name: str) -> str:
@@ -122,6 +145,7 @@ def atomic_file(path: str | os.PathLike[str]) -> Iterator[Path]:
     os.close(fd)
     tmp = Path(tmp_name)
     try:
+        os.chmod(tmp, output_mode())
         yield tmp
         os.replace(tmp, path)
     except BaseException:
@@ -144,6 +168,7 @@ def atomic_directory(path: str | os.PathLike[str]) -> Iterator[Path]:
     remove_stale_temporaries(path)
     tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(path.name), suffix=".tmp", dir=path.parent))
     try:
+        os.chmod(tmp, output_mode(folder=True))
         yield tmp
         if path.exists():
             raise FileExistsError(f"{path}: appeared while writing; the output is left at {tmp}")

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
-from .._errors import MergeError
+from .._errors import MergeError, MissingFileError
 from .._tensors import FLOAT_DTYPES, TORCH_OF_ST, from_stored
+from .parse import read_json
 from .safetensors import SafetensorsFile, open_shards, read_safetensors_header
 
 __all__ = ["INDEX_FILE", "SINGLE_FILE", "Checkpoint"]
@@ -38,15 +38,18 @@ class Checkpoint:
             self._open_single(self.path)
             return
         if not self.path.is_dir():
-            raise MergeError(f"model {self.path}: no such folder")
+            raise MissingFileError(f"model {self.path}: no such folder")
         cfg = self.path / "config.json"
         if cfg.is_file():
-            try:
-                self.config = json.loads(cfg.read_text())
-            except json.JSONDecodeError as exc:
+            config = read_json(cfg, "model configuration", MergeError, allow_nonfinite=True)
+            archs = config.get("architectures") if isinstance(config, dict) else None
+            names = isinstance(archs, list) and all(isinstance(a, str) for a in archs)
+            if not isinstance(config, dict) or not (archs is None or names):
                 raise MergeError(
-                    f"model {self.path}: config.json is not valid JSON ({exc})"
-                ) from None
+                    f"model configuration {cfg}: expected an object whose architectures is a "
+                    "list of class names; re-save the model"
+                )
+            self.config = config
         index = self.path / INDEX_FILE
         if index.is_file():
             self._open_index(index)
@@ -69,12 +72,13 @@ class Checkpoint:
             self._where[name] = handle
 
     def _open_index(self, index: Path) -> None:
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        data = read_json(index, "model index", MergeError)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict):
             raise MergeError(
-                f"model {self.path}: {index.name} is not a valid index ({exc!s}); re-save the model"
-            ) from None
+                f"model index {index}: is not a valid index (no weight_map object); re-save "
+                "the model"
+            )
         self._where = open_shards(self.path, weight_map, index.name, "model", MergeError)
         self._files = {h.path: h for h in self._where.values()}
 

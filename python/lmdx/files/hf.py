@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
+import stat
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from .._errors import MergeError
+from .parse import read_json
 
 __all__ = ["TOKENIZER_FILES", "base_model_info", "copy_model_files", "hf_progress", "load_model"]
 
@@ -37,11 +38,12 @@ def load_model(path: str | os.PathLike[str], *, dtype: Any = None, progress: boo
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise MergeError(f"model {path}: no config.json; expected a save_pretrained folder")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise MergeError(f"model {path}: config.json is not valid JSON ({exc})") from None
-    archs = cfg.get("architectures") or []
+    cfg = read_json(cfg_path, "model configuration", MergeError, allow_nonfinite=True)
+    archs = (cfg.get("architectures") if isinstance(cfg, dict) else None) or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise MergeError(
+            f"model configuration {cfg_path}: architectures is not a list of class names"
+        )
     cls = getattr(transformers, archs[0], None) if archs else None
     if cls is None:
         cls = transformers.AutoModel
@@ -80,8 +82,30 @@ def base_model_info(config: Mapping[str, Any]) -> tuple[str, str | None]:
 
 
 def copy_model_files(src: Path, dest: Path) -> None:
-    """Copy the tokenizer and generation files of model folder ``src`` into ``dest``."""
+    """Copy the tokenizer and generation files of model folder ``src`` into ``dest``.
+
+    Only regular files are copied, opened without following links: a symbolic link
+    among them (which could carry a file from outside the folder into an output that is
+    then published) is refused with a :class:`MergeError` naming it; other kinds of
+    files (FIFOs, devices) are refused too. Copies are new files (the mode of any file
+    the user creates), not copies of the source's mode.
+    """
     for fname in (*TOKENIZER_FILES, "generation_config.json"):
         path = src / fname
-        if path.is_file():
-            shutil.copy2(path, dest / fname)
+        if not os.path.lexists(path):
+            continue
+        if path.is_symlink():
+            raise MergeError(
+                f"model {src}: {fname} is a symbolic link (to {os.readlink(path)}); lmdx copies "
+                "only regular files of the model folder into the output: replace the link by "
+                "a copy of the file you mean to publish"
+            )
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+        except OSError as exc:
+            raise MergeError(f"model {src}: {fname} cannot be read ({exc.strerror})") from None
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise MergeError(f"model {src}: {fname} is not a regular file")
+            with open(dest / fname, "xb") as out:
+                shutil.copyfileobj(f, out)

@@ -24,10 +24,13 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from .._errors import MissingFileError
 from .._tensors import ST_NUMPY
 from .atomic import atomic_file, disk_full, is_disk_full
+from .parse import parse_json
 
 __all__ = [
+    "MAX_HEADER_BYTES",
     "SafetensorsFile",
     "SafetensorsWriter",
     "TensorSpec",
@@ -326,7 +329,12 @@ def open_shards(
     files: dict[str, SafetensorsFile] = {}
     where: dict[str, SafetensorsFile] = {}
     for name, shard in weight_map.items():
-        if not isinstance(shard, str) or "/" in shard or shard.startswith(".."):
+        if (
+            not isinstance(shard, str)
+            or not shard.endswith(".safetensors")
+            or any(c in shard for c in "/\\\0")
+            or shard.startswith(".")
+        ):
             raise error(f"{what} {folder}: {index_name} names a bad shard {shard!r}")
         if shard not in files:
             file = folder / shard
@@ -344,57 +352,105 @@ def open_shards(
                 "places there; the shard is from another run or was overwritten"
             )
         where[name] = files[shard]
+    for shard, handle in files.items():
+        unlisted = [n for n in handle.keys() if weight_map.get(n) != shard]
+        if unlisted:
+            raise error(
+                f"{what} {folder}: shard {shard} holds tensor {unlisted[0]!r} that {index_name} "
+                "does not place there; the shard is from another run or was overwritten"
+            )
     return where
+
+
+#: Largest header read (bytes), the safetensors library's own bound.
+MAX_HEADER_BYTES = 100_000_000
+_INT64_MAX = 2**63 - 1
+_ENTRY_KEYS = {"dtype", "shape", "data_offsets"}
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def read_safetensors_header(
     path: str | os.PathLike[str], what: str = "file", error: type[Exception] = ValueError
 ) -> SafetensorsFile:
-    """Parse and check a safetensors header (dtypes, shapes, byte ranges within the file);
-    ``error`` names the file and what is wrong."""
+    """Parse and check a safetensors header by the safetensors library's own rules:
+    a header of at most :data:`MAX_HEADER_BYTES` holding a JSON object, known dtypes,
+    shapes within int64, each byte range as long as its shape needs, and the ranges
+    disjoint and covering the data region exactly; ``__metadata__`` a str -> str map.
+    ``error`` names the file and what is wrong; a missing file is a
+    :class:`MissingFileError`."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{what} {path}: no such file")
+        raise MissingFileError(f"{what} {path}: no such file")
 
     def fail(msg: str) -> Exception:
         return error(f"{what} {path}: {msg}; the file is truncated, corrupted or of another format")
 
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise fail(f"only {size} bytes")
-        n = int.from_bytes(prefix, "little")
-        if n < 2 or 8 + n > size:
-            raise fail(f"header length {n} does not fit in {size} bytes")
-        try:
-            header = json.loads(f.read(n).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise fail(f"header is not JSON ({exc})") from None
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise fail(f"only {size} bytes")
+            n = int.from_bytes(prefix, "little")
+            if n < 2 or n > MAX_HEADER_BYTES or 8 + n > size:
+                raise fail(f"header length {n} does not fit in {size} bytes")
+            raw = f.read(n)
+    except OSError as exc:
+        raise error(f"{what} {path}: cannot be read ({exc.strerror or exc})") from None
+    if len(raw) != n or raw[:1] != b"{":
+        raise fail("header is not a JSON object")
+    try:
+        header = parse_json(raw, "header", ValueError)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
     if not isinstance(header, dict):
         raise fail("header is not a JSON object")
     meta = header.pop("__metadata__", None)
-    if meta is not None and not isinstance(meta, dict):
-        raise fail("__metadata__ is not an object")
+    if meta is not None and not (
+        isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())
+    ):
+        raise fail("__metadata__ is not an object of strings")
     data_start = 8 + n
+    spans = []
     for name, e in header.items():
         ok = (
             isinstance(e, dict)
-            and e.get("dtype") in ST_NUMPY
-            and isinstance(e.get("shape"), list)
-            and all(isinstance(d, int) and d >= 0 for d in e["shape"])
-            and isinstance(e.get("data_offsets"), list)
+            and set(e) == _ENTRY_KEYS
+            and isinstance(e["shape"], list)
+            and all(_is_int(d) and 0 <= d <= _INT64_MAX for d in e["shape"])
+            and isinstance(e["data_offsets"], list)
             and len(e["data_offsets"]) == 2
-            and all(isinstance(o, int) for o in e["data_offsets"])
+            and all(_is_int(o) and 0 <= o <= _INT64_MAX for o in e["data_offsets"])
+            and isinstance(e["dtype"], str)
         )
         if not ok:
             raise fail(f"entry {name!r} of the header is malformed")
+        if e["dtype"] not in ST_NUMPY:
+            raise error(
+                f"{what} {path}: tensor {name!r} has dtype {e['dtype']!r}, which lmdx does not "
+                f"read ({', '.join(ST_NUMPY)}); convert the file"
+            )
+        count = 1
+        for d in e["shape"]:
+            count *= d
+        nbytes = count * np.dtype(ST_NUMPY[e["dtype"]]).itemsize
         begin, end = e["data_offsets"]
-        nbytes = int(np.prod(e["shape"], dtype=np.int64)) * np.dtype(ST_NUMPY[e["dtype"]]).itemsize
-        if end - begin != nbytes or begin < 0:
+        if nbytes > _INT64_MAX or end - begin != nbytes:
             raise fail(f"tensor {name!r}: byte range does not match its shape")
-        if data_start + end > size:
-            raise fail(f"tensor {name!r} ends at byte {data_start + end} of {size}")
+        spans.append((begin, end, name))
+    position = 0
+    for begin, end, name in sorted(spans):
+        if begin != position:
+            how = "overlaps another tensor" if begin < position else "leaves a gap before it"
+            raise fail(f"tensor {name!r}: byte range {begin}..{end} {how}")
+        position = end
+    if data_start + position != size:
+        if data_start + position > size:
+            raise fail(f"the tensors end at byte {data_start + position} of {size}")
+        raise fail(f"{size - data_start - position} bytes after the last tensor")
     return SafetensorsFile(path, header, data_start, meta)
 
 

@@ -25,38 +25,26 @@ the RegMean solves.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from .._errors import MergeError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+from .._errors import MergeError, MissingFileError
 from .._tensors import OUTPUT_DTYPES
+from .._util import parse_size
 from ..files.hf import load_model
+from ..files.parse import parse_json, read_text, read_yaml, schema_message
 from .api import merge_models, save_merged, stream_merge
 from .options import HEAD_POLICIES, METHODS
 from .plan import MergePlan
 
 __all__ = ["MergeConfig", "ModelEntry", "load_merge_config", "plan_merge", "run_merge"]
 
-_TOP_KEYS = {
-    "method",
-    "models",
-    "base",
-    "alpha",
-    "scaling",
-    "fisher_eps",
-    "ridge",
-    "allow_regularization",
-    "exclude",
-    "heads",
-    "output",
-    "threads",
-}
-_MODEL_KEYS = {"path", "stats", "coefficient", "name"}
-_HEAD_KEYS = {"patterns", "policy"}
-_OUTPUT_KEYS = {"dtype", "max_shard_size"}
+#: Most threads a configuration may ask for (far above any machine's cores).
+MAX_THREADS = 4096
 
 
 @dataclass
@@ -90,145 +78,195 @@ class MergeConfig:
         return asdict(self)
 
 
-def _fail(where: str, msg: str) -> MergeError:
-    return MergeError(f"{where}: {msg}")
+# --------------------------------------------------------------------------- schema
 
 
-def _number(value: Any, key: str, where: str, *, lo: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _fail(where, f"{key} must be a number, got {value!r}")
-    if lo is not None and value < lo:
-        raise _fail(where, f"{key} must be >= {lo}, got {value}")
-    return float(value)
+def _as_list(value: Any) -> Any:
+    return [value] if isinstance(value, str) else value
 
 
-def _patterns(value: Any, key: str, where: str) -> list[str]:
-    if value is None:
-        return []
+def _as_entry(value: Any) -> Any:
+    return {"path": value} if isinstance(value, str) else value
+
+
+def _size(value: Any) -> Any:
+    """A shard size as the merge takes it (``"2GB"``; a number of bytes as ``"1000B"``)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = f"{value}B"
     if isinstance(value, str):
-        return [value]
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise _fail(where, f"{key} must be a list of name patterns, got {value!r}")
-    return list(value)
+        try:
+            parse_size(value)
+        except ValueError:
+            pass
+        else:
+            return value
+    raise ValueError("must be a size such as '2GB' or a number of bytes")
 
 
-def _unknown(keys: Any, allowed: set[str], where: str, section: str) -> None:
-    extra = sorted(set(keys) - allowed)
-    if extra:
-        raise _fail(
-            where, f"unknown key(s) {extra} in {section}; allowed: {', '.join(sorted(allowed))}"
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+_Patterns = Annotated[list[str], BeforeValidator(_as_list)]
+_Path = Annotated[str, Field(min_length=1)]
+
+
+class _Model(_Strict):
+    path: _Path
+    stats: _Path | None = None
+    coefficient: Annotated[float, Field(ge=0.0)] | None = None
+    name: str | None = None
+
+
+class _Heads(_Strict):
+    patterns: _Patterns | None = None
+    policy: Literal[HEAD_POLICIES] = "keep"  # type: ignore[valid-type]
+
+
+class _Output(_Strict):
+    dtype: Literal[OUTPUT_DTYPES] = "auto"  # type: ignore[valid-type]
+    max_shard_size: Annotated[str, BeforeValidator(_size)] = "2GB"
+
+
+class _ConfigFile(_Strict):
+    method: Literal[METHODS]  # type: ignore[valid-type]
+    models: Annotated[list[Annotated[_Model, BeforeValidator(_as_entry)]], Field(min_length=2)]
+    base: _Path | None = None
+    alpha: Annotated[float, Field(ge=0.0, le=1.0)] = 1.0
+    scaling: float = 0.3
+    fisher_eps: Annotated[float, Field(ge=0.0)] = 1e-8
+    ridge: Annotated[float, Field(ge=0.0)] = 0.0
+    allow_regularization: bool = True
+    exclude: _Patterns | None = None
+    heads: _Heads | None = None
+    output: _Output | None = None
+    threads: Annotated[int, Field(ge=1, le=MAX_THREADS)] | None = None
+
+
+_SECTIONS: dict[str, type[BaseModel]] = {
+    "": _ConfigFile,
+    "models": _Model,
+    "heads": _Heads,
+    "output": _Output,
+}
+_LABELS = {
+    "method": f"must be one of {', '.join(METHODS)}",
+    "models": "must be a list of at least 2 entries ({path: ..., ...})",
+    "alpha": "must be in [0, 1]",
+    "heads.policy": "must be keep or drop",
+    "output.dtype": "must be auto/float32/bfloat16/float16",
+    "exclude": "must be a list of name patterns",
+    "heads.patterns": "must be a list of name patterns",
+    "threads": f"must be a whole number of threads in [1, {MAX_THREADS}]",
+}
+
+
+def _schema_error(exc: ValidationError, where: str) -> MergeError:
+    """One line for the first problem the schema found; unknown keys are listed together
+    with the keys allowed there."""
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    if first["type"] == "extra_forbidden":
+        parent = first["loc"][:-1]
+        extra = sorted(str(e["loc"][-1]) for e in errors if e["loc"][:-1] == parent)
+        section = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parent)
+        section = section.lstrip(".")
+        cls = _SECTIONS[str(next((p for p in parent if isinstance(p, str)), ""))]
+        allowed = ", ".join(sorted(cls.model_fields))
+        return MergeError(
+            f"{where}: unknown key(s) {extra} in {section or 'the config'}; allowed: {allowed}"
         )
+    return MergeError(f"{where}: {schema_message(exc, _LABELS)}")
 
 
 def load_merge_config(path: str | os.PathLike[str]) -> MergeConfig:
     """Read and validate a merge configuration (YAML or JSON); relative paths are taken
-    relative to the file's folder. Errors name the key and say what is expected."""
+    relative to the file's folder. Errors name the key and say what is expected.
+
+    The file is checked by a typed schema: numbers must be numbers of the right kind and
+    range (no ``true`` for 1, no ``1.5`` threads, nothing infinite), keys must be known;
+    YAML is read with PyYAML's safe loader and aliases are refused.
+    """
     path = Path(path)
     where = f"config {path}"
     if not path.is_file():
-        raise MergeError(f"{where}: no such file")
-    text = path.read_text(encoding="utf-8")
-    try:
-        if path.suffix == ".json":
-            raw = json.loads(text)
-        else:
-            import yaml
-
-            raw = yaml.safe_load(text)
-    except Exception as exc:
-        raise _fail(where, f"cannot parse ({exc})") from None
+        raise MissingFileError(f"{where}: no such file")
+    if path.suffix == ".json":
+        raw = parse_json(read_text(path, "config", MergeError), where, MergeError)
+    else:
+        raw = read_yaml(path, "config", MergeError)
     if not isinstance(raw, dict):
-        raise _fail(where, "expected a mapping of keys (method, models, ...)")
-    _unknown(raw, _TOP_KEYS, where, "the config")
-    method = raw.get("method")
-    if method not in METHODS:
-        raise _fail(where, f"method must be one of {', '.join(METHODS)}, got {method!r}")
-    root = path.parent
+        raise MergeError(f"{where}: expected a mapping of keys (method, models, ...)")
+    try:
+        checked = _ConfigFile.model_validate(raw)
+    except ValidationError as exc:
+        raise _schema_error(exc, where) from None
+    return _resolved(checked, path.parent, where)
 
-    def resolve(p: Any, key: str) -> str:
-        if not isinstance(p, str) or not p:
-            raise _fail(where, f"{key} must be a path, got {p!r}")
+
+def _resolved(checked: _ConfigFile, root: Path, where: str) -> MergeConfig:
+    """The configuration with paths resolved and checked, and the rules across keys."""
+
+    def resolve(p: str) -> str:
         full = Path(p).expanduser()
         return str(full if full.is_absolute() else root / full)
 
-    entries_raw = raw.get("models")
-    if not isinstance(entries_raw, list) or len(entries_raw) < 2:
-        raise _fail(where, "models must be a list of at least 2 entries ({path: ..., ...})")
+    def exists(p: str, key: str, *, folder: bool) -> bool:
+        try:
+            return Path(p).is_dir() if folder else Path(p).exists()
+        except (OSError, ValueError) as exc:
+            detail = exc.strerror if isinstance(exc, OSError) else exc
+            raise MergeError(f"{where}: {key} {p[:200]!r}: not a usable path ({detail})") from None
+
+    method = checked.method
     models = []
-    for i, e in enumerate(entries_raw):
-        key = f"models[{i}]"
-        if isinstance(e, str):
-            e = {"path": e}
-        if not isinstance(e, dict):
-            raise _fail(where, f"{key} must be a path or a mapping with 'path'")
-        _unknown(e, _MODEL_KEYS, where, key)
-        entry = ModelEntry(path=resolve(e.get("path"), f"{key}.path"))
-        if not Path(entry.path).is_dir():
-            raise _fail(where, f"{key}.path {entry.path}: no such model folder")
-        if e.get("stats") is not None:
-            entry.stats = resolve(e["stats"], f"{key}.stats")
-            if not Path(entry.stats).is_file():
-                raise _fail(where, f"{key}.stats {entry.stats}: no such file")
-        if e.get("coefficient") is not None:
-            entry.coefficient = _number(e["coefficient"], f"{key}.coefficient", where, lo=0.0)
-        if e.get("name") is not None:
-            entry.name = str(e["name"])
+    for i, e in enumerate(checked.models):
+        entry = ModelEntry(path=resolve(e.path), coefficient=e.coefficient, name=e.name)
+        if not exists(entry.path, f"models[{i}].path", folder=True):
+            raise MergeError(f"{where}: models[{i}].path {entry.path}: no such model folder")
+        if e.stats is not None:
+            entry.stats = resolve(e.stats)
+            if not exists(entry.stats, f"models[{i}].stats", folder=False):
+                raise MergeError(
+                    f"{where}: models[{i}].stats {entry.stats}: no such file or statistics folder"
+                )
         models.append(entry)
-    cfg = MergeConfig(method=method, models=models)
     needs_stats = method in ("regmean", "fisher")
     for i, entry in enumerate(models):
         if needs_stats and entry.stats is None:
-            raise _fail(where, f"models[{i}].stats is required for method {method}")
+            raise MergeError(f"{where}: models[{i}].stats is required for method {method}")
         if not needs_stats and entry.stats is not None:
-            raise _fail(where, f"models[{i}].stats given but method {method} uses no statistics")
+            raise MergeError(
+                f"{where}: models[{i}].stats given but method {method} uses no statistics"
+            )
     coefs = [m.coefficient for m in models]
     if any(c is not None for c in coefs) and any(c is None for c in coefs):
-        raise _fail(where, "give a coefficient for every model or for none")
-    if "alpha" in raw:
-        cfg.alpha = _number(raw["alpha"], "alpha", where, lo=0.0)
-        if cfg.alpha > 1.0:
-            raise _fail(where, f"alpha must be in [0, 1], got {cfg.alpha}")
-    if "scaling" in raw:
-        cfg.scaling = _number(raw["scaling"], "scaling", where)
-    if "fisher_eps" in raw:
-        cfg.fisher_eps = _number(raw["fisher_eps"], "fisher_eps", where, lo=0.0)
-    if "ridge" in raw:
-        cfg.ridge = _number(raw["ridge"], "ridge", where, lo=0.0)
-    if "allow_regularization" in raw:
-        if not isinstance(raw["allow_regularization"], bool):
-            raise _fail(where, "allow_regularization must be true or false")
-        cfg.allow_regularization = raw["allow_regularization"]
-    if raw.get("threads") is not None:
-        cfg.threads = int(_number(raw["threads"], "threads", where, lo=1))
+        raise MergeError(f"{where}: give a coefficient for every model or for none")
+    cfg = MergeConfig(
+        method=method,
+        models=models,
+        alpha=checked.alpha,
+        scaling=checked.scaling,
+        fisher_eps=checked.fisher_eps,
+        ridge=checked.ridge,
+        allow_regularization=checked.allow_regularization,
+        threads=checked.threads,
+        exclude=list(checked.exclude or []),
+    )
     if method == "task_arithmetic":
-        if raw.get("base") is None:
-            raise _fail(where, "task_arithmetic needs base: (the pre-trained model folder)")
-        cfg.base = resolve(raw["base"], "base")
-        if not Path(cfg.base).is_dir():
-            raise _fail(where, f"base {cfg.base}: no such model folder")
-    elif raw.get("base") is not None:
-        raise _fail(where, f"base is only used by task_arithmetic, not {method}")
-    cfg.exclude = _patterns(raw.get("exclude"), "exclude", where)
-    heads = raw.get("heads")
-    if heads is not None:
-        if not isinstance(heads, dict):
-            raise _fail(where, "heads must be a mapping {patterns: [...], policy: keep|drop}")
-        _unknown(heads, _HEAD_KEYS, where, "heads")
-        cfg.head_patterns = _patterns(heads.get("patterns"), "heads.patterns", where)
-        cfg.head_policy = heads.get("policy", "keep")
-        if cfg.head_policy not in HEAD_POLICIES:
-            raise _fail(where, f"heads.policy must be keep or drop, got {cfg.head_policy!r}")
-    output = raw.get("output")
-    if output is not None:
-        if not isinstance(output, dict):
-            raise _fail(where, "output must be a mapping {dtype: ..., max_shard_size: ...}")
-        _unknown(output, _OUTPUT_KEYS, where, "output")
-        cfg.dtype = output.get("dtype", "auto")
-        if cfg.dtype not in OUTPUT_DTYPES:
-            raise _fail(
-                where, f"output.dtype must be auto/float32/bfloat16/float16, got {cfg.dtype!r}"
-            )
-        cfg.max_shard_size = str(output.get("max_shard_size", "2GB"))
+        if checked.base is None:
+            raise MergeError(f"{where}: task_arithmetic needs base: (the pre-trained model folder)")
+        cfg.base = resolve(checked.base)
+        if not exists(cfg.base, "base", folder=True):
+            raise MergeError(f"{where}: base {cfg.base}: no such model folder")
+    elif checked.base is not None:
+        raise MergeError(f"{where}: base is only used by task_arithmetic, not {method}")
+    if checked.heads is not None:
+        cfg.head_patterns = list(checked.heads.patterns or [])
+        cfg.head_policy = checked.heads.policy
+    if checked.output is not None:
+        cfg.dtype = checked.output.dtype
+        cfg.max_shard_size = checked.output.max_shard_size
     return cfg
 
 

@@ -21,7 +21,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .._errors import MergeError
-from .._tensors import as_float64, as_tensor_array, to_torch
+from .._tensors import as_float64, as_tensor_array, is_tensor, to_torch
 from .._util import matches
 from ..average import fisher_average, weighted_average
 from ..regmean import regmean_merge_layer
@@ -39,21 +39,35 @@ __all__ = [
 ]
 
 
-def checked_finite(name: str, arr: Any) -> NDArray[Any]:
-    """``arr`` as an array, or :class:`MergeError` naming tensor ``name`` if not finite."""
-    out: NDArray[Any] = np.asarray(arr)
-    if not np.isfinite(out).all():
+def checked_finite(name: str, arr: Any, dtype: str | None = None) -> Any:
+    """``arr`` (a NumPy array or torch tensor) unchanged, or :class:`MergeError` naming
+    tensor ``name`` if any value is not finite (``dtype``: the dtype it was cast to)."""
+    if is_tensor(arr):
+        finite = bool(arr.isfinite().all()) if arr.is_floating_point() else True
+    else:
+        arr = np.asarray(arr)
+        finite = bool(np.isfinite(arr).all())
+    if not finite:
+        cast = f" in {dtype}" if dtype else ""
         raise MergeError(
-            f"merged tensor {name!r} is not finite; check the inputs (NaN/Inf in a model or "
-            "statistics)"
+            f"merged tensor {name!r} is not finite{cast}; check the inputs (NaN/Inf in a model "
+            "or statistics), or write a wider output dtype (output.dtype: float32) where "
+            "values exceed the narrow type's range"
         )
-    return out
+    return arr
 
 
 def cast_merged(name: str, value: Any, dtype: str) -> Any:
-    """A merged float64 tensor, checked finite, as a torch tensor of ``dtype`` (its
-    input's): the one cast every front door applies."""
-    return to_torch(checked_finite(name, value), dtype)
+    """A merged tensor (float64 NumPy, or torch) as a torch tensor of ``dtype``, checked
+    finite after the cast (a value finite in float64 may overflow a narrower type): the
+    one cast every front door applies."""
+    if is_tensor(value):
+        import torch
+
+        out = value.to(getattr(torch, dtype))
+    else:
+        out = to_torch(np.asarray(value), dtype)
+    return checked_finite(name, out, dtype)
 
 
 def _named(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> NDArray[np.float64]:

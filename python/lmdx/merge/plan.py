@@ -33,6 +33,7 @@ __all__ = [
     "MergePlan",
     "Output",
     "Step",
+    "check_same_entries",
     "check_same_layout",
     "check_stats_model",
     "current_rss_bytes",
@@ -138,7 +139,7 @@ def check_same_layout(
     sources: Sequence[TensorSource], body: Sequence[str], heads: Sequence[str]
 ) -> None:
     """Every source holds ``body`` (the first source's non-head tensors) with the same
-    shapes and nothing else but heads; :class:`MergeError` names the tensor."""
+    shapes and dtypes and nothing else but heads; :class:`MergeError` names the tensor."""
     ref = sources[0]
     known = set(body)
     for c in sources[1:]:
@@ -153,6 +154,12 @@ def check_same_layout(
                     f"tensor {n!r}: shape {ref.shape(n)} in {ref.label}{ref.where(n)} but "
                     f"{c.shape(n)} in {c.label}{c.where(n)}; models must be fine-tuned from "
                     "one checkpoint (exclude differing task heads with heads=[...])"
+                )
+            if c.dtype(n) != ref.dtype(n):
+                raise MergeError(
+                    f"tensor {n!r}: dtype {ref.dtype(n)} in {ref.label}{ref.where(n)} but "
+                    f"{c.dtype(n)} in {c.label}{c.where(n)}; convert the models to one dtype "
+                    "first (the merged tensor would otherwise take the first model's)"
                 )
         extra = [n for n in c.names() if n not in known and not matches(n, heads)]
         if extra:
@@ -233,6 +240,25 @@ def open_stats(
     return objs
 
 
+def check_same_entries(stats: Sequence[Statistics], labels: Sequence[str]) -> None:
+    """Every statistics covers the modules (Grams) or parameters (Fisher) of the first;
+    :class:`MergeError` names both files and the first entry missing."""
+    what = "module" if stats[0].kind == "regmean-gram" else "Fisher parameter"
+    ref = stats[0].modules if stats[0].kind == "regmean-gram" else stats[0].parameters
+    for i, s in enumerate(stats[1:], start=1):
+        have = s.modules if s.kind == "regmean-gram" else s.parameters
+        missing = [m for m in ref if m not in have]
+        extra = [m for m in have if m not in ref]
+        if missing or extra:
+            a, b = (i, 0) if missing else (0, i)
+            name = (missing or extra)[0]
+            raise MergeError(
+                f"statistics {stats[a].source or labels[a]} (of {labels[a]}) lack {what} "
+                f"{name!r} that statistics {stats[b].source or labels[b]} (of {labels[b]}) "
+                "have; collect every model's statistics over the same modules"
+            )
+
+
 # --------------------------------------------------------------------------- plan
 
 
@@ -260,6 +286,7 @@ def make_plan(
     if stats is not None:
         for source, s in zip(sources, stats, strict=True):
             tied = {**source.aliases(), **check_stats_model(source, s)}
+        check_same_entries(stats, labels)
     if options.method == "task_arithmetic":
         if base is None:
             raise MergeError("task_arithmetic needs base= (the pre-trained model)")

@@ -18,11 +18,12 @@ from types import TracebackType
 from typing import Any
 
 from .._core import core
-from .._tensors import to_stored
+from .._tensors import dtype_name, to_stored
 from ..files.atomic import atomic_directory, check_free_space
 from ..files.checkpoint import INDEX_FILE
 from ..files.hf import copy_model_files
 from ..files.safetensors import SafetensorsWriter, TensorSpec
+from .methods import cast_merged
 from .options import MergeOptions
 from .plan import MergePlan
 from .source import TensorSource
@@ -78,6 +79,8 @@ class FolderSink:
             self._writer = SafetensorsWriter(self.tmp / fname, specs, {"format": "pt"})
             self._left = len(members)
         out = self.plan.outputs[index]
+        if out.dtype != dtype_name(tensor):  # output.dtype: the final cast, checked finite
+            tensor = cast_merged(out.name, tensor, out.dtype)
         self._writer.write(out.name, to_stored(tensor, out.dtype))
         self._left -= 1
         if self._left == 0:

@@ -21,7 +21,6 @@ pickle is involved.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -30,8 +29,9 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from .._errors import ModelMismatchError, StatisticsFileError
+from .._errors import MissingStatisticsError, ModelMismatchError, StatisticsFileError
 from ..files.identity import describe_mismatch
+from ..files.parse import parse_json, read_json
 from ..files.safetensors import (
     SafetensorsFile,
     TensorSpec,
@@ -39,7 +39,16 @@ from ..files.safetensors import (
     read_safetensors_header,
 )
 from ..moments import Moments
-from .format import FORMAT, FORMAT_VERSION, INDEX_FORMAT, INDEX_NAME, KINDS, validate_metadata
+from .format import (
+    FORMAT,
+    FORMAT_VERSION,
+    INDEX_FORMAT,
+    INDEX_NAME,
+    KINDS,
+    check_content,
+    stored_sha256,
+    validate_metadata,
+)
 from .packing import pack_upper, unpack_upper
 from .writer import StatisticsWriter
 
@@ -100,6 +109,7 @@ class Statistics:
         self._tensors: dict[str, Any] = dict(tensors or {})
         self._moments: dict[str, Moments] = dict(moments or {})
         self._file: Any = None
+        self._sha256: dict[str, str] = {}
         self.source = source
         self.extra = dict(extra or {})
 
@@ -109,7 +119,9 @@ class Statistics:
         try:
             return str(self.modules[module]["group"])
         except KeyError:
-            raise KeyError(f"{self._where()}: no statistics for module {module!r}") from None
+            raise MissingStatisticsError(
+                f"{self._where()}: no statistics for module {module!r}"
+            ) from None
 
     def count(self, module: str | None = None) -> float:
         """Rows seen by a module's input (Grams) or examples (Fisher)."""
@@ -137,7 +149,7 @@ class Statistics:
     def fisher(self, parameter: str) -> NDArray[np.float64]:
         """Sum over examples of squared gradients of a parameter (divide by :meth:`count`)."""
         if parameter not in self.parameters:
-            raise KeyError(f"{self._where()}: no Fisher statistics for {parameter!r}")
+            raise MissingStatisticsError(f"{self._where()}: no Fisher statistics for {parameter!r}")
         return np.asarray(self.tensor(f"fisher/{parameter}"), dtype=np.float64)
 
     def tensor(self, name: str) -> NDArray[Any]:
@@ -146,15 +158,21 @@ class Statistics:
         if name in self._tensors:
             v = self._tensors[name]
             return np.asarray(v() if callable(v) else v)
-        if self._file is not None:
+        if self._file is not None and name in self._sha256:
             try:
-                return np.asarray(self._file.get_tensor(name))
-            except Exception as exc:
+                arr = np.asarray(self._file.get_tensor(name))
+            except (OSError, ValueError) as exc:
                 raise StatisticsFileError(
                     f"{self._where()}: cannot read tensor {name!r} ({exc}); the file may be "
                     "truncated or corrupted"
                 ) from None
-        raise KeyError(f"{self._where()}: tensor {name!r} is missing")
+            if stored_sha256(arr) != self._sha256[name]:
+                raise StatisticsFileError(
+                    f"{self._where()}: tensor {name!r} does not match its content hash; the "
+                    "file was corrupted or edited after it was written: get an intact copy"
+                )
+            return arr
+        raise MissingStatisticsError(f"{self._where()}: tensor {name!r} is missing")
 
     def _where(self) -> str:
         return f"statistics {self.source}" if self.source else "statistics"
@@ -266,10 +284,7 @@ class Statistics:
                 raise StatisticsFileError(
                     f"{where}: no lmdx metadata; this is not an lmdx statistics file"
                 )
-            try:
-                meta = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise StatisticsFileError(f"{where}: metadata is not valid JSON ({exc})") from None
+            meta = parse_json(raw, f"{where}: metadata", StatisticsFileError)
         validate_metadata(meta, where)
         assert isinstance(meta, dict)
         stats = cls(
@@ -296,6 +311,16 @@ class Statistics:
                     f"{where}: tensor {spec.name!r} has shape {present[spec.name]}, the "
                     f"metadata says {list(spec.shape)}"
                 )
+        for m, info in stats.modules.items():
+            if info["dim"] != stats.groups[info["group"]]["dim"]:
+                raise StatisticsFileError(
+                    f"{where}: module {m!r} has dimension {info['dim']}, its input group "
+                    f"{info['group']!r} {stats.groups[info['group']]['dim']}"
+                )
+        extra = sorted(set(present) - {spec.name for spec in stats.specs()})
+        if extra:
+            raise StatisticsFileError(f"{where}: tensor {extra[0]!r} is not in the metadata")
+        stats._sha256 = check_content(meta, set(present), where)
         return stats
 
 
@@ -310,10 +335,7 @@ class _ShardedStatistics:
                 f"{where}: no {INDEX_NAME}; give a statistics file or a folder written by "
                 "lmdx (stats ... --max-shard-size)"
             )
-        try:
-            data = json.loads(index.read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise StatisticsFileError(f"{where}: {INDEX_NAME} is not valid JSON ({exc})") from None
+        data = read_json(index, f"{where}: index", StatisticsFileError)
         if not isinstance(data, dict) or data.get("format") != INDEX_FORMAT:
             raise StatisticsFileError(f"{where}: {INDEX_NAME} is not an lmdx statistics index")
         weight_map, self.id = data.get("weight_map"), data.get("id")
@@ -327,8 +349,8 @@ class _ShardedStatistics:
     def _same_id(self, handle: SafetensorsFile) -> None:
         """A shard must carry this collection's id (no files of different runs mixed)."""
         try:
-            tag = json.loads(handle.metadata().get("lmdx_shard", "{}"))
-        except json.JSONDecodeError:
+            tag = parse_json(handle.metadata().get("lmdx_shard", "{}"), "tag", ValueError)
+        except ValueError:
             tag = {}
         if not isinstance(tag, dict) or tag.get("id") != self.id:
             raise StatisticsFileError(

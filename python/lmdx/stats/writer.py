@@ -1,4 +1,5 @@
-"""Statistics written tensor by tensor, in any order, to one file or a sharded folder."""
+"""Statistics written tensor by tensor, in any order, to one file or a sharded folder,
+with the content hashes of :mod:`lmdx.stats.format` (every tensor's and the metadata's)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from numpy.typing import NDArray
 from .._util import parse_size
 from ..files.atomic import atomic_directory
 from ..files.safetensors import SafetensorsWriter, TensorSpec, plan_shards
-from .format import INDEX_FORMAT, INDEX_NAME
+from .format import INDEX_FORMAT, INDEX_NAME, metadata_sha256, stored_sha256
 
 __all__ = ["StatisticsWriter"]
 
@@ -43,10 +44,12 @@ class StatisticsWriter:
         self._writers: dict[str, SafetensorsWriter] = {}
         self._left: dict[str, int] = {}
         self._shard_of: dict[str, str] = {}
+        self._sha256: dict[str, str] = {}
         try:
             if max_shard_size is None:
-                # room for the counts and anything else that grows by the end
-                reserve = 4096 + 64 * len(specs)
+                # room for the counts, the content hashes and anything else that grows by
+                # the end (names are escaped twice: JSON in a JSON string)
+                reserve = 4096 + sum(2 * len(json.dumps(json.dumps(s.name))) + 96 for s in specs)
                 w = SafetensorsWriter(
                     self.path, specs, {"lmdx": json.dumps(metadata)}, header_reserve=reserve
                 )
@@ -78,6 +81,7 @@ class StatisticsWriter:
             raise
 
     def write(self, name: str, arr: NDArray[Any]) -> None:
+        self._sha256[name] = stored_sha256(arr)
         if self._single is not None:
             self._single.write(name, arr)
             return
@@ -89,9 +93,18 @@ class StatisticsWriter:
         if self._left[fname] == 0:  # shard complete: flush and close it now
             self._writers[fname].close()
 
+    def _hashed(self, metadata: Mapping[str, Any]) -> dict[str, Any]:
+        """``metadata`` with its content hashes (JSON round trip first, so the hash is of
+        exactly what a reader will parse)."""
+        meta: dict[str, Any] = json.loads(json.dumps(dict(metadata)))
+        meta.pop("sha256", None)
+        meta["sha256"] = {"tensors": dict(self._sha256), "metadata": metadata_sha256(meta)}
+        return meta
+
     def close(self, metadata: Mapping[str, Any]) -> Path:
-        """Finish with the final metadata (counts included)."""
+        """Finish with the final metadata (counts included); the content hashes are added."""
         try:
+            metadata = self._hashed(metadata)
             if self._single is not None:
                 self._single.set_metadata({"lmdx": json.dumps(metadata)})
                 self._single.close()
