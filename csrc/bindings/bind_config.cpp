@@ -1,3 +1,9 @@
+// How this copy of the core was built and what it finds on this machine (core/config.hpp),
+// with the run-time facts of the kernels that lmdx.config() and the benchmarks report: the
+// Gram kernel's register tile (core/gram_kernel.hpp), the scratch pool (core/workspace.hpp)
+// and the measured FMA peak (core/peak.hpp).
+#include <pybind11/typing.h>
+
 #include "bindings/common.hpp"
 #include "core/config.hpp"
 #include "core/gram_kernel.hpp"
@@ -8,33 +14,18 @@ namespace lmdx_bind {
 
 void bind_config(py::module_& m) {
   m.attr("__version__") = LMDX_VERSION;
-  m.def("isa", &lmdx::isa_name, "Instruction-set level this module was compiled for.");
+  m.def("isa", &lmdx::isa, "Instruction-set level this module was compiled for.");
+  m.def("compiler", &lmdx::compiler, "The compiler that built this module.");
   m.def("has_openmp", &lmdx::has_openmp, "Whether the core was built with OpenMP.");
-  m.def("max_threads", &lmdx::max_threads, "Threads used when n_threads <= 0.");
-  m.def("eigen_version", &lmdx::eigen_version);
+  m.def("max_threads", &lmdx::max_threads,
+        "Threads available to OpenMP (1 without it); every n_threads must be >= 1.");
+  m.def("eigen_version", &lmdx::eigen_version, "Version of the Eigen headers compiled in.");
   m.def("eigen_simd", &lmdx::eigen_simd, "SIMD instruction sets Eigen was compiled with.");
-  m.def(
-      "gram_tile",
-      []() {
-        const lmdx::GramTile t = lmdx::gram_tile();
-        return py::dict(py::arg("float32") = py::make_tuple(t.mr_float, t.nr_float),
-                        py::arg("float64") = py::make_tuple(t.mr_double, t.nr_double));
-      },
-      "Register tile (rows, columns) of this variant's Gram kernel per precision.");
-  m.def("compiler", []() {
-#if defined(__clang__)
-    return std::string("clang ") + __clang_version__;
-#elif defined(__GNUC__)
-    return std::string("gcc ") + __VERSION__;
-#else
-    return std::string("unknown");
-#endif
-  });
   m.def(
       "cpu_features",
       []() {
         const lmdx::CpuFeatures f = lmdx::cpu_features();
-        py::dict d;
+        py::typing::Dict<py::str, bool> d;  // in this order in lmdx.config()
         d["avx2"] = f.avx2;
         d["fma"] = f.fma;
         d["f16c"] = f.f16c;
@@ -49,6 +40,16 @@ void bind_config(py::module_& m) {
         return d;
       },
       "CPU features detected at run time (x86-64; all False elsewhere).");
+  m.def(
+      "gram_tile",
+      []() {
+        const lmdx::GramTile t = lmdx::gram_tile();
+        py::typing::Dict<py::str, py::typing::Tuple<int, int>> d;
+        d["float32"] = py::make_tuple(t.mr_float, t.nr_float);
+        d["float64"] = py::make_tuple(t.mr_double, t.nr_double);
+        return d;
+      },
+      "Register tile (rows, columns) of this variant's Gram kernel per precision.");
   m.def("scratch_bytes", &lmdx::scratch_bytes, "Bytes held by the kernels' scratch pool.");
   m.def("release_scratch", &lmdx::release_scratch, "Free the kernels' pooled scratch buffers.");
   m.def(
@@ -57,7 +58,7 @@ void bind_config(py::module_& m) {
         py::gil_scoped_release release;
         return lmdx::measure_peak_gflops(double_precision, n_threads, seconds);
       },
-      py::arg("double_precision"), py::arg("n_threads") = 0, py::arg("seconds") = 0.5,
+      py::kw_only(), py::arg("double_precision"), py::arg("n_threads"), py::arg("seconds"),
       "GFLOP/s of a register-resident FMA loop on this machine.");
 }
 

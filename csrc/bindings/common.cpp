@@ -4,19 +4,17 @@
 
 namespace lmdx_bind {
 
-std::string shape_of(const py::array& a) {
-  std::string shape = "(";
-  for (py::ssize_t i = 0; i < a.ndim(); ++i) {
-    shape += std::to_string(a.shape(i));
-    if (i + 1 < a.ndim() || a.ndim() == 1) shape += ",";
-    if (i + 1 < a.ndim()) shape += " ";
-  }
-  return shape + ")";
+namespace {
+
+std::vector<Index> shape_vector(const py::array& a) {
+  return std::vector<Index>(a.shape(), a.shape() + a.ndim());
 }
+
+}  // namespace
 
 std::string describe(const py::array& a) {
   const bool c_contiguous = (a.flags() & py::array::c_style) != 0;
-  return std::string(py::str(a.dtype())) + " array of shape " + shape_of(a) +
+  return std::string(py::str(a.dtype())) + " array of shape " + lmdx::shape_of(shape_vector(a)) +
          (c_contiguous ? "" : " (not C-contiguous)");
 }
 
@@ -28,19 +26,23 @@ ArrayView float_view(const py::array& a, const std::string& name, int ndim) {
                                 std::to_string(ndim) + " dimension(s), got a " + describe(a) +
                                 "; convert with numpy.ascontiguousarray");
   }
-  return ArrayView{a.data(), is_f32};
+  return ArrayView{a.data(), is_f32, shape_vector(a)};
 }
 
-const double* float64_data(const py::array& a, const std::string& name, int ndim) {
-  const ArrayView v = float_view(a, name, ndim);
+ArrayView float64_view(const py::array& a, const std::string& name, int ndim) {
+  ArrayView v = float_view(a, name, ndim);
   if (v.is_float32) {
     throw std::invalid_argument(name + ": expected a float64 array, got a " + describe(a));
   }
-  return v.f64();
+  return v;
 }
 
-py::array_t<double> new_float64(const std::vector<py::ssize_t>& shape) {
-  return py::array_t<double>(shape);
+py::array_t<double> new_float64(const std::vector<Index>& shape) {
+  return py::array_t<double>(std::vector<py::ssize_t>(shape.begin(), shape.end()));
+}
+
+std::vector<double> coefficient_list(const std::optional<std::vector<double>>& coefficients) {
+  return coefficients.value_or(std::vector<double>{});
 }
 
 }  // namespace lmdx_bind

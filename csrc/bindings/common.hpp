@@ -1,14 +1,19 @@
-// Argument checking and array conversion shared by the bind_*.cpp files.
+// Conversions shared by the bind_*.cpp files: Python arrays to zero-copy core views, and
+// new float64 arrays for results.
 //
-// Inputs are viewed in place (zero-copy) and must already be C-contiguous float32 or
-// float64: the Python layer (lmdx/_tensors.py) makes that conversion explicit, so no large
-// array is ever copied silently here. Violations raise ValueError naming the argument.
+// A binding converts, views, releases the GIL and calls the core; it checks nothing the
+// core can check. What it does check is what a view needs: a C-contiguous float32 or
+// float64 array with the dimensions of the parameter (the Python layer, lmdx/_tensors.py,
+// makes that conversion explicit, so no large array is ever copied silently here); a
+// failure raises ValueError naming the argument. Every other check (shapes that must
+// agree, values, thread counts) is the core's, raised as std::invalid_argument (ValueError).
 #pragma once
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -20,18 +25,20 @@ namespace py = pybind11;
 using lmdx::ArrayView;
 using lmdx::Index;
 
-/// "(2, 3)"-style shape, and "float32 array of shape (2, 3)" (+ contiguity) for errors.
-std::string shape_of(const py::array& a);
+/// "float32 array of shape (2, 3)" (+ " (not C-contiguous)") for errors.
 std::string describe(const py::array& a);
 
-/// Require a C-contiguous float32/float64 array with `ndim` dimensions.
+/// View a C-contiguous float32/float64 array with `ndim` dimensions.
 ArrayView float_view(const py::array& a, const std::string& name, int ndim);
 
-/// Require a C-contiguous float64 array with `ndim` dimensions.
-const double* float64_data(const py::array& a, const std::string& name, int ndim);
+/// View a C-contiguous float64 array with `ndim` dimensions.
+ArrayView float64_view(const py::array& a, const std::string& name, int ndim);
 
 /// A new C-contiguous float64 array of the given shape (owned by Python).
-py::array_t<double> new_float64(const std::vector<py::ssize_t>& shape);
+py::array_t<double> new_float64(const std::vector<Index>& shape);
+
+/// Per-model coefficients: None is the empty list (all 1 to the core).
+std::vector<double> coefficient_list(const std::optional<std::vector<double>>& coefficients);
 
 void bind_config(py::module_& m);
 void bind_moments(py::module_& m);

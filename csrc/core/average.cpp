@@ -37,46 +37,56 @@ void load(const ArrayView& x, Index start, Index len, BlockArray& out) {
   }
 }
 
-void check_inputs(const std::vector<ArrayView>& xs, Index n, const std::string& what,
-                  int n_threads) {
+// At least one tensor, each of the shape of `reference` (xs[0] when null, named
+// `reference_name` in messages) and finite.
+void check_inputs(const std::vector<ArrayView>& xs, const std::string& what,
+                  const ArrayView* reference, const std::string& reference_name, int n_threads) {
   if (xs.empty()) throw std::invalid_argument(what + ": need at least one tensor");
+  const ArrayView& ref = reference != nullptr ? *reference : xs[0];
   for (size_t i = 0; i < xs.size(); ++i) {
-    require_finite(xs[i], n, 0, what + "[" + std::to_string(i) + "]", n_threads);
+    require_same_shape(xs[i], what + "[" + std::to_string(i) + "]", ref, reference_name);
+  }
+  for (size_t i = 0; i < xs.size(); ++i) {
+    require_finite(xs[i], 0, what + "[" + std::to_string(i) + "]", n_threads);
   }
 }
 
 }  // namespace
 
-void weighted_average(const std::vector<ArrayView>& xs, Index n,
+void weighted_average(const std::vector<ArrayView>& tensors,
                       const std::vector<double>& coefficients, double* out, int n_threads) {
-  check_inputs(xs, n, "tensors", n_threads);
-  const std::vector<double> coef = checked_coefficients(coefficients, xs.size());
+  const int requested = resolve_threads(n_threads);
+  check_inputs(tensors, "tensors", nullptr, "tensors[0]", n_threads);
+  const Index n = tensors[0].size();
+  const std::vector<double> coef = checked_coefficients(coefficients, tensors.size());
   double total = 0.0;
   for (double c : coef) total += c;
   const Index n_blocks = (n + kBlock - 1) / kBlock;
-  const int threads = n < 4 * kBlock ? 1 : resolve_threads(n_threads);
+  const int threads = n < 4 * kBlock ? 1 : requested;
   LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(static))
   for (Index b = 0; b < n_blocks; ++b) {
     const Index start = b * kBlock;
     const Index len = std::min(kBlock, n - start);
     Eigen::Map<ArrayXd> acc(out + start, len);
     acc.setZero();
-    for (size_t i = 0; i < xs.size(); ++i) {
-      if (coef[i] != 0.0) add_scaled(xs[i], start, len, coef[i], acc);
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (coef[i] != 0.0) add_scaled(tensors[i], start, len, coef[i], acc);
     }
     acc /= total;
   }
 }
 
 void fisher_average(const std::vector<ArrayView>& params, const std::vector<ArrayView>& fishers,
-                    Index n, const std::vector<double>& coefficients, double eps, double* out,
+                    const std::vector<double>& coefficients, double eps, double* out,
                     int n_threads) {
-  check_inputs(params, n, "params", n_threads);
-  check_inputs(fishers, n, "fishers", n_threads);
+  const int requested = resolve_threads(n_threads);
+  check_inputs(params, "params", nullptr, "params[0]", n_threads);
   if (fishers.size() != params.size()) {
     throw std::invalid_argument("fishers: expected " + std::to_string(params.size()) +
                                 " tensors (one per model), got " + std::to_string(fishers.size()));
   }
+  check_inputs(fishers, "fishers", &params[0], "params[0]", n_threads);
+  const Index n = params[0].size();
   if (!std::isfinite(eps) || eps < 0.0) {
     throw std::invalid_argument("eps: must be finite and >= 0, got " + std::to_string(eps));
   }
@@ -94,7 +104,7 @@ void fisher_average(const std::vector<ArrayView>& params, const std::vector<Arra
     }
   }
   const Index n_blocks = (n + kBlock - 1) / kBlock;
-  const int threads = n < 4 * kBlock ? 1 : resolve_threads(n_threads);
+  const int threads = n < 4 * kBlock ? 1 : requested;
   Index zero_at = std::numeric_limits<Index>::max();
   LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(static) reduction(min : zero_at))
   for (Index b = 0; b < n_blocks; ++b) {

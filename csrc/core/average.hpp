@@ -10,13 +10,15 @@
 
 LMDX_NAMESPACE_BEGIN
 
-/// `out` has n elements; `coefficients` is empty (all 1) or K values >= 0, not all 0.
-void weighted_average(const std::vector<ArrayView>& xs, Index n,
+/// `tensors`: K >= 1 views of one shape; `coefficients` is empty (all 1) or K values
+/// >= 0, not all 0; `out` has room for tensors[0].size() values (its shape, row-major).
+void weighted_average(const std::vector<ArrayView>& tensors,
                       const std::vector<double>& coefficients, double* out, int n_threads);
 
-/// Fisher values must be >= 0; eps >= 0. Raises if a denominator is 0.
+/// `params` and `fishers`: K views each, all of params[0]'s shape; Fisher values must be
+/// >= 0; eps >= 0. Raises if a denominator is 0. `out` as for weighted_average.
 void fisher_average(const std::vector<ArrayView>& params, const std::vector<ArrayView>& fishers,
-                    Index n, const std::vector<double>& coefficients, double eps, double* out,
+                    const std::vector<double>& coefficients, double eps, double* out,
                     int n_threads);
 
 LMDX_NAMESPACE_END

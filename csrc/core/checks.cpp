@@ -12,7 +12,8 @@ LMDX_NAMESPACE_BEGIN
 
 template <typename T>
 Index first_nonfinite(const T* x, Index n, int n_threads) {
-  const int threads = n < (Index(1) << 16) ? 1 : resolve_threads(n_threads);
+  const int requested = resolve_threads(n_threads);  // checked even where one thread is used
+  const int threads = n < (Index(1) << 16) ? 1 : requested;
   Index first = std::numeric_limits<Index>::max();
   LMDX_PRAGMA(omp parallel for num_threads(threads) reduction(min : first) schedule(static))
   for (Index block = 0; block < n; block += 4096) {
@@ -48,7 +49,8 @@ void require_symmetric(const double* g, Index d, const std::string& what, int n_
   // columns are shared by the threads (max is exact, so the result does not depend on them).
   constexpr Index kTile = 64;
   const Index n_tiles = (d + kTile - 1) / kTile;
-  const int threads = d < 512 ? 1 : resolve_threads(n_threads);
+  const int requested = resolve_threads(n_threads);
+  const int threads = d < 512 ? 1 : requested;
   double scale = 0.0;
   double asym = 0.0;
   LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(dynamic, 1)

@@ -1,6 +1,7 @@
 #include "core/config.hpp"
 
 #include <algorithm>
+#include <stdexcept>
 #include <string>
 
 #ifdef LMDX_HAS_OPENMP
@@ -9,7 +10,17 @@
 
 LMDX_NAMESPACE_BEGIN
 
-const char* isa_name() noexcept { return LMDX_ISA_NAME; }
+const char* isa() noexcept { return LMDX_ISA_NAME; }
+
+const char* compiler() noexcept {
+#if defined(__clang__)
+  return "clang " __clang_version__;
+#elif defined(__GNUC__)
+  return "gcc " __VERSION__;
+#else
+  return "unknown";
+#endif
+}
 
 bool has_openmp() noexcept {
 #ifdef LMDX_HAS_OPENMP
@@ -27,11 +38,13 @@ int max_threads() noexcept {
 #endif
 }
 
-int resolve_threads(int n_threads) noexcept {
+int resolve_threads(int n_threads) {
+  if (n_threads < 1) {
+    throw std::invalid_argument("n_threads: must be >= 1, got " + std::to_string(n_threads));
+  }
 #ifdef LMDX_HAS_OPENMP
-  return n_threads <= 0 ? max_threads() : n_threads;
+  return n_threads;
 #else
-  (void)n_threads;
   return 1;
 #endif
 }

@@ -34,10 +34,12 @@ template <typename T>
 using MatrixX = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::ColMajor>;
 
 /// Which instruction-set level this copy of the core was compiled for.
-const char* isa_name() noexcept;
+const char* isa() noexcept;
+/// The compiler that built it ("gcc 12.2.0", "clang ...").
+const char* compiler() noexcept;
 /// Whether the core was built with OpenMP.
 bool has_openmp() noexcept;
-/// Threads OpenMP would use by default (1 without OpenMP).
+/// Threads available to OpenMP (1 without OpenMP); reported, never used as a default.
 int max_threads() noexcept;
 /// Eigen version "major.minor.patch" and the SIMD instruction sets Eigen compiled in.
 const char* eigen_version() noexcept;
@@ -50,7 +52,10 @@ struct CpuFeatures {
 };
 CpuFeatures cpu_features() noexcept;
 
-/// Clamp a requested thread count: <= 0 means "all"; 1 without OpenMP.
-int resolve_threads(int n_threads) noexcept;
+/// The thread-count rule of every kernel: `n_threads` must be >= 1 (the Python layer turns
+/// its default, None, into a count first); anything else throws std::invalid_argument
+/// naming n_threads. Returns the threads to run: n_threads, or 1 without OpenMP. Called
+/// once at the start of every kernel, never inside a parallel region.
+int resolve_threads(int n_threads);
 
 LMDX_NAMESPACE_END

@@ -13,9 +13,10 @@
 // Calls on one object from several threads are serialized by an internal mutex.
 #pragma once
 
+#include <memory>
 #include <mutex>
 
-#include "core/config.hpp"
+#include "core/arrays.hpp"
 
 LMDX_NAMESPACE_BEGIN
 
@@ -27,17 +28,21 @@ class Moments {
   static constexpr Index kDefaultChunkRows = 512;
 
   explicit Moments(Index dim, Index chunk_rows = kDefaultChunkRows);
-  /// Rebuild from a saved state; only the lower triangle of `gram` (dim x dim) is read.
-  Moments(Index dim, double count, const double* sum, const double* gram_row_major,
-          Index chunk_rows = kDefaultChunkRows);
+  /// Rebuild from a saved state: `sum` a float64 view of shape (d,), `gram` one of shape
+  /// (d, d), of which only the lower triangle is read.
+  static std::unique_ptr<Moments> from_state(double count, const ArrayView& sum,
+                                             const ArrayView& gram,
+                                             Index chunk_rows = kDefaultChunkRows);
 
-  /// Add `rows` row vectors stored row-major at x (rows x dim, contiguous). `weights` is
-  /// nullptr or `rows` non-negative finite values.
-  void update(const float* x, Index rows, const double* weights, int n_threads);
-  void update(const double* x, Index rows, const double* weights, int n_threads);
+  /// Add the rows of x, stored row-major (rows x cols, contiguous); cols must be dim().
+  /// `weights` is nullptr or a float64 view of `rows` non-negative finite values.
+  void update(const float* x, Index rows, Index cols, const ArrayView* weights, int n_threads);
+  void update(const double* x, Index rows, Index cols, const ArrayView* weights, int n_threads);
   /// 16-bit rows: widened to float32 while packing (exact), then as float32.
-  void update(const Eigen::half* x, Index rows, const double* weights, int n_threads);
-  void update(const Eigen::bfloat16* x, Index rows, const double* weights, int n_threads);
+  void update(const Eigen::half* x, Index rows, Index cols, const ArrayView* weights,
+              int n_threads);
+  void update(const Eigen::bfloat16* x, Index rows, Index cols, const ArrayView* weights,
+              int n_threads);
 
   /// Add another accumulator's statistics (disjoint data): count, sum and Gram add.
   void merge(const Moments& other);
@@ -52,13 +57,15 @@ class Moments {
   /// Lower triangle valid; the strict upper triangle is unspecified.
   const MatrixXd& gram_lower() const noexcept { return gram_; }
   /// Write the full symmetric Gram into out (dim x dim, either storage order).
-  void copy_gram(double* out) const;
+  void gram(double* out) const;
 
  private:
+  Moments(Index dim, double count, const double* sum, const double* gram_row_major,
+          Index chunk_rows);
   template <typename T>
-  void update_impl(const T* x, Index rows, const double* weights, int n_threads);
+  void update_impl(const T* x, Index rows, Index cols, const ArrayView* weights, int n_threads);
 
-  mutable std::mutex mutex_;  // update/merge/copy_gram on one object are serialized
+  mutable std::mutex mutex_;  // update/merge/gram on one object are serialized
   Index dim_;
   Index chunk_rows_;
   double count_ = 0.0;

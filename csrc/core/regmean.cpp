@@ -21,6 +21,17 @@ constexpr double kSerialWork = 2e7;
 // Columns of W_i^T widened per task.
 constexpr Index kWidenColumns = 64;
 
+enum class WeightLayout {
+  Linear,  // torch nn.Linear: weight is [out, in]
+  Conv1D,  // Hugging Face GPT-2 Conv1D: weight is [in, out]
+};
+
+struct RegMeanModel {
+  const double* gram = nullptr;  // d_in x d_in, symmetric, row-major (either order works)
+  double count = 0.0;            // n_i: rows (tokens) the Gram was accumulated over
+  ArrayView weight;              // [out, in] (Linear) or [in, out] (Conv1D), row-major
+};
+
 template <typename T>
 using RowMajor = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
@@ -37,13 +48,21 @@ void load_weight_t(const T* data, Index d_in, Index d_out, WeightLayout layout, 
   }
 }
 
-}  // namespace
+WeightLayout parse_layout(const std::string& layout, const std::string& name) {
+  if (layout == "linear") return WeightLayout::Linear;
+  if (layout == "conv1d") return WeightLayout::Conv1D;
+  throw std::invalid_argument(name +
+                              ": layout: expected 'linear' ([out, in], torch nn.Linear) or "
+                              "'conv1d' ([in, out], Hugging Face Conv1D), got '" +
+                              layout + "'");
+}
 
-RegMeanResult regmean_merge(const std::vector<RegMeanModel>& models, Index d_in, Index d_out,
-                            const std::vector<double>& coefficients, WeightLayout layout,
-                            const SolveOptions& opt) {
+// W_M^T (d_in x d_out, column-major) into merged_t, from models whose shapes are checked
+// (opt.n_threads too); returns what the solver did.
+SolveInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in, Index d_out,
+                           const std::vector<double>& coefficients, WeightLayout layout,
+                           const SolveOptions& opt, MatrixXd& merged_t) {
   const size_t k = models.size();
-  if (k == 0) throw std::invalid_argument(opt.name + ": need at least one model");
   if (d_in < 1 || d_out < 1)
     throw std::invalid_argument(opt.name + ": weights: empty weight matrix");
   if (!(opt.alpha >= 0.0 && opt.alpha <= 1.0)) {
@@ -61,7 +80,7 @@ RegMeanResult regmean_merge(const std::vector<RegMeanModel>& models, Index d_in,
     }
     require_finite(models[i].gram, d_in * d_in, d_in, opt.name + ": grams" + tag, opt.n_threads);
     require_symmetric(models[i].gram, d_in, opt.name + ": grams" + tag, opt.n_threads);
-    require_finite(models[i].weight, d_in * d_out, layout == WeightLayout::Linear ? d_in : d_out,
+    require_finite(models[i].weight, layout == WeightLayout::Linear ? d_in : d_out,
                    opt.name + ": weights" + tag, opt.n_threads);
     scale[i] = coef[i] / models[i].count;
   }
@@ -70,12 +89,11 @@ RegMeanResult regmean_merge(const std::vector<RegMeanModel>& models, Index d_in,
   // Decided by the work, never changing results (all partitions are fixed by the shapes).
   const double work = static_cast<double>(d_in) * static_cast<double>(d_in) *
                       (static_cast<double>(k) * static_cast<double>(d_out) + d_in);
-  const int threads = work < kSerialWork ? 1 : resolve_threads(opt.n_threads);
+  const int threads = work < kSerialWork ? 1 : opt.n_threads;
   const double alpha = opt.alpha;
   MatrixXd lhs = MatrixXd::Zero(d_in, d_in);
-  RegMeanResult result;
-  result.merged_t.setZero(d_in, d_out);
-  MatrixXd& rhs = result.merged_t;
+  merged_t.setZero(d_in, d_out);
+  MatrixXd& rhs = merged_t;
   // Right-hand side by row blocks of the output (fixed by d_in, never by the thread count,
   // for determinism): each task multiplies its rows of G_i by all of W_i^T, so every Gram
   // is read and packed once per column chunk instead of once per column block. W_i^T is
@@ -129,8 +147,60 @@ RegMeanResult regmean_merge(const std::vector<RegMeanModel>& models, Index d_in,
   }
   SolveOptions solve_opt = opt;
   solve_opt.n_threads = threads;
-  result.info = spd_solve(lhs, rhs, solve_opt);
-  return result;
+  return spd_solve(lhs, rhs, solve_opt);
+}
+
+}  // namespace
+
+SolveInfo regmean_merge_layer(const std::vector<ArrayView>& grams,
+                              const std::vector<ArrayView>& weights,
+                              const std::vector<double>& counts,
+                              const std::vector<double>& coefficients, const std::string& layout,
+                              const SolveOptions& opt, double* out) {
+  const std::string& name = opt.name;
+  const int requested = resolve_threads(opt.n_threads);
+  const size_t k = grams.size();
+  if (k == 0) throw std::invalid_argument(name + ": grams: need at least one model");
+  if (counts.size() != k || weights.size() != k) {
+    throw std::invalid_argument(name + ": grams, counts, weights: need one entry per model, got " +
+                                std::to_string(k) + ", " + std::to_string(counts.size()) + ", " +
+                                std::to_string(weights.size()));
+  }
+  const WeightLayout lay = parse_layout(layout, name);
+  std::vector<RegMeanModel> models(k);
+  Index d_in = 0, d_out = 0;
+  for (size_t i = 0; i < k; ++i) {
+    const std::string tag = "[" + std::to_string(i) + "]";
+    const ArrayView& w = weights[i];
+    const Index in = lay == WeightLayout::Linear ? w.shape[1] : w.shape[0];
+    const Index out_dim = lay == WeightLayout::Linear ? w.shape[0] : w.shape[1];
+    if (i == 0) {
+      d_in = in;
+      d_out = out_dim;
+    } else if (in != d_in || out_dim != d_out) {
+      throw std::invalid_argument(name + ": weights" + tag + " is a " + describe(w) +
+                                  " but weights[0] has shape " + shape_of(weights[0].shape) +
+                                  "; all models must have the same architecture");
+    }
+    if (grams[i].shape != std::vector<Index>{d_in, d_in}) {
+      throw std::invalid_argument(name + ": grams" + tag + " is a " + describe(grams[i]) +
+                                  " but the layer's input dimension is " + std::to_string(d_in) +
+                                  " (layout '" + layout + "')");
+    }
+    models[i] = RegMeanModel{grams[i].f64(), counts[i], w};
+  }
+  SolveOptions checked = opt;
+  checked.n_threads = requested;
+  MatrixXd merged_t;
+  const SolveInfo info =
+      merge_transposed(models, d_in, d_out, coefficients, lay, checked, merged_t);
+  if (lay == WeightLayout::Linear) {
+    // W_M^T column-major (d_in x d_out) is W_M row-major [out, in].
+    std::copy(merged_t.data(), merged_t.data() + merged_t.size(), out);
+  } else {
+    Eigen::Map<RowMajor<double>>(out, d_in, d_out) = merged_t;
+  }
+  return info;
 }
 
 LMDX_NAMESPACE_END

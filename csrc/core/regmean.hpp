@@ -17,25 +17,16 @@
 
 LMDX_NAMESPACE_BEGIN
 
-enum class WeightLayout {
-  Linear,  // torch nn.Linear: weight is [out, in]
-  Conv1D,  // Hugging Face GPT-2 Conv1D: weight is [in, out]
-};
-
-struct RegMeanModel {
-  const double* gram = nullptr;  // d_in x d_in, symmetric, row-major (either order works)
-  double count = 0.0;            // n_i: rows (tokens) the Gram was accumulated over
-  ArrayView weight;              // [out, in] (Linear) or [in, out] (Conv1D), row-major
-};
-
-struct RegMeanResult {
-  MatrixXd merged_t;  // d_in x d_out (column-major), i.e. W_M^T
-  SolveInfo info;
-};
-
-/// Merge one layer. `coefficients` is empty (all 1) or K non-negative values, not all 0.
-RegMeanResult regmean_merge(const std::vector<RegMeanModel>& models, Index d_in, Index d_out,
-                            const std::vector<double>& coefficients, WeightLayout layout,
-                            const SolveOptions& opt);
+/// Merge one layer of K models. `grams`: K float64 views of shape (d_in, d_in), symmetric;
+/// `weights`: K float32/float64 views, [out, in] for layout "linear" (torch nn.Linear) or
+/// [in, out] for "conv1d" (Hugging Face GPT-2 Conv1D); `counts`: K row counts n_i > 0;
+/// `coefficients`: empty (all 1) or K values >= 0, not all 0. Messages start with opt.name.
+/// `out` has room for weights[0].size() values and receives the merged weight W_M in the
+/// layout of the inputs (row-major).
+SolveInfo regmean_merge_layer(const std::vector<ArrayView>& grams,
+                              const std::vector<ArrayView>& weights,
+                              const std::vector<double>& counts,
+                              const std::vector<double>& coefficients, const std::string& layout,
+                              const SolveOptions& opt, double* out);
 
 LMDX_NAMESPACE_END

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <sstream>
 
+#include "core/checks.hpp"
 #include "core/parallel.hpp"
 
 LMDX_NAMESPACE_BEGIN
@@ -100,6 +101,7 @@ Index column_block_width(Index k) {
 }
 
 SolveInfo spd_factor(const Eigen::Ref<const MatrixXd>& a, MatrixXd& l, const SolveOptions& opt) {
+  resolve_threads(opt.n_threads);
   const Index d = a.rows();
   if (a.cols() != d) {
     throw std::invalid_argument(opt.name + ": matrix must be square, got " +
@@ -114,7 +116,7 @@ SolveInfo spd_factor(const Eigen::Ref<const MatrixXd>& a, MatrixXd& l, const Sol
   SolveInfo info;
   info.mean_diagonal = a.diagonal().mean();
   if (!(info.mean_diagonal > 0.0) || !std::isfinite(info.mean_diagonal)) {
-    throw NotPositiveDefinite(
+    throw NotPositiveDefiniteError(
         opt.name + ": the mean diagonal is " + format_double(info.mean_diagonal) +
         ", so the matrix is zero or not a Gram/covariance matrix; check that the statistics "
         "were collected from data that reached this layer");
@@ -135,7 +137,7 @@ SolveInfo spd_factor(const Eigen::Ref<const MatrixXd>& a, MatrixXd& l, const Sol
                             format_double(info.mean_diagonal) + ") with relative ridge " +
                             format_double(ridge);
     if (!opt.allow_regularization) {
-      throw NotPositiveDefinite(
+      throw NotPositiveDefiniteError(
           opt.name + ": not numerically positive definite: " + why + ". Input feature " +
           std::to_string(bad) +
           " is (nearly) never active or linearly dependent on others; allow regularization or "
@@ -143,9 +145,9 @@ SolveInfo spd_factor(const Eigen::Ref<const MatrixXd>& a, MatrixXd& l, const Sol
     }
     const double next = ridge < 1e-10 ? 1e-10 : ridge * 10.0;
     if (next > 1.0) {
-      throw NotPositiveDefinite(opt.name + ": still not positive definite after " +
-                                std::to_string(info.attempts) + " attempts: " + why +
-                                ". The matrix is indefinite; it is not a valid Gram matrix");
+      throw NotPositiveDefiniteError(opt.name + ": still not positive definite after " +
+                                     std::to_string(info.attempts) + " attempts: " + why +
+                                     ". The matrix is indefinite; it is not a valid Gram matrix");
     }
     ridge = next;
     info.escalated = true;
@@ -238,6 +240,28 @@ void cholesky_solve_in_place(const MatrixXd& l, Eigen::Ref<MatrixXd> b, int n_th
   over_rhs_blocks(b.cols(), n_threads, [&](Index c0, Index cols) {
     blocked_solve(l, b.middleCols(c0, cols));
   });
+}
+
+SolveInfo spd_solve(const ArrayView& a, const ArrayView& b, double* x, const SolveOptions& opt) {
+  resolve_threads(opt.n_threads);
+  if (a.shape.size() != 2 || a.shape[0] != a.shape[1] || a.shape[0] < 1) {
+    throw std::invalid_argument("a: expected a square matrix, got a " + describe(a));
+  }
+  const Index d = a.shape[0];
+  if (b.shape.empty() || b.shape.size() > 2 || b.shape[0] != d) {
+    throw std::invalid_argument("b: expected " + std::to_string(d) + " rows to match a, got a " +
+                                describe(b));
+  }
+  const Index k = b.shape.size() == 1 ? 1 : b.shape[1];
+  require_finite(a, d, "a", opt.n_threads);
+  require_finite(b, k, "b", opt.n_threads);
+  require_symmetric(a.f64(), d, "a", opt.n_threads);
+  // a is symmetric, so its row-major buffer read as column-major is the same matrix.
+  const Eigen::Map<const MatrixXd> a_map(a.f64(), d, d);
+  // b row-major (d x k) is b^T column-major (k x d): solved in x's buffer as x^T a = b^T.
+  std::copy(b.f64(), b.f64() + d * k, x);
+  Eigen::Map<MatrixXd> xt(x, k, d);
+  return spd_solve_transposed(a_map, xt, opt);
 }
 
 SolveInfo spd_solve(const Eigen::Ref<const MatrixXd>& a, Eigen::Ref<MatrixXd> b,

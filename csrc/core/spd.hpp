@@ -11,7 +11,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "core/config.hpp"
+#include "core/arrays.hpp"
 
 LMDX_NAMESPACE_BEGIN
 
@@ -30,17 +30,18 @@ struct SolveInfo {
 };
 
 /// Thrown when the system cannot be factored (not positive definite and regularization
-/// forbidden or exhausted). Python: lmdx.NotPositiveDefiniteError (a ValueError).
-class NotPositiveDefinite : public std::runtime_error {
+/// forbidden or exhausted). The native module raises it as its own NotPositiveDefiniteError
+/// (a ValueError), which lmdx/spd.py re-raises as lmdx.NotPositiveDefiniteError.
+class NotPositiveDefiniteError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
 
 struct SolveOptions {
-  double alpha = 1.0;
-  double ridge = 0.0;
+  double alpha = 1.0;  // RegMean's off-diagonal scale, in [0, 1]
+  double ridge = 0.0;  // relative to the mean diagonal
   bool allow_regularization = true;
-  int n_threads = 0;
+  int n_threads = 1;
   std::string name = "system";  // names the system in error messages (e.g. a layer)
 };
 
@@ -61,6 +62,11 @@ Index column_block_width(Index k);
 /// Solve L L^T X = B in place (B is d x k, column-major), threaded over column blocks.
 void cholesky_solve_in_place(const MatrixXd& l, Eigen::Ref<MatrixXd> b, int n_threads);
 
+/// The checked entry for row-major callers (the Python binding): `a` a float64 view of
+/// shape (d, d), finite and symmetric; `b` a float64 view of shape (d,) or (d, k), finite;
+/// `x` room for b.size() values, receives X in b's shape (row-major). Throws
+/// std::invalid_argument naming the argument at fault.
+SolveInfo spd_solve(const ArrayView& a, const ArrayView& b, double* x, const SolveOptions& opt);
 /// X = A_reg^{-1} B. `b` is overwritten with X.
 SolveInfo spd_solve(const Eigen::Ref<const MatrixXd>& a, Eigen::Ref<MatrixXd> b,
                     const SolveOptions& opt);

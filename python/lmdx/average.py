@@ -37,7 +37,11 @@ def weighted_average(
     """
     arrays = [as_tensor_array(t, f"tensors[{i}]") for i, t in enumerate(tensors)]
     coef = None if coefficients is None else [float(c) for c in coefficients]
-    return np.asarray(_core.core.weighted_average(arrays, coef, resolve_threads(n_threads)))
+    return np.asarray(
+        _core.core.weighted_average(
+            tensors=arrays, coefficients=coef, n_threads=resolve_threads(n_threads)
+        )
+    )
 
 
 def fisher_average(
@@ -64,4 +68,12 @@ def fisher_average(
     p = [as_tensor_array(t, f"params[{i}]") for i, t in enumerate(params)]
     f = [as_tensor_array(t, f"fishers[{i}]") for i, t in enumerate(fishers)]
     coef = None if coefficients is None else [float(c) for c in coefficients]
-    return np.asarray(_core.core.fisher_average(p, f, coef, float(eps), resolve_threads(n_threads)))
+    return np.asarray(
+        _core.core.fisher_average(
+            params=p,
+            fishers=f,
+            coefficients=coef,
+            eps=float(eps),
+            n_threads=resolve_threads(n_threads),
+        )
+    )

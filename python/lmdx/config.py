@@ -8,7 +8,7 @@ from typing import Any, TextIO
 
 from . import _core
 
-__all__ = ["config", "default_threads", "show_config"]
+__all__ = ["config", "default_threads", "resolve_threads", "show_config"]
 
 
 def default_threads() -> int:
@@ -29,10 +29,15 @@ def default_threads() -> int:
 
 
 def resolve_threads(n_threads: int | None) -> int:
+    """The thread count for a call into the core: ``None`` is :func:`default_threads`; an
+    integer must be >= 1 (the core enforces the same rule)."""
     if n_threads is None:
         return default_threads()
     if int(n_threads) < 1:
-        raise ValueError(f"n_threads: must be >= 1 or None, got {n_threads}")
+        raise ValueError(
+            f"n_threads: must be >= 1, got {n_threads}; pass None for the default "
+            "(lmdx.default_threads(): $LMDX_NUM_THREADS or the CPUs available)"
+        )
     return int(n_threads)
 
 

@@ -37,7 +37,7 @@ class Moments:
     """
 
     def __init__(self, dim: int, *, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> None:
-        self._native = _core.core.Moments(int(dim), int(chunk_rows))
+        self._native = _core.core.Moments(dim=int(dim), chunk_rows=int(chunk_rows))
 
     @classmethod
     def from_state(
@@ -46,7 +46,10 @@ class Moments:
         """Rebuild an accumulator from saved ``count``, ``sum`` (d,) and ``gram`` (d, d)."""
         obj = cls.__new__(cls)
         obj._native = _core.core.Moments.from_state(
-            float(count), as_float64(sum, "sum"), as_float64(gram, "gram"), int(chunk_rows)
+            count=float(count),
+            sum=as_float64(sum, "sum"),
+            gram=as_float64(gram, "gram"),
+            chunk_rows=int(chunk_rows),
         )
         return obj
 
@@ -79,14 +82,16 @@ class Moments:
         """
         rows, leading, bfloat16 = as_gram_rows(x, self.dim, "x")
         w = as_weights(mask, weights, leading, rows.shape[0])
-        self._native.update(rows, w, resolve_threads(n_threads), bfloat16)
+        self._native.update(
+            x=rows, weights=w, n_threads=resolve_threads(n_threads), bfloat16=bfloat16
+        )
         return self
 
     def merge(self, other: Moments) -> Moments:
         """Add another accumulator's statistics (over disjoint data) into this one."""
         if not isinstance(other, Moments):
             raise TypeError(f"other: expected lmdx.Moments, got {type(other).__name__}")
-        self._native.merge(other._native)
+        self._native.merge(other=other._native)
         return self
 
     def __iadd__(self, other: Moments) -> Moments:

@@ -12,7 +12,7 @@ from . import _core
 from ._tensors import as_float64, as_tensor_array
 from .config import resolve_threads
 from .moments import Moments
-from .spd import warn_if_escalated
+from .spd import solver_errors, warn_if_escalated
 
 __all__ = ["RegMeanResult", "regmean_merge_layer"]
 
@@ -90,17 +90,18 @@ def regmean_merge_layer(
     elif len(resolved_counts) != len(grams):
         raise ValueError(f"{name}: counts are required when grams are arrays")
     weight_arrays = [as_tensor_array(w, f"{name}: weights[{i}]") for i, w in enumerate(weights)]
-    merged, info = _core.core.regmean_merge(
-        gram_arrays,
-        resolved_counts,
-        weight_arrays,
-        None if coefficients is None else [float(c) for c in coefficients],
-        float(alpha),
-        str(layout),
-        float(ridge),
-        bool(allow_regularization),
-        resolve_threads(n_threads),
-        str(name),
-    )
+    with solver_errors():
+        merged, info = _core.core.regmean_merge_layer(
+            grams=gram_arrays,
+            weights=weight_arrays,
+            counts=resolved_counts,
+            alpha=float(alpha),
+            coefficients=None if coefficients is None else [float(c) for c in coefficients],
+            layout=str(layout),
+            ridge=float(ridge),
+            allow_regularization=bool(allow_regularization),
+            name=str(name),
+            n_threads=resolve_threads(n_threads),
+        )
     warn_if_escalated(info, name)
     return RegMeanResult(merged, info)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
 
 from . import _core
-from ._errors import RegularizationWarning
+from ._errors import NotPositiveDefiniteError, RegularizationWarning
 from ._tensors import as_float64
 from .config import resolve_threads
 
@@ -21,6 +23,18 @@ class SolveResult(NamedTuple):
 
     x: NDArray[np.float64]
     info: Any
+
+
+@contextmanager
+def solver_errors() -> Iterator[None]:
+    """Re-raise the native core's ``NotPositiveDefiniteError`` as
+    :class:`lmdx.NotPositiveDefiniteError` with the same message (the native module
+    imports nothing from the package, so it has its own exception type). Every call into
+    a solver of the core runs inside this."""
+    try:
+        yield
+    except _core.core.NotPositiveDefiniteError as exc:
+        raise NotPositiveDefiniteError(str(exc)) from None
 
 
 def warn_if_escalated(info: Any, name: str) -> None:
@@ -69,14 +83,15 @@ def spd_solve(
         ``x`` with the shape of ``b`` and ``info`` (``ridge``, ``escalated``, ``attempts``,
         ``min_pivot``, ``max_pivot``, ``rcond_estimate``).
     """
-    x, info = _core.core.spd_solve(
-        as_float64(a, "a"),
-        as_float64(b, "b"),
-        float(alpha),
-        float(ridge),
-        bool(allow_regularization),
-        resolve_threads(n_threads),
-        str(name),
-    )
+    with solver_errors():
+        x, info = _core.core.spd_solve(
+            a=as_float64(a, "a"),
+            b=as_float64(b, "b"),
+            alpha=float(alpha),
+            ridge=float(ridge),
+            allow_regularization=bool(allow_regularization),
+            name=str(name),
+            n_threads=resolve_threads(n_threads),
+        )
     warn_if_escalated(info, name)
     return SolveResult(x, info)

@@ -52,17 +52,30 @@ def inputs():
 def run_variant(core, inp):
     """Run the raw module functions of one variant; returns a dict of results."""
     d = inp["d"]
-    m32 = core.Moments(d, 64)
-    m32.update(inp["x32"], None, 2)
-    m64 = core.Moments(d, 64)
-    m64.update(inp["x64"], inp["w"], 2)
+    m32 = core.Moments(dim=d, chunk_rows=64)
+    m32.update(x=inp["x32"], weights=None, n_threads=2, bfloat16=False)
+    m64 = core.Moments(dim=d, chunk_rows=64)
+    m64.update(x=inp["x64"], weights=inp["w"], n_threads=2, bfloat16=False)
     a = inp["grams"][1] / 700.0
-    x, info = core.spd_solve(a, inp["b"], 0.9, 1e-3, True, 2, "sys")
-    merged, rinfo = core.regmean_merge(
-        inp["grams"], inp["counts"], inp["W"], [1.0, 2.0], 0.9, "linear", 0.0, True, 2, "layer"
+    x, info = core.spd_solve(
+        a=a, b=inp["b"], alpha=0.9, ridge=1e-3, allow_regularization=True, name="sys", n_threads=2
     )
-    avg = core.weighted_average(inp["avg"], [1.0, 3.0], 2)
-    fisher = core.fisher_average(inp["avg"], inp["fisher"], None, 0.0, 2)
+    merged, rinfo = core.regmean_merge_layer(
+        grams=inp["grams"],
+        weights=inp["W"],
+        counts=inp["counts"],
+        alpha=0.9,
+        coefficients=[1.0, 2.0],
+        layout="linear",
+        ridge=0.0,
+        allow_regularization=True,
+        name="layer",
+        n_threads=2,
+    )
+    avg = core.weighted_average(tensors=inp["avg"], coefficients=[1.0, 3.0], n_threads=2)
+    fisher = core.fisher_average(
+        params=inp["avg"], fishers=inp["fisher"], coefficients=None, eps=0.0, n_threads=2
+    )
     return {
         "gram32": m32.gram(),
         "sum32": np.asarray(m32.sum),
@@ -154,13 +167,39 @@ def test_variants_agree(results):
 
 
 @pytest.mark.parametrize("variant", SUPPORTED)
-def test_each_variant_raises_the_python_error_classes(variant):
+def test_each_variant_raises_the_python_error_classes(monkeypatch, variant):
     core = dispatch.load(variant)
     singular = np.diag([1.0, 0.0, 1.0])
+    # The native module has its own exception type (it imports nothing from the package)...
+    assert issubclass(core.NotPositiveDefiniteError, ValueError)
+    assert not issubclass(core.NotPositiveDefiniteError, lmdx.LmdxError)
+    with pytest.raises(
+        core.NotPositiveDefiniteError, match=r"^probe: not numerically positive"
+    ) as raw:
+        core.spd_solve(
+            a=singular,
+            b=np.ones(3),
+            alpha=1.0,
+            ridge=0.0,
+            allow_regularization=False,
+            name="probe",
+            n_threads=1,
+        )
+    # ... which the public API, run on this variant, raises as lmdx.NotPositiveDefiniteError
+    # with the message unchanged.
+    monkeypatch.setattr(dispatch, "core", core)
+    with pytest.raises(lmdx.NotPositiveDefiniteError) as public:
+        lmdx.spd_solve(singular, np.ones(3), allow_regularization=False, name="probe")
+    assert str(public.value) == str(raw.value)
+    assert isinstance(public.value, lmdx.LmdxError) and isinstance(public.value, ValueError)
     with pytest.raises(lmdx.NotPositiveDefiniteError, match=r"^probe: not numerically positive"):
-        core.spd_solve(singular, np.ones(3), 1.0, 0.0, False, 1, "probe")
+        lmdx.regmean_merge_layer(
+            [singular], [np.ones((2, 3))], [1.0], allow_regularization=False, name="probe"
+        )
     with pytest.raises(ValueError, match=r"^x: expected 3 columns"):
-        core.Moments(3, 8).update(np.ones((2, 4)), None, 1)
+        core.Moments(dim=3, chunk_rows=8).update(
+            x=np.ones((2, 4)), weights=None, n_threads=1, bfloat16=False
+        )
 
 
 def test_baseline_runs_on_any_x86_64():

@@ -254,65 +254,89 @@ def test_averages_of_mixed_numpy_dtypes(rng):
 # --------------------------------------------------------------------------- raw bindings
 
 
+def raw_update(m, x, weights=None, bfloat16=False):
+    m.update(x=x, weights=weights, n_threads=1, bfloat16=bfloat16)
+
+
+def raw_spd_solve(a, b):
+    return core.spd_solve(
+        a=a, b=b, alpha=1.0, ridge=0.0, allow_regularization=True, name="s", n_threads=1
+    )
+
+
+def raw_regmean(grams, weights):
+    return core.regmean_merge_layer(
+        grams=grams,
+        weights=weights,
+        counts=[1.0] * len(grams),
+        alpha=1.0,
+        coefficients=None,
+        layout="linear",
+        ridge=0.0,
+        allow_regularization=True,
+        name="blk.1",
+        n_threads=1,
+    )
+
+
 def test_raw_moments_rejects_non_contiguous_and_wrong_dtype(rng):
     x = rng.standard_normal((5, 3))
-    m = core.Moments(3, 7)
+    m = core.Moments(dim=3, chunk_rows=7)
     with pytest.raises(
         ValueError, match=r"^x: expected a C-contiguous float32 or float64 array.*not C-contiguous"
     ):
-        m.update(np.asfortranarray(x), None, 1)
+        raw_update(m, np.asfortranarray(x))
     with pytest.raises(
         ValueError, match=r"^x: expected a C-contiguous float32 or float64 array.*int64"
     ):
-        m.update(x.astype(np.int64), None, 1)
+        raw_update(m, x.astype(np.int64))
     with pytest.raises(ValueError, match=r"^x: expected .*float64.*uint16"):
-        m.update(x.astype(np.uint16), None, 1)
+        raw_update(m, x.astype(np.uint16))
     with pytest.raises(ValueError, match=r"^x: bfloat16 rows are passed as a uint16 view"):
-        m.update(x, None, 1, True)
+        raw_update(m, x, bfloat16=True)
     with pytest.raises(ValueError, match=r"^x: expected a C-contiguous 2-d array"):
-        m.update(np.asfortranarray(x.astype(np.float16)), None, 1)
+        raw_update(m, np.asfortranarray(x.astype(np.float16)))
     with pytest.raises(ValueError, match=r"^x: expected .*2 dimension"):
-        m.update(x.reshape(5, 3, 1), None, 1)
+        raw_update(m, x.reshape(5, 3, 1))
     with pytest.raises(ValueError, match=r"^weights: expected a float64 array, got a float32"):
-        m.update(x, np.ones(5, np.float32), 1)
+        raw_update(m, x, np.ones(5, np.float32))
     with pytest.raises(ValueError, match=r"^weights: expected 5 values \(one per row of x\)"):
-        m.update(x, np.ones(4), 1)
+        raw_update(m, x, np.ones(4))
     with pytest.raises(ValueError, match=r"^sum: expected a float64 array"):
-        core.Moments.from_state(1.0, np.ones(3, np.float32), np.eye(3), 7)
+        core.Moments.from_state(count=1.0, sum=np.ones(3, np.float32), gram=np.eye(3), chunk_rows=7)
     with pytest.raises(ValueError, match=r"^gram: expected a C-contiguous .*not C-contiguous"):
-        core.Moments.from_state(1.0, np.ones(3), np.asfortranarray(np.ones((3, 3))), 7)
+        core.Moments.from_state(
+            count=1.0, sum=np.ones(3), gram=np.asfortranarray(np.ones((3, 3))), chunk_rows=7
+        )
     assert m.count == 0.0 and not np.any(m.gram())
 
 
 def test_raw_spd_solve_rejects_non_contiguous_and_wrong_dtype():
     a = np.eye(3)
     with pytest.raises(ValueError, match=r"^a: expected a float64 array, got a float32"):
-        core.spd_solve(a.astype(np.float32), np.ones(3), 1.0, 0.0, True, 1, "s")
+        raw_spd_solve(a.astype(np.float32), np.ones(3))
     with pytest.raises(ValueError, match=r"^b: expected a C-contiguous .*not C-contiguous"):
-        core.spd_solve(a, np.ones((3, 4))[:, ::2], 1.0, 0.0, True, 1, "s")
+        raw_spd_solve(a, np.ones((3, 4))[:, ::2])
     with pytest.raises(ValueError, match=r"^a: expected a C-contiguous .*not C-contiguous"):
-        core.spd_solve(
-            np.asfortranarray(np.ones((3, 3)) + np.eye(3)), np.ones(3), 1.0, 0.0, True, 1, "s"
-        )
+        raw_spd_solve(np.asfortranarray(np.ones((3, 3)) + np.eye(3)), np.ones(3))
 
 
 def test_raw_regmean_rejects_non_contiguous_and_wrong_dtype():
     g = np.eye(3)
     w = np.ones((2, 3))
-    args = (None, 1.0, "linear", 0.0, True, 1, "blk.1")
     with pytest.raises(
         ValueError, match=r"^blk\.1: weights\[1\]: expected a C-contiguous .*not C-contiguous"
     ):
-        core.regmean_merge([g, g], [1.0, 1.0], [w, np.asfortranarray(np.ones((2, 3)))], *args)
+        raw_regmean([g, g], [w, np.asfortranarray(np.ones((2, 3)))])
     with pytest.raises(
         ValueError,
         match=r"^blk\.1: weights\[0\]: expected a C-contiguous float32 or float64.*int64",
     ):
-        core.regmean_merge([g, g], [1.0, 1.0], [w.astype(np.int64), w], *args)
+        raw_regmean([g, g], [w.astype(np.int64), w])
     with pytest.raises(
         ValueError, match=r"^blk\.1: grams\[1\]: expected a float64 array, got a float32"
     ):
-        core.regmean_merge([g, g.astype(np.float32)], [1.0, 1.0], [w, w], *args)
+        raw_regmean([g, g.astype(np.float32)], [w, w])
 
 
 def test_raw_averages_reject_non_contiguous_and_wrong_dtype():
@@ -320,14 +344,18 @@ def test_raw_averages_reject_non_contiguous_and_wrong_dtype():
     with pytest.raises(
         ValueError, match=r"^tensors\[1\]: expected a C-contiguous .*not C-contiguous"
     ):
-        core.weighted_average([x, np.asfortranarray(x)], None, 1)
+        core.weighted_average(tensors=[x, np.asfortranarray(x)], coefficients=None, n_threads=1)
     with pytest.raises(
         ValueError, match=r"^tensors\[0\]: expected a C-contiguous float32 or float64.*int32"
     ):
-        core.weighted_average([x.astype(np.int32)], None, 1)
+        core.weighted_average(tensors=[x.astype(np.int32)], coefficients=None, n_threads=1)
     with pytest.raises(ValueError, match=r"^fishers\[0\]: expected a C-contiguous .*float16"):
-        core.fisher_average([x], [x.astype(np.float16)], None, 0.0, 1)
+        core.fisher_average(
+            params=[x], fishers=[x.astype(np.float16)], coefficients=None, eps=0.0, n_threads=1
+        )
     with pytest.raises(
         ValueError, match=r"^params\[0\]: expected a C-contiguous .*not C-contiguous"
     ):
-        core.fisher_average([x.T], [x.T.copy()], None, 0.0, 1)
+        core.fisher_average(
+            params=[x.T], fishers=[x.T.copy()], coefficients=None, eps=0.0, n_threads=1
+        )

@@ -1,0 +1,253 @@
+"""
+lmdx native core (C++/Eigen); use the lmdx package, not this module
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import typing
+
+import numpy
+import numpy.typing
+
+__all__: list[str] = [
+    "SINGULAR_PIVOT",
+    "Moments",
+    "NotPositiveDefiniteError",
+    "SolveInfo",
+    "compiler",
+    "cpu_features",
+    "eigen_simd",
+    "eigen_version",
+    "fisher_average",
+    "gram_tile",
+    "has_openmp",
+    "isa",
+    "max_threads",
+    "measure_peak_gflops",
+    "regmean_merge_layer",
+    "release_scratch",
+    "scratch_bytes",
+    "spd_solve",
+    "weighted_average",
+]
+
+class Moments:
+    """
+    Streaming count, sum and Gram (sum of outer products) in float64.
+    """
+    @staticmethod
+    def from_state(
+        *,
+        count: typing.SupportsFloat | typing.SupportsIndex,
+        sum: numpy.ndarray,
+        gram: numpy.ndarray,
+        chunk_rows: typing.SupportsInt | typing.SupportsIndex,
+    ) -> Moments:
+        """
+        Rebuild from a saved count, sum (d,) and Gram (d, d), all float64.
+        """
+    def __init__(
+        self,
+        *,
+        dim: typing.SupportsInt | typing.SupportsIndex,
+        chunk_rows: typing.SupportsInt | typing.SupportsIndex,
+    ) -> None:
+        """
+        An empty accumulator of rows of length dim; chunk_rows rows are packed per block.
+        """
+    def gram(self) -> numpy.typing.NDArray[numpy.float64]:
+        """
+        The full symmetric Gram matrix (a new float64 array).
+        """
+    def merge(self, *, other: Moments) -> None:
+        """
+        Add another accumulator's statistics (disjoint data): count, sum and Gram add.
+        """
+    def update(
+        self,
+        *,
+        x: numpy.ndarray,
+        weights: numpy.ndarray | None,
+        n_threads: typing.SupportsInt | typing.SupportsIndex,
+        bfloat16: bool,
+    ) -> None:
+        """
+        Add the rows of x (rows, dim) with optional float64 weights (rows,).
+        bfloat16: x holds bfloat16 values as their uint16 bit patterns.
+        """
+    @property
+    def chunk_rows(self) -> int: ...
+    @property
+    def count(self) -> float: ...
+    @property
+    def dim(self) -> int: ...
+    @property
+    def sum(self) -> numpy.typing.NDArray[numpy.float64]: ...
+
+class NotPositiveDefiniteError(ValueError):
+    pass
+
+class SolveInfo:
+    """
+    What the regularized Cholesky solver did.
+    """
+    def __repr__(self) -> str: ...
+    @property
+    def attempts(self) -> int:
+        """
+        Factorizations tried.
+        """
+    @property
+    def escalated(self) -> bool:
+        """
+        Whether the ridge was raised above the requested one.
+        """
+    @property
+    def max_pivot(self) -> float:
+        """
+        Largest diagonal entry of L.
+        """
+    @property
+    def mean_diagonal(self) -> float:
+        """
+        mean(diag(a)).
+        """
+    @property
+    def min_pivot(self) -> float:
+        """
+        Smallest diagonal entry of L.
+        """
+    @property
+    def rcond_estimate(self) -> float:
+        """
+        (min_pivot / max_pivot)^2, a rough bound on 1 / cond(a).
+        """
+    @property
+    def ridge(self) -> float:
+        """
+        Relative ridge finally used.
+        """
+    @property
+    def ridge_absolute(self) -> float:
+        """
+        ridge * mean(diag(a)).
+        """
+
+def compiler() -> str:
+    """
+    The compiler that built this module.
+    """
+
+def cpu_features() -> dict[str, bool]:
+    """
+    CPU features detected at run time (x86-64; all False elsewhere).
+    """
+
+def eigen_simd() -> str:
+    """
+    SIMD instruction sets Eigen was compiled with.
+    """
+
+def eigen_version() -> str:
+    """
+    Version of the Eigen headers compiled in.
+    """
+
+def fisher_average(
+    *,
+    params: collections.abc.Sequence[numpy.ndarray],
+    fishers: collections.abc.Sequence[numpy.ndarray],
+    coefficients: collections.abc.Sequence[typing.SupportsFloat | typing.SupportsIndex] | None,
+    eps: typing.SupportsFloat | typing.SupportsIndex,
+    n_threads: typing.SupportsInt | typing.SupportsIndex,
+) -> numpy.typing.NDArray[numpy.float64]:
+    """
+    sum_i c_i (F_i + eps) x_i / sum_i c_i (F_i + eps), element-wise, in float64.
+    """
+
+def gram_tile() -> dict[str, tuple[int, int]]:
+    """
+    Register tile (rows, columns) of this variant's Gram kernel per precision.
+    """
+
+def has_openmp() -> bool:
+    """
+    Whether the core was built with OpenMP.
+    """
+
+def isa() -> str:
+    """
+    Instruction-set level this module was compiled for.
+    """
+
+def max_threads() -> int:
+    """
+    Threads available to OpenMP (1 without it); every n_threads must be >= 1.
+    """
+
+def measure_peak_gflops(
+    *,
+    double_precision: bool,
+    n_threads: typing.SupportsInt | typing.SupportsIndex,
+    seconds: typing.SupportsFloat | typing.SupportsIndex,
+) -> float:
+    """
+    GFLOP/s of a register-resident FMA loop on this machine.
+    """
+
+def regmean_merge_layer(
+    *,
+    grams: collections.abc.Sequence[numpy.ndarray],
+    weights: collections.abc.Sequence[numpy.ndarray],
+    counts: collections.abc.Sequence[typing.SupportsFloat | typing.SupportsIndex],
+    alpha: typing.SupportsFloat | typing.SupportsIndex,
+    coefficients: collections.abc.Sequence[typing.SupportsFloat | typing.SupportsIndex] | None,
+    layout: str,
+    ridge: typing.SupportsFloat | typing.SupportsIndex,
+    allow_regularization: bool,
+    name: str,
+    n_threads: typing.SupportsInt | typing.SupportsIndex,
+) -> tuple[numpy.typing.NDArray[numpy.float64], SolveInfo]:
+    """
+    RegMean merge of one linear layer.
+    Returns (merged float64 weight in the layout of the inputs, SolveInfo).
+    """
+
+def release_scratch() -> None:
+    """
+    Free the kernels' pooled scratch buffers.
+    """
+
+def scratch_bytes() -> int:
+    """
+    Bytes held by the kernels' scratch pool.
+    """
+
+def spd_solve(
+    *,
+    a: numpy.ndarray,
+    b: numpy.ndarray,
+    alpha: typing.SupportsFloat | typing.SupportsIndex,
+    ridge: typing.SupportsFloat | typing.SupportsIndex,
+    allow_regularization: bool,
+    name: str,
+    n_threads: typing.SupportsInt | typing.SupportsIndex,
+) -> tuple[numpy.typing.NDArray[numpy.float64], SolveInfo]:
+    """
+    Solve (alpha-reduced a + ridge * mean(diag(a)) I) x = b by Cholesky.
+    Returns (x of b's shape, SolveInfo).
+    """
+
+def weighted_average(
+    *,
+    tensors: collections.abc.Sequence[numpy.ndarray],
+    coefficients: collections.abc.Sequence[typing.SupportsFloat | typing.SupportsIndex] | None,
+    n_threads: typing.SupportsInt | typing.SupportsIndex,
+) -> numpy.typing.NDArray[numpy.float64]:
+    """
+    sum_i c_i x_i / sum_i c_i, element-wise, in float64.
+    """
+
+SINGULAR_PIVOT: float = 1e-13
+__version__: str = "0.1.0"
