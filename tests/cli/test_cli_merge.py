@@ -440,3 +440,18 @@ def test_sigterm_during_merge_leaves_nothing(workspace: Path, tmp_path: Path) ->
     assert proc.returncode == 130, err
     assert "interrupted; nothing was written" in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_errors_are_one_escaped_line_and_debug_shows_them_raised(
+    workspace: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lmdx import MergeError
+
+    cfg = _write_config(workspace / "odd.yaml", 'method: average\nmodels: [m0, "m\\e[2J1"]\n')
+    out = workspace / "never"
+    assert main(["merge", str(cfg), "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "\x1b" not in err and "m\\x1b[2J1" in err
+    with pytest.raises(MergeError, match="no such model folder"):
+        main(["--debug", "merge", str(cfg), "--out", str(out), "--no-progress"])
+    assert not out.exists()
