@@ -317,3 +317,20 @@ def test_statistics_of_other_weights_are_still_refused(ws: Path) -> None:
     state["enc.a.weight"][0, 0] += 1.0
     save_file(state, str(file), metadata={"format": "pt"})
     assert "has different values" in _merge_error(ws, F.CONFIG, ModelMismatchError)
+
+
+def test_statistics_that_saw_no_rows_are_named_by_file(ws: Path) -> None:
+    stats = Statistics.load(ws / "s0.safetensors")
+    groups = {g: {**v, "count": 0.0} for g, v in stats.groups.items()}
+    empty = Statistics(
+        kind=stats.kind,
+        model=stats.model,
+        padding=stats.padding,
+        modules=stats.modules,
+        groups=groups,
+        tensors={s.name: stats.packed(s.name) for s in stats.specs()},
+    )
+    (ws / "s0.safetensors").unlink()
+    empty.save(ws / "s0.safetensors")
+    msg = _merge_error(ws, F.CONFIG)
+    assert f"statistics {ws / 's0.safetensors'} (of " in msg and "saw no rows" in msg

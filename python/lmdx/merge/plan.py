@@ -352,6 +352,13 @@ def _steps(
         assert stats is not None
         for members in regmean_groups(stats, set(body), tied, options, labels):
             info = stats[0].modules[members[0]]
+            for i, s in enumerate(stats):
+                if s.count(members[0]) <= 0:
+                    raise MergeError(
+                        f"statistics {s.source or labels[i]} (of {labels[i]}): module "
+                        f"{members[0]!r} saw no rows; collect them on data that reaches it, "
+                        "or exclude it"
+                    )
             step = Step(
                 "regmean",
                 [stats[0].modules[m]["weight"] for m in members],

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from .._errors import ModelMismatchError
+from .._errors import ModelMismatchError, StatisticsFileError
 from ..files.identity import describe_mismatch
 from .file import Statistics
 
@@ -18,7 +18,9 @@ __all__ = ["add_statistics"]
 def _same(field: str, values: Sequence[Any], names: Sequence[str]) -> None:
     for v, n in zip(values[1:], names[1:], strict=True):
         if v != values[0]:
-            raise ValueError(f"cannot add statistics: {field} differs between {names[0]} and {n}")
+            raise StatisticsFileError(
+                f"cannot add statistics: {field} differs between {names[0]} and {n}"
+            )
 
 
 def add_statistics(parts: Iterable[Statistics], *, data: str | None = None) -> Statistics:
@@ -30,7 +32,7 @@ def add_statistics(parts: Iterable[Statistics], *, data: str | None = None) -> S
     """
     parts = list(parts)
     if not parts:
-        raise ValueError("add_statistics: nothing to add")
+        raise StatisticsFileError("add_statistics: nothing to add")
     names = [p.source or f"statistics #{i}" for i, p in enumerate(parts)]
     _same("kind", [p.kind for p in parts], names)
     for p, n in zip(parts[1:], names[1:], strict=True):
