@@ -16,7 +16,7 @@ from lmdx import MergeError, ModelMismatchError, StatisticsFileError
 from lmdx.cli import main
 from lmdx.cli.common import Claimed, report_errors
 from lmdx.files.identity import model_identity
-from lmdx.merge import load_merge_config, run_merge
+from lmdx.merge import load_merge_config, plan_merge, run_merge
 from lmdx.stats import Statistics
 from safetensors.numpy import load_file, save_file
 
@@ -197,6 +197,8 @@ def test_symlinked_model_files_are_refused(ws: Path, tmp_path: Path) -> None:
     link.symlink_to(private)
     msg = _merge_error(ws, F.CONFIG)
     assert "special_tokens_map.json is a symbolic link" in msg and str(private) in msg
+    with pytest.raises(MergeError, match="is a symbolic link"):  # the plan refuses it already
+        plan_merge(load_merge_config(ws / "c.yaml"))
 
 
 # ---------------------------------------------------------------- 6. sharded statistics

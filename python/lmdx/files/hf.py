@@ -13,7 +13,14 @@ from typing import Any
 from .._errors import MergeError
 from .parse import read_json
 
-__all__ = ["TOKENIZER_FILES", "base_model_info", "copy_model_files", "hf_progress", "load_model"]
+__all__ = [
+    "TOKENIZER_FILES",
+    "base_model_info",
+    "copy_model_files",
+    "hf_progress",
+    "load_model",
+    "model_files",
+]
 
 #: Files copied from the first model's folder so the output loads with its tokenizer.
 TOKENIZER_FILES = (
@@ -81,15 +88,13 @@ def base_model_info(config: Mapping[str, Any]) -> tuple[str, str | None]:
     return str(prefix), None if base is None else str(base)
 
 
-def copy_model_files(src: Path, dest: Path) -> None:
-    """Copy the tokenizer and generation files of model folder ``src`` into ``dest``.
+def model_files(src: Path) -> list[str]:
+    """The tokenizer and generation files of model folder ``src`` that a merge copies.
 
-    Only regular files are copied, opened without following links: a symbolic link
-    among them (which could carry a file from outside the folder into an output that is
-    then published) is refused with a :class:`MergeError` naming it; other kinds of
-    files (FIFOs, devices) are refused too. Copies are new files (the mode of any file
-    the user creates), not copies of the source's mode.
-    """
+    A symbolic link among them (which could carry a file from outside the folder into
+    an output that is then published) is refused with a :class:`MergeError` naming it,
+    and so is anything else that is not a regular file (a FIFO, a device)."""
+    found = []
     for fname in (*TOKENIZER_FILES, "generation_config.json"):
         path = src / fname
         if not os.path.lexists(path):
@@ -100,8 +105,20 @@ def copy_model_files(src: Path, dest: Path) -> None:
                 "only regular files of the model folder into the output: replace the link by "
                 "a copy of the file you mean to publish"
             )
+        if not path.is_file():
+            raise MergeError(f"model {src}: {fname} is not a regular file")
+        found.append(fname)
+    return found
+
+
+def copy_model_files(src: Path, dest: Path) -> None:
+    """Copy the tokenizer and generation files of model folder ``src`` into ``dest``:
+    only regular files (:func:`model_files`), opened without following links. Copies are
+    new files (the mode of any file the user creates), not copies of the source's mode.
+    """
+    for fname in model_files(src):
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+            fd = os.open(src / fname, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
         except OSError as exc:
             raise MergeError(f"model {src}: {fname} cannot be read ({exc.strerror})") from None
         with os.fdopen(fd, "rb") as f:

@@ -21,7 +21,7 @@ from .._errors import MergeError, ModelMismatchError
 from .._tensors import FLOAT_DTYPES
 from .._util import matches
 from ..files.checkpoint import SINGLE_FILE
-from ..files.hf import base_model_info
+from ..files.hf import base_model_info, model_files
 from ..files.identity import describe_mismatch
 from ..files.safetensors import plan_shards
 from ..stats.file import Statistics
@@ -303,6 +303,8 @@ def make_plan(
     prefix = ""
     outputs = []
     if folder:
+        if ref.path is not None and ref.path.is_dir():
+            model_files(ref.path)  # refuse what would be copied unsafely, before any work
         if options.head_policy == "drop":
             prefix, base_class = base_model_info(ref.config)
         for n in names:
