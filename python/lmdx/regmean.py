@@ -90,7 +90,7 @@ def regmean_merge_layer(
     elif len(resolved_counts) != len(grams):
         raise ValueError(f"{name}: counts are required when grams are arrays")
     weight_arrays = [as_tensor_array(w, f"{name}: weights[{i}]") for i, w in enumerate(weights)]
-    with solver_errors():
+    with solver_errors:
         merged, info = _core.core.regmean_merge_layer(
             grams=gram_arrays,
             weights=weight_arrays,

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
+from types import TracebackType
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -25,16 +24,26 @@ class SolveResult(NamedTuple):
     info: Any
 
 
-@contextmanager
-def solver_errors() -> Iterator[None]:
-    """Re-raise the native core's ``NotPositiveDefiniteError`` as
-    :class:`lmdx.NotPositiveDefiniteError` with the same message (the native module
-    imports nothing from the package, so it has its own exception type). Every call into
-    a solver of the core runs inside this."""
-    try:
-        yield
-    except _core.core.NotPositiveDefiniteError as exc:
-        raise NotPositiveDefiniteError(str(exc)) from None
+class _SolverErrors:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if kind is not None and issubclass(kind, _core.core.NotPositiveDefiniteError):
+            raise NotPositiveDefiniteError(str(error)) from None
+
+
+#: ``with solver_errors:`` around every call into a solver of the core re-raises the native
+#: module's ``NotPositiveDefiniteError`` as :class:`lmdx.NotPositiveDefiniteError`, message
+#: unchanged (the native module imports nothing from the package, so it has its own type).
+#: A plain object rather than a generator-based context manager: small solves are called
+#: often, and this costs ~0.1 µs a call instead of ~1 µs.
+solver_errors = _SolverErrors()
 
 
 def warn_if_escalated(info: Any, name: str) -> None:
@@ -83,7 +92,7 @@ def spd_solve(
         ``x`` with the shape of ``b`` and ``info`` (``ridge``, ``escalated``, ``attempts``,
         ``min_pivot``, ``max_pivot``, ``rcond_estimate``).
     """
-    with solver_errors():
+    with solver_errors:
         x, info = _core.core.spd_solve(
             a=as_float64(a, "a"),
             b=as_float64(b, "b"),
