@@ -1,10 +1,11 @@
 """Hostile and unlucky inputs for lmdx, generated from one clean workspace.
 
 A workspace holds two tiny checkpoints (one single file, one sharded with an index),
-their RegMean statistics (one file, one sharded folder) and a merge config; the clean
-merge of them is computed once. :func:`run_case` corrupts one input of one *target*
-(byte flips, truncations at every region, header and JSON mutations, YAML mutations)
-the way a random number generator says, runs the merge, and checks the outcome:
+their RegMean statistics (one file, one sharded folder), their Fisher statistics and a
+merge config for each kind; the clean merges are computed once. :func:`run_case`
+corrupts one input of one *target* (byte flips, truncations at every region, header and
+JSON mutations, YAML mutations) the way a random number generator says, runs the merge,
+and checks the outcome:
 
 * only :class:`lmdx.LmdxError` subclasses are raised (anything else is a bad outcome);
 * on an error nothing is written beside the output (no partial folder, no temporary);
@@ -30,7 +31,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-TARGETS = ("stats_file", "stats_folder", "checkpoint", "checkpoint_index", "config")
+TARGETS = ("stats_file", "stats_folder", "fisher_file", "checkpoint", "checkpoint_index", "config")
 MODULES = ("enc.a", "enc.b")
 D_IN, D_OUT, ROWS = 6, 5, 40
 
@@ -74,6 +75,20 @@ def _statistics(state: dict[str, Any], rng: np.random.Generator) -> Any:
     )
 
 
+def _fisher(state: dict[str, Any], rng: np.random.Generator) -> Any:
+    from lmdx.files.identity import model_identity
+    from lmdx.stats import Statistics
+
+    params = {n: a.shape for n, a in state.items() if a.dtype == np.float32}
+    return Statistics(
+        kind="fisher",
+        model=model_identity(state),
+        parameters={n: {"shape": list(shape)} for n, shape in params.items()},
+        count=float(ROWS),
+        tensors={f"fisher/{n}": rng.random(shape) + 0.1 for n, shape in params.items()},
+    )
+
+
 def _write_checkpoint(folder: Path, state: dict[str, Any], sharded: bool) -> None:
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": "fuzz"}))
@@ -100,6 +115,11 @@ alpha: 0.9
 threads: 1
 output: {dtype: auto, max_shard_size: 2GB}
 """
+FISHER_CONFIG = """method: fisher
+models:
+  - {path: m0, stats: f0.safetensors}
+  - {path: m1, stats: f1.safetensors}
+"""
 
 
 class Workspace:
@@ -119,15 +139,18 @@ class Workspace:
                 self.clean / f"s{i}" if i else self.clean / "s0.safetensors",
                 max_shard_size="200B" if i else None,
             )
+            _fisher(state, rng).save(self.clean / f"f{i}.safetensors")
         (self.clean / "config.yaml").write_text(CONFIG)
+        (self.clean / "fisher.yaml").write_text(FISHER_CONFIG)
         self.expected = self.merge(self.clean, root / "clean-merge")
+        self.expected_fisher = self.merge(self.clean, root / "clean-fisher", "fisher.yaml")
         self.cases = 0
 
-    def merge(self, folder: Path, out: Path) -> dict[str, np.ndarray]:
-        """The merge of the inputs in ``folder`` (as the config says) into ``out``."""
+    def merge(self, folder: Path, out: Path, config: str = "config.yaml") -> dict[str, np.ndarray]:
+        """The merge of the inputs in ``folder`` (as ``config`` says) into ``out``."""
         from lmdx.merge import load_merge_config, run_merge
 
-        run_merge(load_merge_config(folder / "config.yaml"), out, progress=False)
+        run_merge(load_merge_config(folder / config), out, progress=False)
         return load_file(str(out / "model.safetensors"))
 
 
@@ -347,6 +370,9 @@ def _corrupt(case: Path, target: str, rnd: random.Random) -> str:
     if target == "stats_file":
         file = case / "s0.safetensors"
         file.write_bytes(mutate_safetensors(file.read_bytes(), rnd))
+    elif target == "fisher_file":
+        file = case / "f0.safetensors"
+        file.write_bytes(mutate_safetensors(file.read_bytes(), rnd))
     elif target == "stats_folder":
         files = sorted((case / "s1").iterdir())
         file = pick(files)
@@ -378,8 +404,10 @@ def run_case(ws: Workspace, target: str, seed: int) -> str:
         what = _corrupt(case, target, rnd)
         before = _hashes(case)
         out = case / "out"
+        fisher = target == "fisher_file"
+        expected = ws.expected_fisher if fisher else ws.expected
         try:
-            got = ws.merge(case, out)
+            got = ws.merge(case, out, "fisher.yaml" if fisher else "config.yaml")
         except LmdxError as exc:
             outcome = type(exc).__name__
             assert "\n" not in str(exc), f"{target} {what} seed {seed}: message spans lines"
@@ -391,9 +419,9 @@ def run_case(ws: Workspace, target: str, seed: int) -> str:
         else:
             outcome = "merged"
             if target != "config":
-                assert set(got) == set(ws.expected), f"{target} {what} seed {seed}"
+                assert set(got) == set(expected), f"{target} {what} seed {seed}"
                 for name, arr in got.items():
-                    assert np.array_equal(arr, ws.expected[name]), (
+                    assert np.array_equal(arr, expected[name]), (
                         f"{target}: {what} (seed {seed}) merged silently differently: {name}"
                     )
             shutil.rmtree(out)

@@ -21,6 +21,7 @@ from safetensors.numpy import load_file
 EXAMPLES = {
     "stats_file": 400,
     "stats_folder": 250,
+    "fisher_file": 200,
     "checkpoint": 250,
     "checkpoint_index": 250,
     "config": 120,
@@ -84,3 +85,19 @@ def test_the_clean_merge_is_regmean(workspace: F.Workspace) -> None:
         bias = (states[0][f"{m}.bias"].astype(np.float64) + states[1][f"{m}.bias"]) / 2
         assert np.abs(workspace.expected[f"{m}.bias"] - bias).max() < 1e-6
     assert np.array_equal(workspace.expected["position_ids"], states[0]["position_ids"])
+
+
+def test_the_clean_fisher_merge_is_fisher_weighted(workspace: F.Workspace) -> None:
+    """Fisher reference: Σ (F_i/n + ε) θ_i / Σ (F_i/n + ε) per parameter, by NumPy."""
+    clean = workspace.clean
+    states = [load_file(str(clean / "m0" / "model.safetensors")), {}]
+    for shard in sorted((clean / "m1").glob("model-*.safetensors")):
+        states[1].update(load_file(str(shard)))
+    fishers = [load_file(str(clean / f"f{i}.safetensors")) for i in range(2)]
+    for name, got in workspace.expected_fisher.items():
+        if got.dtype != np.float32:
+            continue
+        w = [fi[f"fisher/{name}"] / F.ROWS + 1e-8 for fi in fishers]
+        ref = sum(wi * s[name].astype(np.float64) for wi, s in zip(w, states, strict=True))
+        ref = ref / sum(w)
+        assert np.abs(got - ref).max() <= 1e-6 * max(1.0, np.abs(ref).max()), name
