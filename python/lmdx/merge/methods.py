@@ -117,17 +117,11 @@ def regmean_groups(
     weights: set[str] | Mapping[str, Any],
     skip: set[str],
     options: MergeOptions,
-    labels: Sequence[str],
 ) -> list[list[str]]:
     """The modules RegMean solves, grouped: modules that share one input Gram in every
     statistics file are solved together (one factorization). ``weights``: the weight
-    names the models have; ``skip``: weights never solved (tied ones)."""
-    for i, s in enumerate(stats):
-        missing = [m for m in stats[0].modules if m not in s.modules]
-        if missing:
-            raise MergeError(
-                f"statistics of {labels[i]} lack module {missing[0]!r} that {labels[0]}'s have"
-            )
+    names the models have; ``skip``: weights never solved (tied ones). The statistics
+    cover the same modules (checked by the plan)."""
     by_group: dict[tuple[str, ...], list[str]] = {}
     for m, info in stats[0].modules.items():
         w = info["weight"]

@@ -352,7 +352,7 @@ def _steps(
     covered: set[str] = set()
     if options.method == "regmean":
         assert stats is not None
-        for members in regmean_groups(stats, set(body), tied, options, labels):
+        for members in regmean_groups(stats, set(body), tied, options):
             info = stats[0].modules[members[0]]
             for i, s in enumerate(stats):
                 if s.count(members[0]) <= 0:
