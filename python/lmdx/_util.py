@@ -7,7 +7,7 @@ import fnmatch
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["matches", "parse_size", "progress_bar"]
+__all__ = ["matches", "parse_size", "progress_bar", "split_in_order"]
 
 
 def progress_bar(total: int, desc: str, enabled: bool, unit: str = "it") -> Any:
@@ -50,3 +50,18 @@ def parse_size(size: int | str) -> int:
 def matches(name: str, patterns: Sequence[str] | None) -> bool:
     """``name`` matches one of the shell-style ``patterns`` (``fnmatch``, case-sensitive)."""
     return any(fnmatch.fnmatchcase(name, p) for p in patterns or ())
+
+
+def split_in_order(sizes: Sequence[int], limit: int) -> list[list[int]]:
+    """Indices of ``sizes``, in order, cut into consecutive parts whose sizes add up to at
+    most ``limit`` (an item larger than ``limit`` is a part of its own): output shards,
+    statistics shards, collection passes."""
+    parts: list[list[int]] = [[]]
+    total = 0
+    for i, size in enumerate(sizes):
+        if parts[-1] and total + size > limit:
+            parts.append([])
+            total = 0
+        parts[-1].append(i)
+        total += size
+    return parts

@@ -35,7 +35,6 @@ __all__ = [
     "SafetensorsWriter",
     "TensorSpec",
     "open_shards",
-    "plan_shards",
     "read_safetensors_header",
     "write_safetensors",
 ]
@@ -452,17 +451,3 @@ def read_safetensors_header(
             raise fail(f"the tensors end at byte {data_start + position} of {size}")
         raise fail(f"{size - data_start - position} bytes after the last tensor")
     return SafetensorsFile(path, header, data_start, meta)
-
-
-def plan_shards(sizes: Sequence[int], limit: int) -> list[list[int]]:
-    """Split tensors of ``sizes`` bytes, in order, into shards of at most ``limit`` bytes
-    (a tensor larger than ``limit`` gets a shard of its own); returns indices per shard."""
-    shards: list[list[int]] = [[]]
-    size = 0
-    for i, nbytes in enumerate(sizes):
-        if shards[-1] and size + nbytes > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append(i)
-        size += nbytes
-    return shards

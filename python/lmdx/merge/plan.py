@@ -19,11 +19,10 @@ import numpy as np
 
 from .._errors import MergeError, ModelMismatchError
 from .._tensors import FLOAT_DTYPES
-from .._util import matches
+from .._util import matches, split_in_order
 from ..files.checkpoint import SINGLE_FILE
 from ..files.hf import base_model_info, model_files
 from ..files.identity import describe_mismatch
-from ..files.safetensors import plan_shards
 from ..stats.file import Statistics
 from .methods import regmean_groups
 from .options import MergeOptions
@@ -402,7 +401,7 @@ def _step_memory(step: Step, ref: TensorSource, k: int, out_size: int) -> int:
 
 
 def _shards(outputs: Sequence[Output], max_shard: int) -> list[tuple[str, list[int]]]:
-    groups = plan_shards([o.nbytes for o in outputs], max_shard)
+    groups = split_in_order([o.nbytes for o in outputs], max_shard)
     if len(groups) == 1:
         return [(SINGLE_FILE, groups[0])]
     n = len(groups)

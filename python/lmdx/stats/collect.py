@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from .._tensors import as_float64, as_rows
-from .._util import matches, parse_size, progress_bar
+from .._util import matches, parse_size, progress_bar, split_in_order
 from ..config import resolve_threads
 from ..data.batches import as_kwargs
 from ..files.identity import model_identity
@@ -260,16 +260,8 @@ def _plan_passes(
     """Split the groups (in call order) into passes whose accumulators fit ``budget``."""
     if budget is None:
         return [list(groups)]
-    passes: list[list[str]] = [[]]
-    used = 0
-    for g in groups:
-        need = _moments_bytes(dims[g])
-        if passes[-1] and used + need > budget:
-            passes.append([])
-            used = 0
-        passes[-1].append(g)
-        used += need
-    return passes
+    parts = split_in_order([_moments_bytes(dims[g]) for g in groups], budget)
+    return [[groups[i] for i in part] for part in parts]
 
 
 def _moments_bytes(d: int) -> int:

@@ -13,9 +13,9 @@ from typing import Any
 
 from numpy.typing import NDArray
 
-from .._util import parse_size
+from .._util import parse_size, split_in_order
 from ..files.atomic import atomic_directory
-from ..files.safetensors import SafetensorsWriter, TensorSpec, plan_shards
+from ..files.safetensors import SafetensorsWriter, TensorSpec
 from .format import INDEX_FORMAT, INDEX_NAME, metadata_sha256, stored_sha256
 
 __all__ = ["StatisticsWriter"]
@@ -64,7 +64,7 @@ class StatisticsWriter:
                 )
             self._tmp = self._stack.enter_context(atomic_directory(self.path))
             self.id = uuid.uuid4().hex
-            groups = plan_shards([spec.nbytes for spec in specs], limit)
+            groups = split_in_order([spec.nbytes for spec in specs], limit)
             shards = [[specs[i] for i in group] for group in groups]
             n = len(shards)
             for j, members in enumerate(shards):
