@@ -20,6 +20,13 @@ case "${1:-}" in
   --write) write=true ;;
   *) echo "check_stubs.sh: unknown argument '$1'; usage: $0 [--write]" >&2; exit 2 ;;
 esac
+for tool in pybind11_stubgen ruff; do
+  if ! "$PYTHON" -c "import $tool" 2>/dev/null; then
+    echo "check_stubs.sh: $tool is not installed for $PYTHON; install the test extra:" \
+      "$PYTHON -m pip install '.[test]'" >&2
+    exit 1
+  fi
+done
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
