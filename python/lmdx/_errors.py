@@ -1,4 +1,4 @@
-"""Every error and warning lmdx raises (a leaf module: the native core imports it by name).
+"""Every error and warning lmdx raises (a leaf module: it imports nothing from lmdx).
 
 All errors derive from :class:`LmdxError`, so ``except lmdx.LmdxError`` catches any of
 them; each also keeps the built-in base users caught before (``ValueError``,
