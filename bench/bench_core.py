@@ -238,7 +238,12 @@ def measure_peaks(threads: Sequence[int], seconds: float) -> dict[int, dict[str,
     peaks = {}
     for t in threads:
         peaks[t] = {
-            prec: max(lmdx_core.measure_peak_gflops(prec == "fp64", t, seconds) for _ in range(3))
+            prec: max(
+                lmdx_core.measure_peak_gflops(
+                    double_precision=prec == "fp64", n_threads=t, seconds=seconds
+                )
+                for _ in range(3)
+            )
             for prec in ("fp32", "fp64")
         }
     return peaks
@@ -475,8 +480,8 @@ def gram_methods(
 
 
 def _raw_update(mod: Any, x32: np.ndarray, t: int) -> Any:
-    m = mod.Moments(x32.shape[1], DEFAULT_CHUNK_ROWS)
-    m.update(x32, None, t)
+    m = mod.Moments(dim=x32.shape[1], chunk_rows=DEFAULT_CHUNK_ROWS)
+    m.update(x=x32, weights=None, n_threads=t, bfloat16=False)
     return m
 
 
@@ -561,7 +566,9 @@ def solve_methods(
         return np.asarray(x)
 
     def raw_solve(mod: Any, t: int) -> np.ndarray:
-        x, _ = mod.spd_solve(a, b, 1.0, 0.0, False, t, "system")
+        x, _ = mod.spd_solve(
+            a=a, b=b, alpha=1.0, ridge=0.0, allow_regularization=False, name="system", n_threads=t
+        )
         return np.asarray(x)
 
     def scipy_solve(t: int) -> np.ndarray:
@@ -689,11 +696,20 @@ def merge_methods(
     ]
     methods += [
         Method(
-            f"lmdx[{label}] regmean_merge",
+            f"lmdx[{label}] regmean_merge_layer",
             "fp64",
             "lmdx",
-            lambda t, mod=mod: mod.regmean_merge(
-                grams, counts, weights, None, alpha, "linear", 0.0, True, t, "layer"
+            lambda t, mod=mod: mod.regmean_merge_layer(
+                grams=grams,
+                weights=weights,
+                counts=counts,
+                alpha=alpha,
+                coefficients=None,
+                layout="linear",
+                ridge=0.0,
+                allow_regularization=True,
+                name="layer",
+                n_threads=t,
             )[0],
             TOL_MERGE_LMDX,
         )

@@ -2,7 +2,7 @@
 
 Issue 6's merge goal: the merge runs within 1.3x of the time its flop count takes at the
 GEMM rate this machine achieves. This script times lmdx's native per-layer merge
-(``lmdx._core.core.regmean_merge``: right-hand side, Cholesky, solves; float64) over the
+(``lmdx._core.core.regmean_merge_layer``: right-hand side, Cholesky, solves; float64) over the
 layer shapes of BERT-base -- per encoder layer one q/k/v group (768 -> 2304, one shared
 Gram), the attention output (768 -> 768), the intermediate (768 -> 3072) and the output
 (3072 -> 768), times 12 layers -- and measures torch's fp64 GEMM rate (3072 x 3072 x 768,
@@ -67,7 +67,18 @@ def main() -> None:
             grams, counts, weights = inputs[name]
 
             def merge(grams=grams, counts=counts, weights=weights, t=t) -> None:  # type: ignore[no-untyped-def]
-                core.regmean_merge(grams, counts, weights, None, ALPHA, "linear", 0.0, True, t, "l")
+                core.regmean_merge_layer(
+                    grams=grams,
+                    weights=weights,
+                    counts=counts,
+                    alpha=ALPHA,
+                    coefficients=None,
+                    layout="linear",
+                    ridge=0.0,
+                    allow_regularization=True,
+                    name="l",
+                    n_threads=t,
+                )
 
             merge()
             best = min(_timed(merge) for _ in range(args.reps))
