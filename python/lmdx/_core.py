@@ -3,8 +3,9 @@
 The extension is built several times (``_core_baseline`` runs on any x86-64,
 ``_core_avx2`` needs x86-64-v3, ``_core_avx512`` needs x86-64-v4). At import the best
 supported one is chosen; ``LMDX_SIMD=baseline|avx2|avx512`` forces one (for testing).
-The variants share one interface, described by the generated stub ``_core_baseline.pyi``
-(``scripts/check_stubs.sh`` keeps it in sync); every argument is passed by keyword.
+The variants share one interface, typed by the generated stub ``_core_baseline.pyi``
+(``scripts/check_stubs.sh`` keeps it in sync), so mypy checks every call into the core;
+every argument is passed by keyword.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import importlib
 import importlib.util
 import os
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 __all__ = ["VARIANTS", "built_variants", "core", "load", "supported_variants"]
 
@@ -64,5 +66,8 @@ def load(variant: str | None = None) -> ModuleType:
     return _import(requested)
 
 
-#: The variant used by the lmdx API.
-core: ModuleType = load()
+if TYPE_CHECKING:  # every variant has the interface of the stub
+    from . import _core_baseline as core
+else:
+    #: The variant used by the lmdx API.
+    core = load()
