@@ -24,7 +24,7 @@ from .options import MergeOptions
 from .plan import MergePlan, Step
 from .source import TensorSource
 
-__all__ = ["Executor", "GroupSolver", "Sink", "run"]
+__all__ = ["Executor", "GroupSolver", "Sink", "run", "solve_regmean_step"]
 
 
 class GroupSolver(Protocol):
@@ -105,12 +105,27 @@ class Executor:
             self.report["layers"].update(layers)
             self.ready.update(stored)
             return
-        weights = [[s.read(w) for w in step.tensors] for s in self.sources]
-        solved, layers = solve_group(step.modules, weights, self.stats, self.labels, self.options)
-        del weights
+        solved, layers = solve_regmean_step(
+            step, self.sources, self.stats, self.labels, self.options
+        )
         self.report["layers"].update(layers)
-        for w, value in solved.items():
-            self.ready[w] = self._cast(w, value)
+        self.ready.update(solved)
+
+
+def solve_regmean_step(
+    step: Step,
+    sources: Sequence[TensorSource],
+    stats: Sequence[Statistics],
+    labels: Sequence[str],
+    options: MergeOptions,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One RegMean group read from ``sources`` and solved: its merged weights (torch, cast
+    to their input dtype) and the solver's report per module. Local runs and Ray actors
+    both call this."""
+    weights = [[s.read(w) for w in step.tensors] for s in sources]
+    solved, layers = solve_group(step.modules, weights, stats, labels, options)
+    del weights
+    return {w: cast_merged(w, v, sources[0].dtype(w)) for w, v in solved.items()}, layers
 
 
 def run(

@@ -15,7 +15,7 @@ from .._errors import MergeError
 from .._tensors import from_stored, to_stored
 from ..files.checkpoint import Checkpoint
 from ..stats.file import Statistics
-from .methods import cast_merged, solve_group
+from .engine import solve_regmean_step
 from .options import MergeOptions
 from .plan import Step
 
@@ -33,14 +33,12 @@ class _Actor:
         self.labels, self.options = labels, options
 
     def solve(self, step: Step) -> tuple[dict[str, tuple[Any, str]], dict[str, Any]]:
-        weights = [[c.read(w) for w in step.tensors] for c in self.ckpts]
-        solved, layers = solve_group(step.modules, weights, self.stats, self.labels, self.options)
-        del weights
-        out = {}
-        for w, value in solved.items():
+        solved, layers = solve_regmean_step(step, self.ckpts, self.stats, self.labels, self.options)
+        stored = {}
+        for w, tensor in solved.items():  # plain arrays cross Ray's object store
             dtype = self.ckpts[0].dtype(w)
-            out[w] = (to_stored(cast_merged(w, value, dtype), dtype), dtype)
-        return out, layers
+            stored[w] = (to_stored(tensor, dtype), dtype)
+        return stored, layers
 
 
 class RayGroupSolver:
