@@ -19,7 +19,9 @@ __all__ = [
     "copy_model_files",
     "hf_progress",
     "load_model",
+    "model_class",
     "model_files",
+    "read_config",
 ]
 
 #: Files copied from the first model's folder so the output loads with its tokenizer.
@@ -39,24 +41,38 @@ TOKENIZER_FILES = (
 
 def load_model(path: str | os.PathLike[str], *, dtype: Any = None, progress: bool = True) -> Any:
     """Load a Hugging Face model folder with the class named in its ``config.json``."""
-    import transformers
-
     path = Path(path)
+    cls = model_class(read_config(path))
+    kwargs: dict[str, Any] = {"dtype": dtype} if dtype is not None else {}
+    with hf_progress(progress):
+        return cls.from_pretrained(str(path), **kwargs)
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """The ``config.json`` of model folder ``path``, checked to be an object whose
+    ``architectures`` (if any) is a list of class names (:class:`MergeError` otherwise)."""
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise MergeError(f"model {path}: no config.json; expected a save_pretrained folder")
     cfg = read_json(cfg_path, "model configuration", MergeError, allow_nonfinite=True)
     archs = (cfg.get("architectures") if isinstance(cfg, dict) else None) or []
-    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+    if not isinstance(cfg, dict) or (
+        not isinstance(archs, list) or not all(isinstance(a, str) for a in archs)
+    ):
         raise MergeError(
             f"model configuration {cfg_path}: architectures is not a list of class names"
         )
+    return cfg
+
+
+def model_class(config: Mapping[str, Any]) -> Any:
+    """The transformers class a configuration names first in ``architectures``
+    (``AutoModel`` where it names none that transformers has)."""
+    import transformers
+
+    archs = config.get("architectures") or []
     cls = getattr(transformers, archs[0], None) if archs else None
-    if cls is None:
-        cls = transformers.AutoModel
-    kwargs: dict[str, Any] = {"dtype": dtype} if dtype is not None else {}
-    with hf_progress(progress):
-        return cls.from_pretrained(str(path), **kwargs)
+    return transformers.AutoModel if cls is None else cls
 
 
 @contextlib.contextmanager

@@ -11,7 +11,14 @@ front doors) and :mod:`~lmdx.merge.config` (merge configuration files).
 
 from __future__ import annotations
 
-from .api import MergeResult, StreamMergeResult, merge_models, save_merged, stream_merge
+from .api import (
+    MergeResult,
+    StreamMergeResult,
+    load_merged,
+    merge_models,
+    save_merged,
+    stream_merge,
+)
 from .config import MergeConfig, load_merge_config, plan_merge, run_merge
 from .options import METHODS, MergeOptions
 from .plan import MergePlan
@@ -24,6 +31,7 @@ __all__ = [
     "MergeResult",
     "StreamMergeResult",
     "load_merge_config",
+    "load_merged",
     "merge_models",
     "plan_merge",
     "run_merge",

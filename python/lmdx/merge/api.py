@@ -4,7 +4,9 @@
 tensors; they differ only in where tensors come from and go to.
 
 Task heads (``heads`` patterns, e.g. ``classifier.*``) are not merged: each model keeps
-its own (:meth:`MergeResult.model_state`, ``heads/<i>.safetensors``) or they are dropped.
+its own (:meth:`MergeResult.model_state`, ``heads/<i>.safetensors`` with its labels in
+``heads/<i>.json``) or they are dropped. :func:`load_merged` loads a merged folder as
+task ``i``'s model: the merged body, model ``i``'s head and labels.
 """
 
 from __future__ import annotations
@@ -19,18 +21,34 @@ from typing import Any
 
 from .._errors import MergeError
 from ..files.checkpoint import Checkpoint
-from ..files.hf import load_model
+from ..files.hf import hf_progress, load_model, model_class, read_config
 from ..files.identity import file_sha256
+from ..files.parse import read_json
 from ..stats.file import Statistics
 from ..stats.format import INDEX_NAME
 from .engine import Executor, run
 from .options import MergeOptions
 from .plan import MergePlan, make_plan, open_stats, peak_rss_bytes
 from .ray import RayGroupSolver
-from .sink import FolderSink, MemorySink, merge_record, output_config
+from .sink import (
+    HEADS_DIR,
+    LABEL_KEYS,
+    FolderSink,
+    MemorySink,
+    head_files,
+    merge_record,
+    output_config,
+)
 from .source import StateDictSource, TensorSource, model_source
 
-__all__ = ["MergeResult", "StreamMergeResult", "merge_models", "save_merged", "stream_merge"]
+__all__ = [
+    "MergeResult",
+    "StreamMergeResult",
+    "load_merged",
+    "merge_models",
+    "save_merged",
+    "stream_merge",
+]
 
 StatsArg = Sequence[Statistics | str | os.PathLike[str]] | None
 
@@ -51,12 +69,16 @@ class MergeResult:
     inputs
         Per input model: path, architecture, size, statistics file and its hash (recorded
         in ``lmdx_merge.json`` by :func:`save_merged`).
+    configs
+        Per input model, its Hugging Face configuration (``{}`` for a state dict): where
+        :func:`save_merged` finds each head's labels.
     """
 
     state_dict: dict[str, Any]
     heads: list[dict[str, Any]]
     report: dict[str, Any] = field(default_factory=dict)
     inputs: dict[str, Any] = field(default_factory=dict)
+    configs: list[dict[str, Any]] = field(default_factory=list)
 
     def model_state(self, i: int = 0) -> dict[str, Any]:
         """Full state dict for model ``i``: the merged body plus model ``i``'s own head."""
@@ -215,7 +237,8 @@ def merge_models(
         state[name] = sink.tensors[plan.tied.get(name, name)]
     report["seconds"] = time.perf_counter() - t0
     head_states = [{h: src.state[h] for h in plan.heads} for src in sources]
-    return MergeResult(state, head_states, report, _inputs(sources, stat_objs))
+    configs = [dict(src.config) for src in sources]
+    return MergeResult(state, head_states, report, _inputs(sources, stat_objs), configs)
 
 
 def save_merged(
@@ -286,7 +309,7 @@ def save_merged(
     )
     plan = make_plan([merged], options, None, None, folder=True)
     _check_template(plan, model, options)
-    heads = [StateDictSource(h, f"model{i}") for i, h in enumerate(result.heads)]
+    heads = _head_sources(result)
     with FolderSink(out, plan) as sink:
         run(plan, merged.read, sink, "save merged", progress)
         sink.finish(
@@ -295,6 +318,31 @@ def save_merged(
             folder,
             merge_record(result.report, options, result.inputs, record),
             _generation_config(template),
+        )
+    return out
+
+
+def _head_sources(result: MergeResult) -> list[StateDictSource]:
+    """Every model's head as a source carrying the model's label, path and configuration
+    (for ``heads/<i>.json``)."""
+    labels = list(result.report.get("models") or [f"model{i}" for i in range(len(result.heads))])
+    configs = result.configs or [{} for _ in result.heads]
+    if len(labels) != len(result.heads) or len(configs) != len(result.heads):
+        raise MergeError(
+            f"merge result: {len(result.heads)} heads but {len(labels)} model names and "
+            f"{len(configs)} configurations; pass the result of merge_models unchanged"
+        )
+    out = []
+    for label, head, config in zip(labels, result.heads, configs, strict=True):
+        path = (result.inputs.get(label) or {}).get("path")
+        out.append(
+            StateDictSource(
+                head,
+                label,
+                architecture=(config.get("architectures") or [None])[0],
+                config=config,
+                path=None if path is None else Path(path),
+            )
         )
     return out
 
@@ -463,3 +511,145 @@ def _ray_solver(
         workers,
         address,
     )
+
+
+def load_merged(
+    path: str | os.PathLike[str], task: int | None = None, *, progress: bool = True
+) -> Any:
+    """A merged folder as a Hugging Face model, ready to predict for task ``task``.
+
+    Parameters
+    ----------
+    path
+        A folder written by ``lmdx merge``, :func:`stream_merge` or :func:`save_merged`.
+    task
+        The index of an input model (its place in the merge's ``models``, from 0), when
+        the merge kept every model's head: the model returned is the merged body with
+        model ``task``'s own head (``heads/<task>.safetensors``) and the labels of its
+        configuration (``id2label``, ``label2id``, ``problem_type``; from
+        ``heads/<task>.json``). ``None``: the folder as written (model 0's head, when
+        the heads were kept; none, when they were dropped).
+    progress
+        Show transformers' progress bar while loading.
+
+    Returns
+    -------
+    The model, of the class ``config.json`` names (e.g. ``BertForSequenceClassification``),
+    in evaluation mode as ``from_pretrained`` leaves it. A task index the folder has no
+    head for, a missing or altered head file, or a head that does not fit the model
+    raises :class:`MergeError` naming the file.
+    """
+    folder = Path(path)
+    config = read_config(folder)
+    if task is None:
+        return load_model(folder, progress=progress)
+    if isinstance(task, bool) or not isinstance(task, int):
+        raise MergeError(f"task: expected the index of an input model (0, 1, ...), got {task!r}")
+    tasks = _kept_heads(folder)
+    if task not in tasks:
+        raise MergeError(
+            f"merged model {folder}: no head for task {task}; it has heads for tasks "
+            f"{_ranges(tasks)} (heads/<i>.safetensors, in the order of the merge's models)"
+        )
+    tensors_file, record_file = head_files(folder, task)
+    record = _head_record(record_file)
+    if not tensors_file.is_file():
+        raise MergeError(f"merged model {folder}: {tensors_file} is missing; copy the whole folder")
+    head = Checkpoint(tensors_file, str(tensors_file))
+    if sorted(head.names()) != sorted(record["tensors"]):
+        raise MergeError(
+            f"head {tensors_file}: holds {sorted(head.names())} but {record_file.name} lists "
+            f"{sorted(record['tensors'])}; the head files are from different merges"
+        )
+    body = Checkpoint(folder, str(folder))
+    state = {n: body.read(n) for n in body.names()}
+    absent = [n for n in record["tensors"] if n not in state]
+    if absent:
+        raise MergeError(
+            f"head {tensors_file}: tensor {absent[0]!r} is not a tensor of the merged model "
+            f"{folder}; the head is from another merge"
+        )
+    state.update({n: head.read(n) for n in head.names()})
+    for key, value in record["config"].items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    return _from_state(folder, config, state, progress)
+
+
+def _kept_heads(folder: Path) -> list[int]:
+    """The task indices ``heads/<i>.json`` exists for (:class:`MergeError` for none)."""
+    heads = folder / HEADS_DIR
+    found = sorted(
+        int(p.stem) for p in heads.glob("*.json") if p.stem.isdigit() and p.stem == str(int(p.stem))
+    )
+    if not found:
+        raise MergeError(
+            f"merged model {folder}: no task heads kept (no {HEADS_DIR}/<i>.json: merged "
+            "without heads patterns, with the head policy drop, or by an older lmdx); "
+            "load it without task="
+        )
+    return found
+
+
+def _ranges(tasks: Sequence[int]) -> str:
+    if tasks == list(range(len(tasks))):
+        return f"0..{len(tasks) - 1}"
+    return ", ".join(str(t) for t in tasks)
+
+
+def _head_record(path: Path) -> dict[str, Any]:
+    """``heads/<i>.json``, checked: its tensors and label configuration."""
+    record = read_json(path, "head record", MergeError)
+    config = record.get("config") if isinstance(record, dict) else None
+    tensors = record.get("tensors") if isinstance(record, dict) else None
+    if not (
+        isinstance(record, dict)
+        and record.get("format") == "lmdx-head"
+        and isinstance(tensors, list)
+        and tensors
+        and all(isinstance(t, str) for t in tensors)
+    ):
+        raise MergeError(
+            f"head record {path}: not an lmdx head record (format lmdx-head with a list of "
+            "tensors); re-run the merge"
+        )
+    if config is None:
+        raise MergeError(
+            f"head record {path}: the merge did not know this model's configuration (it was "
+            "merged as a state dict), so its labels are unknown; load the merged folder "
+            "without task= and put the head of heads/<i>.safetensors in it yourself"
+        )
+    if not isinstance(config, dict) or set(config) != set(LABEL_KEYS):
+        raise MergeError(
+            f"head record {path}: config must hold exactly {list(LABEL_KEYS)}; re-run the merge"
+        )
+    return record
+
+
+def _from_state(folder: Path, config: dict[str, Any], state: dict[str, Any], progress: bool) -> Any:
+    """The model ``config`` describes, with every parameter from ``state``; a parameter
+    missing, left over or of another shape is a :class:`MergeError`."""
+    import transformers
+
+    cls = model_class(config)
+    try:
+        config_class = transformers.CONFIG_MAPPING[str(config.get("model_type"))]
+    except KeyError:
+        raise MergeError(
+            f"model configuration {folder / 'config.json'}: model_type "
+            f"{config.get('model_type')!r} is not one transformers knows"
+        ) from None
+    hf_config = config_class.from_dict(config)
+    with hf_progress(progress):
+        model, info = cls.from_pretrained(
+            None, config=hf_config, state_dict=state, output_loading_info=True
+        )
+    problems = {k: v for k, v in info.items() if v and k != "error_msgs"} | (
+        {"errors": info["error_msgs"]} if info.get("error_msgs") else {}
+    )
+    if problems:
+        listing = "; ".join(f"{k} {sorted(map(str, v))[:3]}" for k, v in problems.items())
+        raise MergeError(f"merged model {folder}: the weights do not fit its class: {listing}")
+    return model

@@ -3,14 +3,16 @@ shard by shard that appears only when complete.
 
 :class:`FolderSink` writes the weights as ``model.safetensors`` or shards with
 ``model.safetensors.index.json`` (names as ``save_pretrained`` writes them), each shard
-reserved on disk before it is filled; then every model's head (``heads/<i>.safetensors``),
-``config.json`` (dtype and, for a dropped head, the backbone's class updated), the
-tokenizer and generation files of the first model's folder, and ``lmdx_merge.json``.
+reserved on disk before it is filled; then every model's head (``heads/<i>.safetensors``,
+and its task's labels in ``heads/<i>.json``: :func:`head_record`), ``config.json``
+(dtype and, for a dropped head, the backbone's class updated), the tokenizer and
+generation files of the first model's folder, and ``lmdx_merge.json``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -28,7 +30,55 @@ from .options import MergeOptions
 from .plan import MergePlan
 from .source import TensorSource
 
-__all__ = ["FolderSink", "MemorySink", "merge_record", "output_config"]
+__all__ = [
+    "HEADS_DIR",
+    "LABEL_KEYS",
+    "FolderSink",
+    "MemorySink",
+    "head_files",
+    "head_record",
+    "merge_record",
+    "output_config",
+]
+
+#: The folder of a merged model that holds every input model's own task head.
+HEADS_DIR = "heads"
+#: The entries of a model's configuration that describe its task head's labels.
+LABEL_KEYS = ("id2label", "label2id", "num_labels", "problem_type")
+#: ``format`` of ``heads/<i>.json``.
+HEAD_FORMAT = "lmdx-head"
+
+
+def head_files(folder: Path, task: int) -> tuple[Path, Path]:
+    """Model ``task``'s head in merged folder ``folder``: its tensors
+    (``heads/<task>.safetensors``) and its record (``heads/<task>.json``)."""
+    return folder / HEADS_DIR / f"{task}.safetensors", folder / HEADS_DIR / f"{task}.json"
+
+
+def head_record(task: int, source: TensorSource, tensors: Sequence[str]) -> dict[str, Any]:
+    """The contents of ``heads/<task>.json``: which model the head is from, its tensors,
+    and the label entries (:data:`LABEL_KEYS`) of that model's configuration, each
+    ``null`` where the configuration does not set it (its class's default applies, as
+    when the model's own folder is loaded), or ``config`` ``null`` for a model without a
+    configuration (a state dict); ``num_labels`` as well at the top level, where the
+    labels say it."""
+    config = {k: source.config.get(k) for k in LABEL_KEYS} if source.config else None
+    num_labels = None
+    if config is not None:
+        num_labels = config["num_labels"]
+        if num_labels is None and isinstance(config["id2label"], Mapping):
+            num_labels = len(config["id2label"])
+    return {
+        "format": HEAD_FORMAT,
+        "format_version": 1,
+        "task": task,
+        "model": source.label,
+        "path": None if source.path is None else os.path.abspath(source.path),
+        "architecture": source.architecture(),
+        "tensors": list(tensors),
+        "num_labels": num_labels,
+        "config": config,
+    }
 
 
 class MemorySink:
@@ -113,12 +163,16 @@ class FolderSink:
             )
         names = self.plan.heads
         if names and heads:
-            (self.tmp / "heads").mkdir()
+            (self.tmp / HEADS_DIR).mkdir()
             for i, src in enumerate(heads):
+                tensors, record_file = head_files(self.tmp, i)
                 specs = [TensorSpec(h, src.dtype(h), src.shape(h)) for h in names]
-                with SafetensorsWriter(self.tmp / "heads" / f"{i}.safetensors", specs) as w:
+                with SafetensorsWriter(tensors, specs) as w:
                     for h in names:
                         w.write(h, to_stored(src.read(h), src.dtype(h)))
+                record_file.write_text(
+                    json.dumps(head_record(i, src, names), indent=2, sort_keys=True) + "\n"
+                )
         if config:
             (self.tmp / "config.json").write_text(
                 json.dumps(dict(config), indent=2, sort_keys=True) + "\n"
