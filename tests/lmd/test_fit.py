@@ -140,6 +140,103 @@ def test_group_fits_equal_direct_fits_with_the_same_lambda(rng, rho):
     assert res.dependency("test") == pytest.approx(np.mean(list(groups.values())))
 
 
+def group_fits(dec, *, block, **plan_args):
+    """fit_groups with the factorization's block size set (the public fit uses 512)."""
+    plan = lmdx.lmd.fit.ridge_plan("default", **plan_args)
+    stats = lmdx.lmd.fit.split_stats(dec.splits, plan)
+    return lmdx.lmd.fit.fit_groups(
+        dec.layout, stats, plan, keep_weights=True, allow_regularization=True, n_threads=1,
+        block=block,
+    )  # fmt: skip
+
+
+@given(
+    dims=st.lists(st.integers(1, 5), min_size=2, max_size=4),
+    scales=st.lists(st.sampled_from([1e-2, 1.0, 30.0]), min_size=4, max_size=4),
+    rho=st.sampled_from([0.0, 1e-6, 0.05, 1.0]),
+    block=st.integers(1, 7),
+    seed=seeds,
+)
+def test_group_fits_of_any_widths_and_blocks_match_reference(dims, scales, rho, block, seed):
+    """Blocks of different widths and scales, the factorization split into blocks that do
+    not line up with the models' blocks; every fit against its own float64 solve."""
+    rng = np.random.default_rng(seed)
+    n = 12 * sum(dims) + 20
+    data = three_splits(rng, [n, 40, 30], dims)
+    data = {s: [a * c for a, c in zip(v, scales, strict=False)] for s, v in data.items()}
+    names = [f"m{i}" for i in range(len(dims))]
+    fits = group_fits(decomposition(names, data), block=block, ridge=rho)
+    joint = np.concatenate(data["train"], axis=1)
+    lam = rho * np.trace(np.cov(joint.T, bias=True)) / joint.shape[1]
+    for i, fit in enumerate(fits):
+        rest = [j for j in range(len(dims)) if j != i]
+        assert fit.ridge == rho and fit.ridge_absolute == pytest.approx(lam, rel=1e-12)
+        assert_fit_matches(fit, data, [i], rest, lam, rtol=1e-9)
+
+
+def test_group_fits_do_not_depend_on_the_block_size(rng):
+    dims = [3, 1, 4, 2, 5]
+    data = three_splits(rng, [300, 60, 60], dims)
+    dec = decomposition([f"m{i}" for i in range(5)], data)
+    whole = group_fits(dec, block=512, ridge=1e-4)
+    for block in (1, 2, 6):
+        for a, b in zip(whole, group_fits(dec, block=block, ridge=1e-4), strict=True):
+            np.testing.assert_allclose(b.weight, a.weight, rtol=0, atol=1e-11 * abs(a.weight).max())
+            for s in SPLITS:
+                assert b.r2[s] == pytest.approx(a.r2[s], rel=1e-12)
+
+
+@given(d=st.integers(1, 40), block=st.integers(1, 12), seed=seeds)
+def test_cholesky_inverse_lower_matches_numpy_inverse(d, block, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((d + 5, d)) * rng.uniform(0.1, 10, d)
+    a = x.T @ x / (d + 5) + 0.1 * np.eye(d)
+    m = a.copy()
+    assert lmdx.lmd.fit.cholesky_inverse_lower(m, 1e-13, block=block)
+    expected = np.linalg.inv(a)
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(np.tril(m), np.tril(expected), rtol=0, atol=1e-10 * scale)
+    for lo in range(0, d, block):  # the diagonal blocks are written in full
+        hi = min(lo + block, d)
+        np.testing.assert_allclose(m[lo:hi, lo:hi], expected[lo:hi, lo:hi], atol=1e-10 * scale)
+
+
+@pytest.mark.parametrize("block", [1, 3, 512])
+def test_cholesky_inverse_lower_refuses_what_is_not_positive_definite(rng, block):
+    x = rng.standard_normal((4, 9))
+    singular = x.T @ x  # rank 4 of 9
+    indefinite = np.diag([1.0, 2.0, -1e-3, 4.0, 5.0])
+    for a in (singular, indefinite):
+        assert not lmdx.lmd.fit.cholesky_inverse_lower(a.copy(), 1e-13, block=block)
+    # Positive definite, but a squared pivot (1e-14) below tiny = 1e-13 x mean diagonal 1.
+    assert not lmdx.lmd.fit.cholesky_inverse_lower(np.diag([1.0, 1e-14, 2.0]), 1e-13, block=block)
+    assert lmdx.lmd.fit.cholesky_inverse_lower(np.diag([1.0, 1e-12, 2.0]), 1e-13, block=block)
+
+
+def test_singular_joint_covariance_escalates_the_ridge_or_fails(rng):
+    """A model that is an exact copy of another makes Σ singular: at ridge 0 the ridge is
+    escalated as lmdx.spd_solve does (with its warning), and the fits use that ridge; with
+    regularization forbidden it is an error naming the system."""
+    data = three_splits(rng, [200, 50, 50], [3, 2])
+    data = {s: [v[0], v[1], v[0].copy()] for s, v in data.items()}
+    names = ["a", "b", "a_copy"]
+    dec = decomposition(names, data)
+    with pytest.warns(lmdx.RegularizationWarning, match="LMD group fits: Σ"):
+        res = dec.fit(ridge=0.0, pairwise=False, keep_weights=True)
+    joint = np.concatenate(data["train"], axis=1)
+    mean_diag = np.trace(np.cov(joint.T, bias=True)) / joint.shape[1]
+    for i, fit in enumerate(res.group):
+        assert fit.ridge > 0
+        assert fit.ridge_absolute == pytest.approx(fit.ridge * mean_diag, rel=1e-12)
+        rest = [j for j in range(3) if j != i]
+        assert_fit_matches(fit, data, [i], rest, fit.ridge_absolute, rtol=1e-6, weights=False)
+    assert (
+        res.group[1].r2["train"] < 0.999 < res.group[0].r2["train"]
+    )  # the copies explain each other
+    with pytest.raises(lmdx.NotPositiveDefiniteError, match="LMD group fits: Σ"):
+        dec.fit(ridge=0.0, pairwise=False, allow_regularization=False)
+
+
 def test_group_ridge_chosen_per_model_on_validation(rng):
     dims = [3, 5, 5]
     data = three_splits(rng, [160, 150, 150], dims, noise=2.0)

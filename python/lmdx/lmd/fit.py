@@ -19,8 +19,17 @@ joint regularized covariance ``M = Σ + λI`` (all ``D = Σ d_j`` dimensions): w
 reference's m separate fits exactly.) The "dependency of the set" is the mean of the m
 group R² values.
 
+P comes from the Cholesky factor in place (:func:`cholesky_inverse_lower`: ``M = L Lᵀ``,
+``L⁻¹`` over ``L``, then ``P = L⁻ᵀ L⁻¹`` over that; D³ flops in all, against ~2.3·D³ for
+Cholesky solves with an identity right-hand side), and each block's residual map
+``a_i = P_ii⁻¹ P_i,: = [I, −W_i]`` then overwrites block row i of P. The train split is
+scored without any D × D product: W_i solves the normal equations, so its SSR/n is
+``diag(Σ_i,: a_iᵀ) − λ·‖rows of W_i‖²`` (d_i·D flops). A held-out split is scored as
+``diag(a_i S a_iᵀ)`` with its own covariance S (2·d_i·D² flops per block).
+
 Memory: a fit needs the D × D covariance of every scored split (8·D² bytes each) and,
-for group fits, two more D × D matrices.
+for group fits, one more D × D matrix (two when the ridge is chosen on validation: the
+best ``a_i`` so far are kept).
 """
 
 from __future__ import annotations
@@ -34,7 +43,8 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from .._errors import SampleSizeWarning
+from .. import _core
+from .._errors import NotPositiveDefiniteError, SampleSizeWarning
 from ..spd import spd_solve
 from .results import LMDFit, Mode
 from .split_moments import SPLITS, BlockLayout, SplitMoments
@@ -42,10 +52,12 @@ from .split_moments import SPLITS, BlockLayout, SplitMoments
 __all__ = [
     "COMPAT_RIDGE_ABSOLUTE",
     "DEFAULT_RIDGE_GRID",
+    "FACTOR_BLOCK",
     "MIN_ROWS_PER_DIM",
     "RidgePlan",
     "SplitStats",
     "check_sample_size",
+    "cholesky_inverse_lower",
     "fit_basis",
     "fit_groups",
     "ridge_plan",
@@ -68,6 +80,14 @@ COMPAT_RIDGE_ABSOLUTE: float = 1e-6
 
 #: Warn when n_train < MIN_ROWS_PER_DIM · D_z: train R² is then inflated by about D_z/n.
 MIN_ROWS_PER_DIM: int = 10
+
+#: Rows per block of the group fits' in-place factorization and inverse
+#: (:func:`cholesky_inverse_lower`): NumPy matrix products of this width, (D/FACTOR_BLOCK)²/2
+#: of them per pass.
+FACTOR_BLOCK: int = 512
+
+#: Names the joint system of the group fits in errors and warnings.
+GROUP_SYSTEM = "LMD group fits: Σ"
 
 Array = NDArray[np.float64]
 
@@ -265,8 +285,10 @@ def fit_groups(
     keep_weights: bool,
     allow_regularization: bool,
     n_threads: int | None,
+    block: int = FACTOR_BLOCK,
 ) -> list[LMDFit]:
-    """R²(f_i | all others) for every i from one factorization of Σ + λI per ridge."""
+    """R²(f_i | all others) for every i from one factorization of Σ + λI per ridge
+    (``block``: as in :func:`cholesky_inverse_lower`)."""
     tr = stats["train"]
     dim = layout.dim
     names = layout.names
@@ -278,26 +300,26 @@ def fit_groups(
     blocks = [layout.block(n) for n in names]
     scores = np.full((m, len(ridges)), -np.inf)
     best_a: list[Array] = [np.empty(0)] * m
+    best_train: list[Array] = [np.empty(0)] * m
     best_ridge = [(0.0, 0.0)] * m
-    identity = np.eye(dim)
     for r_i, ridge in enumerate(ridges):
-        p, info = spd_solve(
-            tr.cov,
-            identity,
-            ridge=ridge,
-            allow_regularization=allow_regularization,
-            name="LMD group fits: Σ",
+        buf, used = _joint_precision(
+            tr.cov, mean_diag, ridge, block, allow_regularization=allow_regularization,
             n_threads=n_threads,
-        )
+        )  # fmt: skip
+        lam = used * mean_diag
         for i, blk in enumerate(blocks):
-            a = _group_rows(p, blk, names[i], n_threads)
+            a = _group_rows_in_place(buf, blk, names[i], n_threads)
+            train_ssr = _group_train_ssr(a, blk, tr.cov, lam)
             if plan.select:
                 val = _group_ss(a, blk.start, blk.stop, stats["validation"], tr.mean)
                 scores[i, r_i] = _r2(*val)[0]
             if r_i == 0 or scores[i, r_i] > scores[i, :r_i].max():
-                best_a[i] = a
-                best_ridge[i] = (float(info.ridge), float(info.ridge_absolute))
-        del p
+                # One ridge: the rows stay in buf; several: buf is refilled per ridge.
+                best_a[i] = a.copy() if plan.select else a
+                best_train[i] = train_ssr
+                best_ridge[i] = (used, lam)
+        del buf, a
     fits = []
     for i, (name, blk) in enumerate(zip(names, blocks, strict=True)):
         a = best_a[i]
@@ -305,7 +327,12 @@ def fit_groups(
         r2: dict[str, float] = {}
         r2d: dict[str, float] = {}
         for s, st in stats.items():
-            r2[s], r2d[s] = _r2(*_group_ss(a, blk.start, blk.stop, st, tr.mean))
+            ss = (
+                (best_train[i], tr.diag[blk])
+                if s == "train"
+                else _group_ss(a, blk.start, blk.stop, st, tr.mean)
+            )
+            r2[s], r2d[s] = _r2(*ss)
         weight = bias = None
         if keep_weights:
             weight = np.ascontiguousarray(-a[:, rest])
@@ -325,6 +352,118 @@ def fit_groups(
             )
         )
     return fits
+
+
+def cholesky_inverse_lower(m: Array, tiny: float, *, block: int = FACTOR_BLOCK) -> bool:
+    """Overwrite the lower triangle of the symmetric positive-definite ``m`` with that of
+    ``m⁻¹``, in place, from its Cholesky factor (no D × D temporary).
+
+    Three blocked passes over the lower triangle, each D³/3 flops in NumPy matrix products
+    of ``block`` rows or columns: ``m = L Lᵀ`` (left-looking: block column k from the
+    finished columns left of it), ``L⁻¹`` over ``L`` (block columns right to left),
+    ``L⁻ᵀ L⁻¹`` over ``L⁻¹`` (block rows top to bottom; each block row reads only itself
+    and the rows below it). NumPy's BLAS runs the products with its own thread count.
+
+    Parameters
+    ----------
+    m
+        C-contiguous float64, shape (D, D); only the lower triangle is read. The strictly
+        upper blocks are left as they were (garbage afterwards); the diagonal blocks are
+        written in full (symmetric).
+    tiny
+        A squared pivot of the factor must exceed this (as :func:`lmdx.spd_solve`'s
+        ``SINGULAR_PIVOT`` × mean diagonal).
+    block
+        Rows per block.
+
+    Returns
+    -------
+    bool
+        False (``m`` partly overwritten) if ``m`` is not numerically positive definite.
+    """
+    d = m.shape[0]
+    starts = range(0, d, block)
+    inverses: list[Array] = []  # L_kk⁻¹ of every diagonal block (lower triangular)
+    # Products go into one workspace (not a new temporary a call: a large allocation is a
+    # fresh mapping, and its page faults cost as much as the product).
+    flat = np.empty(d * min(block, d))
+
+    def work(rows: int, cols: int) -> Array:
+        return flat[: rows * cols].reshape(rows, cols)
+
+    for k0 in starts:
+        k1 = min(k0 + block, d)
+        if k0 > 0:  # left-looking: A_:k −= L_:,<k L_k,<kᵀ, one product a block column
+            m[k0:, k0:k1] -= np.matmul(m[k0:, :k0], m[k0:k1, :k0].T, out=work(d - k0, k1 - k0))
+        a = m[k0:k1, k0:k1]
+        try:
+            l_kk = np.linalg.cholesky(np.tril(a) + np.tril(a, -1).T)
+        except np.linalg.LinAlgError:
+            return False
+        pivots = np.diag(l_kk)
+        if not (np.all(np.isfinite(pivots)) and float(np.min(pivots)) ** 2 > tiny):
+            return False
+        inv = np.tril(np.linalg.solve(l_kk, np.eye(k1 - k0)))
+        inverses.append(inv)
+        m[k0:k1, k0:k1] = l_kk
+        if k1 < d:  # L_21 = A_21 L_11⁻ᵀ
+            m[k1:, k0:k1] = np.matmul(m[k1:, k0:k1], inv.T, out=work(d - k1, k1 - k0))
+    for k, k0 in reversed(list(enumerate(starts))):
+        k1 = min(k0 + block, d)
+        if k1 < d:
+            # Y_ik = −(Σ_{k<c≤i} Y_ic L_ck) L_kk⁻¹ for the block rows i below k, where the
+            # block columns c > k already hold Y = L⁻¹ and column k still holds L.
+            t = work(d - k1, k1 - k0)
+            for i0 in range(k1, d, block):
+                i1 = min(i0 + block, d)
+                np.matmul(m[i0:i1, k1:i1], m[k1:i1, k0:k1], out=t[i0 - k1 : i1 - k1])
+            np.negative(t @ inverses[k], out=m[k1:, k0:k1])
+        m[k0:k1, k0:k1] = inverses[k]
+    for i0 in starts:
+        i1 = min(i0 + block, d)
+        # P_ij = Σ_{c≥i} Y_ciᵀ Y_cj for j ≤ i
+        m[i0:i1, :i1] = np.matmul(m[i0:, i0:i1].T, m[i0:, :i1], out=work(i1 - i0, i1))
+    return True
+
+
+def _joint_precision(
+    cov: Array,
+    mean_diag: float,
+    ridge: float,
+    block: int,
+    *,
+    allow_regularization: bool,
+    n_threads: int | None,
+) -> tuple[Array, float]:
+    """The lower triangle of (Σ + ridge·mean_diag·I)⁻¹ in a new array, and the relative
+    ridge it used: ``ridge``, or where Σ + ridge·mean_diag·I is not numerically positive
+    definite the one :func:`lmdx.spd_solve` escalates to (with its warning), or its error."""
+    dim = cov.shape[0]
+    tiny = float(_core.core.SINGULAR_PIVOT) * mean_diag
+    buf = cov.copy()
+    buf.flat[:: dim + 1] += ridge * mean_diag
+    if cholesky_inverse_lower(buf, tiny, block=block):
+        return buf, ridge
+    del buf
+    # The solver of the core decides what a singular Σ gets (one mechanism for every fit).
+    info = spd_solve(
+        cov,
+        np.zeros(dim),
+        ridge=ridge,
+        allow_regularization=allow_regularization,
+        name=GROUP_SYSTEM,
+        n_threads=n_threads,
+    ).info
+    used = float(info.ridge)
+    buf = cov.copy()
+    buf.flat[:: dim + 1] += used * mean_diag
+    if not cholesky_inverse_lower(buf, tiny, block=block):
+        raise NotPositiveDefiniteError(
+            f"{GROUP_SYSTEM}: not numerically positive definite with relative ridge {used:g} "
+            "(a pivot of its blocked factorization is below the threshold); pass a larger "
+            "ridge"
+        )
+    return buf, used
 
 
 def _r2(ssr: Array, sst: Array) -> tuple[float, float]:
@@ -360,16 +499,42 @@ def _group_ss(a: Array, lo: int, hi: int, st: SplitStats, train_mean: Array) -> 
     return np.maximum(ssr, 0.0), st.diag[lo:hi]
 
 
-def _group_rows(p: Array, blk: slice, name: str, n_threads: int | None) -> Array:
-    """[I, −W_i] in the columns of all models: P_ii⁻¹ P_i,: with P = (Σ + λI)⁻¹."""
-    p_ii = p[blk, blk]
-    p_ii = (p_ii + p_ii.T) / 2.0  # P from the solver is symmetric only to rounding
+def _group_rows_in_place(buf: Array, blk: slice, name: str, n_threads: int | None) -> Array:
+    """a_i = P_ii⁻¹ P_i,: = [I, −W_i] (in the columns of all models) over block row i of
+    ``buf``.
+
+    ``buf`` holds the lower triangle of P, with the block rows above i already replaced by
+    their a; block row i reads its own row and the rows below, as
+    :func:`cholesky_inverse_lower` leaves them. Returns the view of ``buf``."""
+    lo, hi = blk.start, blk.stop
+    x = buf[lo:hi, lo:hi]
+    p_ii = np.tril(x) + np.tril(x, -1).T
+    rhs = np.empty((hi - lo, buf.shape[0]))
+    rhs[:, :lo] = buf[lo:hi, :lo]
+    rhs[:, lo:hi] = 0.0  # P_ii⁻¹ P_ii is set to I exactly below
+    rhs[:, hi:] = buf[hi:, lo:hi].T
     a = spd_solve(
         p_ii,
-        p[blk, :],
+        rhs,
         allow_regularization=False,
         name=f"LMD group fit of {name}: precision block P_ii",
         n_threads=n_threads,
     ).x
-    a[:, blk] = np.eye(blk.stop - blk.start)  # exactly P_ii⁻¹ P_ii
-    return a
+    del rhs
+    a[:, lo:hi] = np.eye(hi - lo)
+    buf[lo:hi] = a
+    return buf[lo:hi]
+
+
+def _group_train_ssr(a: Array, blk: slice, cov: Array, lam: float) -> Array:
+    """Train SSR/n of the group fit a = [I, −W] of block ``blk`` without a D × D product.
+
+    W solves the normal equations ``W (Σ_rr + λI) = Σ_ir``, so ``W Σ_rr Wᵀ = Σ_ir Wᵀ − λ W Wᵀ``
+    and ``SSR/n = diag(Σ_ii − 2 Σ_ir Wᵀ + W Σ_rr Wᵀ) = diag(Σ_i,: aᵀ) − λ·‖rows of W‖²``.
+    (Not ``diag(P_ii⁻¹) − λ·‖rows of a‖²``, equal in exact arithmetic: that subtracts
+    numbers of size λ, which cancel where λ is much larger than the block's variance.)"""
+    lo, hi = blk.start, blk.stop
+    fitted = np.einsum("jk,jk->j", cov[lo:hi], a)
+    w_sq = np.einsum("jk,jk->j", a[:, :lo], a[:, :lo]) + np.einsum("jk,jk->j", a[:, hi:], a[:, hi:])
+    ssr: Array = np.maximum(fitted - lam * w_sq, 0.0)
+    return ssr
