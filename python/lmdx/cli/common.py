@@ -1,8 +1,9 @@
-"""What the commands share: one way to report errors, sizes of outputs on disk, and text
-from files shown safely on a terminal."""
+"""What the commands share: one way to report errors, one help layout (every default
+shown), sizes of outputs on disk, and text from files shown safely on a terminal."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from .._errors import LmdxError
 
-__all__ = ["Claimed", "debugging", "printable", "report_errors", "size_of"]
+__all__ = ["Claimed", "HelpFormatter", "debugging", "printable", "report_errors", "size_of"]
 
 _debug = [os.environ.get("LMDX_DEBUG", "") not in ("", "0")]
 
@@ -26,6 +27,24 @@ def debugging(enabled: bool) -> Iterator[None]:
         yield
     finally:
         _debug[0] = was
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """``--help`` of every command: descriptions and examples as written, and each
+    option's default value after its help (``(default: 128)``), unless the help already
+    says it or there is none to show (a flag, an option that is unset by default)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        shown = (
+            action.option_strings
+            and default is not None
+            and default is not argparse.SUPPRESS
+            and not isinstance(default, bool)
+            and "default" not in text
+        )
+        return f"{text} (default: %(default)s)" if shown else text
 
 
 def printable(text: object) -> str:

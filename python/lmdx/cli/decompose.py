@@ -16,6 +16,7 @@ from numpy.typing import NDArray
 
 from .._errors import CliError
 from ..data.files import load_corpus
+from .common import HelpFormatter
 
 __all__ = ["add_decompose_parser", "format_tables", "run_decompose", "split_counts"]
 
@@ -39,7 +40,7 @@ def add_decompose_parser(sub: Any) -> None:
             "--corpus rotten_tomatoes --max-texts 5000 --out lmd_out\n"
             "  lmdx decompose --embeddings bert.npy roberta.npy gpt2.npy --out lmd_out"
         ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument(
@@ -66,7 +67,7 @@ def add_decompose_parser(sub: Any) -> None:
         "--max-texts",
         type=int,
         metavar="N",
-        help="use N rows, drawn at random (with --seed) from all of them",
+        help="use N rows, drawn at random (with --seed) from all of them (default: all)",
     )
     p.add_argument(
         "--splits",
@@ -98,7 +99,12 @@ def add_decompose_parser(sub: Any) -> None:
         help="compat: the reference code's conventions (absolute ridge 1e-6, N−1 covariances)",
     )
     p.add_argument("--batch-size", type=int, default=32, help="texts per forward pass")
-    p.add_argument("--threads", type=int, default=None, help="threads for the fits")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="threads for the fits (default: $LMDX_NUM_THREADS or every CPU available)",
+    )
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (must not exist)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
     p.add_argument("--no-plots", action="store_true", help="skip heatmap.png and group.png")

@@ -9,7 +9,7 @@ import threading
 from typing import Any
 
 from .._errors import CliError, DataError, MissingFileError
-from .common import debugging, report_errors
+from .common import HelpFormatter, debugging, report_errors
 from .decompose import add_decompose_parser, run_decompose
 from .merge import add_merge_parser, run_merge_cli
 from .stats import add_stats_parser, run_stats_cli
@@ -43,7 +43,9 @@ def _main(argv: list[str] | None = None) -> int:
 
 def _command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="lmdx", description="Fast, exact RegMean merging and LMD on CPU."
+        prog="lmdx",
+        description="Fast, exact RegMean merging and LMD on CPU.",
+        formatter_class=HelpFormatter,
     )
     parser.add_argument(
         "--debug",

@@ -16,7 +16,7 @@ from .._errors import (
     ModelMismatchError,
     StatisticsFileError,
 )
-from .common import Claimed, report_errors, size_of
+from .common import Claimed, HelpFormatter, report_errors, size_of
 
 __all__ = ["add_merge_parser", "run_merge_cli"]
 
@@ -29,7 +29,16 @@ def add_merge_parser(sub: Any) -> None:
         help="merge models fine-tuned from one checkpoint (regmean, average, fisher, "
         "task_arithmetic) as a config file says",
         description=(config_doc or "").strip(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(
+            "examples:\n"
+            "  lmdx merge merge.yaml --out merged --dry-run   the plan, memory and disk; "
+            "nothing written\n"
+            "  lmdx merge merge.yaml --out merged\n\n"
+            "With heads kept, model i of the config (from 0) predicts its own task with:\n"
+            "  model = lmdx.load_merged('merged', task=i)   # merged body, model i's head "
+            "and labels"
+        ),
+        formatter_class=HelpFormatter,
     )
     p.add_argument("config", metavar="CONFIG", help="YAML or JSON merge configuration")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (must not exist)")
@@ -52,8 +61,15 @@ def add_merge_parser(sub: Any) -> None:
         help="solve the RegMean layers on N Ray actors (lmdx[ray]; a local Ray unless "
         "--ray-address)",
     )
-    p.add_argument("--ray-address", default=None, metavar="ADDRESS", help="auto or HOST:PORT")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDRESS",
+        help="auto or HOST:PORT of a Ray cluster (default: start a local Ray)",
+    )
+    p.add_argument(
+        "--no-progress", action="store_true", help="no progress bars (transformers' included)"
+    )
 
 
 def run_merge_cli(args: argparse.Namespace) -> int:

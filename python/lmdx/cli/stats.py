@@ -10,7 +10,7 @@ from typing import Any
 
 from .._errors import CliError, DataError, MissingFileError
 from ..data.files import read_data
-from .common import Claimed, printable, report_errors, size_of
+from .common import Claimed, HelpFormatter, printable, report_errors, size_of
 
 __all__ = ["add_stats_parser", "run_stats_cli"]
 
@@ -30,36 +30,82 @@ def add_stats_parser(sub: Any) -> None:
             "  lmdx stats add FILE FILE... --out FILE   add statistics of disjoint data shards\n"
             "  lmdx stats show FILE   print a file's metadata\n\n"
             "DATA is a text file (one text per line), a .jsonl file (field --text-field), a "
-            ".csv file (column --text-field) or corpus:NAME (a corpus of lmdx.corpora)."
+            ".csv file (column --text-field) or corpus:NAME (a corpus of lmdx.corpora).\n\n"
+            "Texts are cut at --max-length tokens: use the length the model was fine-tuned "
+            "with.\n\n"
+            "--include/--exclude are shell-style patterns (* and ?, case-sensitive). What they "
+            "match depends on --kind:\n"
+            "  regmean  module names, as in model.named_modules() (bert.encoder.layer.0."
+            "output.dense,\n"
+            "           classifier); only nn.Linear / Conv1D modules have Grams\n"
+            "  fisher   parameter names, as in model.named_parameters() "
+            "(bert.encoder.layer.0.output.\n"
+            "           dense.weight, classifier.bias): 'classifier.*', not 'classifier'\n"
+            "A saved model folder does not record which layers were frozen while fine-tuning: "
+            "leave\nthem (and the task head) out with --exclude; what is left out is averaged "
+            "by the merge."
         ),
         epilog=(
             "examples:\n"
             "  lmdx stats finetuned/bbc corpus:bbc_news --max-texts 1000 --out bbc.safetensors\n"
-            "  lmdx stats finetuned/bbc train.jsonl --kind fisher --out bbc-fisher.safetensors\n"
+            "  lmdx stats finetuned/bbc train.jsonl --max-length 64 --out bbc.safetensors\n"
+            "  lmdx stats finetuned/bbc train.jsonl --kind fisher --exclude 'classifier.*' "
+            "'bert.embeddings.*' --out bbc-fisher.safetensors\n"
             "  lmdx stats finetuned/bbc corpus:bbc_news --out bbc.safetensors --ray --workers 4\n"
             "  lmdx stats add part1.safetensors part2.safetensors --out all.safetensors"
         ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("model", metavar="MODEL", help="a save_pretrained model folder")
     p.add_argument(
         "data", metavar="DATA", help="texts: FILE.txt, FILE.jsonl, FILE.csv, corpus:NAME"
     )
     p.add_argument("--out", required=True, metavar="FILE", help="statistics file to write")
-    p.add_argument("--kind", choices=("regmean", "fisher"), default="regmean")
-    p.add_argument("--description", default=None, help="what the data is (stored in the file)")
+    p.add_argument(
+        "--kind",
+        choices=("regmean", "fisher"),
+        default="regmean",
+        help="regmean: the Gram of every linear module's input; fisher: the diagonal Fisher "
+        "of every parameter",
+    )
+    p.add_argument(
+        "--description",
+        default=None,
+        help="what the data is, stored in the file (default: 'N texts from DATA')",
+    )
     p.add_argument("--text-field", default="text", help="field/column of .jsonl/.csv texts")
-    p.add_argument("--label-field", default="label", help="field/column of gold labels")
-    p.add_argument("--max-texts", type=int, default=None, metavar="N", help="use the first N")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--max-length", type=int, default=128, help="tokens per text (truncation)")
+    p.add_argument(
+        "--label-field", default="label", help="field/column of gold labels (--labels gold)"
+    )
+    p.add_argument(
+        "--max-texts", type=int, default=None, metavar="N", help="use the first N (default: all)"
+    )
+    p.add_argument("--batch-size", type=int, default=16, help="texts per forward pass")
+    p.add_argument(
+        "--max-length",
+        type=int,
+        default=128,
+        help="tokens per text, longer texts are cut (truncation): match the fine-tuning length",
+    )
     p.add_argument(
         "--include-padding",
         action="store_true",
         help="count padding tokens like the reference code (default: left out)",
     )
-    p.add_argument("--include", nargs="+", metavar="PATTERN", help="module name patterns")
-    p.add_argument("--exclude", nargs="+", metavar="PATTERN", help="module name patterns")
+    p.add_argument(
+        "--include",
+        nargs="+",
+        metavar="PATTERN",
+        help="collect only what matches: module names (--kind regmean) or parameter names "
+        "(--kind fisher) (default: every linear module / every parameter)",
+    )
+    p.add_argument(
+        "--exclude",
+        nargs="+",
+        metavar="PATTERN",
+        help="leave out what matches: module names (--kind regmean, e.g. classifier) or "
+        "parameter names (--kind fisher, e.g. 'classifier.*')",
+    )
     p.add_argument(
         "--no-share-inputs", action="store_true", help="one Gram per module even for q/k/v"
     )
@@ -72,9 +118,16 @@ def add_stats_parser(sub: Any) -> None:
         "--labels",
         choices=("predicted", "gold"),
         default="predicted",
-        help="Fisher: log-likelihood of the predicted (default) or gold label",
+        help="Fisher: the log-likelihood of the label the model predicts, or of the gold "
+        "label (--label-field)",
     )
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="threads of the Gram products (default: $LMDX_NUM_THREADS or every CPU "
+        "available; see lmdx info)",
+    )
     p.add_argument(
         "--max-memory",
         default=None,
@@ -103,30 +156,50 @@ def add_stats_parser(sub: Any) -> None:
         help="collect with Ray: no value starts a local Ray; 'auto', HOST:PORT or "
         "ray://HOST:PORT joins a cluster (MODEL must be readable on every node)",
     )
-    ray.add_argument("--workers", type=int, default=None, metavar="N", help="Ray workers (2)")
     ray.add_argument(
-        "--threads-per-worker", type=int, default=None, metavar="T", help="CPUs per worker (1)"
+        "--workers", type=int, default=None, metavar="N", help="Ray workers (default: 2)"
     )
-    p.add_argument("--no-progress", action="store_true")
+    ray.add_argument(
+        "--threads-per-worker",
+        type=int,
+        default=None,
+        metavar="T",
+        help="CPUs per worker (default: 1)",
+    )
+    p.add_argument(
+        "--no-progress", action="store_true", help="no progress bars (transformers' included)"
+    )
 
 
 def _stats_add_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lmdx stats add",
         description="Add statistics of disjoint data shards of one model into one file.",
+        formatter_class=HelpFormatter,
     )
-    p.add_argument("files", nargs="+", metavar="FILE")
-    p.add_argument("--out", required=True, metavar="FILE")
-    p.add_argument("--description", default=None)
+    p.add_argument("files", nargs="+", metavar="FILE", help="statistics files or folders")
+    p.add_argument("--out", required=True, metavar="FILE", help="statistics file to write")
     p.add_argument(
-        "--max-shard-size", default=None, metavar="SIZE", help="write a folder of shards"
+        "--description",
+        default=None,
+        help="what the data is (default: the files' descriptions joined)",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        default=None,
+        metavar="SIZE",
+        help="write --out as a folder of shards of at most SIZE (default: one file)",
     )
     return p
 
 
 def _stats_show_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lmdx stats show", description="Print a file's metadata.")
-    p.add_argument("file", metavar="FILE")
+    p = argparse.ArgumentParser(
+        prog="lmdx stats show",
+        description="Print a file's metadata.",
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("file", metavar="FILE", help="a statistics file or folder")
     p.add_argument("--json", action="store_true", help="the full metadata as JSON")
     return p
 
