@@ -22,6 +22,10 @@ Methods, each in its own subprocess (so peak RSS, from ``getrusage``, is its own
   joint population covariance, as lmdx's group fits use), so both compute the same ridge
   regression and their 12 R² values must agree (float32 tolerance).
 
+With ``--lmdx-before DIR`` the lmdx worker also runs with another lmdx package (DIR first on
+its PYTHONPATH, e.g. a copy of an earlier ``python/lmdx`` with its built modules) at the
+comparison's N, and the report compares the two lmdx fits: time, peak RSS and group R².
+
 All rows are the train split; R² is the pooled (variance-weighted) in-sample R² on those
 rows for both methods. See bench/README.md.
 """
@@ -54,6 +58,7 @@ RHO = 1e-3
 THREADS = 2
 SEED = 0
 TOL_R2 = 1e-4  # |R²_lmdx − R²_reference|, reference in float32
+TOL_VERSIONS = 1e-9  # relative change of a group R² between two lmdx versions (float64 both)
 
 QUICK = {
     "models": 4,
@@ -157,6 +162,7 @@ def worker_lmdx(args: argparse.Namespace) -> dict[str, Any]:
     r2 = result.group_r2("train")
     return {
         "method": "lmdx",
+        "lmdx_file": lmdx.__file__,
         "n": args.n,
         "threads": t,
         "generate_s": t_gen,
@@ -263,19 +269,28 @@ def worker_reference(args: argparse.Namespace) -> dict[str, Any]:
 # --------------------------------------------------------------------------- parent
 
 
-def run_worker(method: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
+def run_worker(
+    method: str, n: int, args: argparse.Namespace, lmdx_path: str | None = None
+) -> dict[str, Any]:
+    """Run one worker in a subprocess; ``lmdx_path`` (a folder holding an ``lmdx`` package)
+    goes first on its PYTHONPATH, so another lmdx than this one's runs there."""
+    env = dict(os.environ)
+    if lmdx_path:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (lmdx_path, env.get("PYTHONPATH")) if p)
     cmd = [
         sys.executable, os.path.abspath(__file__), "--worker", method, "--n", str(n),
         "--models", str(args.models), "--dim", str(args.dim), "--latent", str(args.latent),
         "--batch", str(args.batch), "--rho", repr(args.rho), "--threads", str(args.threads),
         "--reps", str(args.reps), "--seed", str(args.seed), "--ref-fits", str(args.ref_fits),
     ]  # fmt: skip
-    print(f"[{method}, N = {n}] running …", flush=True)
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
+    where = f" from {lmdx_path}" if lmdx_path else ""
+    print(f"[{method}{where}, N = {n}] running …", flush=True)
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{method} worker (N = {n}) failed with status {proc.returncode}")
     line = next(ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
+    result: dict[str, Any] = json.loads(line[len("RESULT ") :])
+    return result
 
 
 def header_lines(args: argparse.Namespace) -> list[str]:
@@ -295,7 +310,8 @@ def header_lines(args: argparse.Namespace) -> list[str]:
         f"virtualized {cpu.get('virtualized', '?')}, SIMD flags "
         f"{' '.join(cpu.get('simd_flags', []))}",
         f"load average at start: {list(os.getloadavg())}",
-        f"lmdx {lm['version']}: SIMD path {lm['simd_path']}, OpenMP {lm['openmp']}, "
+        f"lmdx {lm['version']} ({os.path.dirname(lmdx.__file__)}): SIMD path {lm['simd_path']}, "
+        f"OpenMP {lm['openmp']}, "
         f"Eigen {lm['eigen']}, {lm['compiler']}",
         f"python {platform.python_version()}, numpy {np.__version__} "
         f"(built with {bench_core.build_blas(np)}), threadpoolctl {threadpoolctl.__version__}",
@@ -315,8 +331,10 @@ def gib(b: float) -> str:
     return f"{b / 2**30:.2f}"
 
 
-def report(args: argparse.Namespace, lm: list[dict], ref: dict) -> tuple[list[str], bool]:
-    """Table lines (markdown) and whether the agreement check passed."""
+def report(
+    args: argparse.Namespace, lm: list[dict], ref: dict, before: dict | None = None
+) -> tuple[list[str], bool]:
+    """Table lines (markdown) and whether the agreement checks passed."""
     lines = [
         f"| method | N | moments / store s | {args.models} group fits s | total s | peak RSS GiB "
         "| RSS before data GiB | reference / lmdx (total) |",
@@ -329,6 +347,13 @@ def report(args: argparse.Namespace, lm: list[dict], ref: dict) -> tuple[list[st
         lines.append(
             f"| **lmdx** | {r['n']} | {r['moments_s']:.1f} | {r['fit_median_s']:.1f} "
             f"| {total:.1f} | {gib(r['peak_rss'])} | {gib(r['baseline_rss'])} | {ratio} |"
+        )
+    if before is not None:
+        total = before["moments_s"] + before["fit_median_s"]
+        lines.append(
+            f"| lmdx before (`{args.lmdx_before}`) | {before['n']} | {before['moments_s']:.1f} "
+            f"| {before['fit_median_s']:.1f} | {total:.1f} | {gib(before['peak_rss'])} "
+            f"| {gib(before['baseline_rss'])} | {ref_total / total:.1f}x |"
         )
     lines.append(
         f"| reference (torch fp32, {args.models} solves) | {ref['n']} | {ref['store_s']:.1f} "
@@ -371,6 +396,18 @@ def report(args: argparse.Namespace, lm: list[dict], ref: dict) -> tuple[list[st
         f"{diffs.max():.2e} (tolerance {TOL_R2:g}) "
         f"— {'within' if ok else 'OUTSIDE'}",
     ]
+    if before is not None:
+        change = np.abs(np.array(same["r2"]) - np.array(before["r2"]))
+        rel = change / np.abs(np.array(before["r2"]))
+        same_r2 = bool(rel.max() <= TOL_VERSIONS)
+        ok = ok and same_r2
+        lines += [
+            f"lmdx vs lmdx before at N = {before['n']}: fit {before['fit_median_s']:.1f} s → "
+            f"{same['fit_median_s']:.1f} s ({before['fit_median_s'] / same['fit_median_s']:.1f}x"
+            f"), peak RSS {gib(before['peak_rss'])} → {gib(same['peak_rss'])} GiB; group R² "
+            f"max relative change {rel.max():.1e} (tolerance {TOL_VERSIONS:g}) — "
+            f"{'within' if same_r2 else 'OUTSIDE'}",
+        ]
     return lines, ok
 
 
@@ -403,6 +440,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="reference: fit only the first K targets and extrapolate the time of "
         "all m fits as m/K times theirs (0: all; every fit has the same shapes)",
     )
+    p.add_argument(
+        "--lmdx-before",
+        metavar="DIR",
+        help="also run the lmdx worker (at N = --rows) with DIR first on PYTHONPATH: DIR holds "
+        "another lmdx package (e.g. a copy of an earlier python/lmdx with its built modules), "
+        "reported as 'lmdx before' with its fit time, memory and R² against this lmdx's",
+    )
     p.add_argument("--markdown", metavar="FILE", help="also write the report as markdown")
     p.add_argument("--json", metavar="FILE", help="also write the raw results as JSON")
     p.add_argument("--worker", choices=("lmdx", "reference"), help=argparse.SUPPRESS)
@@ -428,8 +472,9 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(header), flush=True)
     started = time.perf_counter()
     lm = [run_worker("lmdx", n, args) for n in args.lmdx_rows]
+    before = run_worker("lmdx", args.rows, args, args.lmdx_before) if args.lmdx_before else None
     ref = run_worker("reference", args.rows, args)
-    table, ok = report(args, lm, ref)
+    table, ok = report(args, lm, ref, before)
     elapsed = time.perf_counter() - started
     print()
     print("\n".join(table))
@@ -441,9 +486,11 @@ def main(argv: list[str] | None = None) -> int:
                               + ["", f"total wall time {elapsed:.1f} s"]) + "\n")  # fmt: skip
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"header": header, "lmdx": lm, "reference": ref}, f, indent=1)
+            json.dump(
+                {"header": header, "lmdx": lm, "lmdx_before": before, "reference": ref}, f, indent=1
+            )
     if not ok:
-        print("error: lmdx and the reference disagree", file=sys.stderr)
+        print("error: lmdx and the reference (or lmdx before) disagree", file=sys.stderr)
         return 1
     return 0
 
