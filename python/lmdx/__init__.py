@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import importlib
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from . import data, files, lmd, merge, stats
 from ._core import core as _native
 from ._errors import (
     DataError,
@@ -27,41 +26,91 @@ from ._errors import (
     SampleSizeWarning,
     StatisticsFileError,
 )
-from .average import fisher_average, weighted_average
-from .config import config, default_threads, show_config
-from .data.batches import text_batches
-from .lmd import (
-    Decomposition,
-    DecompositionResult,
-    HFEncoder,
-    LMDFit,
-    load_pypi_encoder,
-    plot_group_r2,
-    plot_pairwise_heatmap,
-)
-from .merge import (
-    MergeResult,
-    StreamMergeResult,
-    load_merge_config,
-    load_merged,
-    merge_models,
-    plan_merge,
-    run_merge,
-    save_merged,
-    stream_merge,
-)
-from .moments import Moments
-from .regmean import RegMeanResult, regmean_merge_layer
-from .spd import SolveResult, spd_solve
-from .stats import (
-    Statistics,
-    add_statistics,
-    collect_fisher,
-    collect_regmean_stats,
-    collect_regmean_stats_ray,
-)
+from .config import config, default_threads, show_config  # before lmdx.config, the module
+
+if TYPE_CHECKING:
+    from . import data, files, lmd, merge, stats
+    from .average import fisher_average, weighted_average
+    from .data.batches import text_batches
+    from .lmd import (
+        Decomposition,
+        DecompositionResult,
+        HFEncoder,
+        LMDFit,
+        load_pypi_encoder,
+        plot_group_r2,
+        plot_pairwise_heatmap,
+    )
+    from .merge import (
+        MergeResult,
+        StreamMergeResult,
+        load_merge_config,
+        load_merged,
+        merge_models,
+        plan_merge,
+        run_merge,
+        save_merged,
+        stream_merge,
+    )
+    from .moments import Moments
+    from .regmean import RegMeanResult, regmean_merge_layer
+    from .spd import SolveResult, spd_solve
+    from .stats import (
+        Statistics,
+        add_statistics,
+        collect_fisher,
+        collect_regmean_stats,
+        collect_regmean_stats_ray,
+    )
 
 __version__: str = _native.__version__
+
+#: Where each public name lives: it is imported on first use (``import lmdx`` stays fast,
+#: so a command imports only what it runs; ``lmdx stats add`` never imports torch).
+_HOMES = {
+    **{name: f"lmdx.{name}" for name in ("data", "files", "lmd", "merge", "stats")},
+    **dict.fromkeys(("fisher_average", "weighted_average"), "lmdx.average"),
+    "text_batches": "lmdx.data.batches",
+    **dict.fromkeys(
+        (
+            "Decomposition",
+            "DecompositionResult",
+            "HFEncoder",
+            "LMDFit",
+            "load_pypi_encoder",
+            "plot_group_r2",
+            "plot_pairwise_heatmap",
+        ),
+        "lmdx.lmd",
+    ),
+    **dict.fromkeys(
+        (
+            "MergeResult",
+            "StreamMergeResult",
+            "load_merge_config",
+            "load_merged",
+            "merge_models",
+            "plan_merge",
+            "run_merge",
+            "save_merged",
+            "stream_merge",
+        ),
+        "lmdx.merge",
+    ),
+    "Moments": "lmdx.moments",
+    **dict.fromkeys(("RegMeanResult", "regmean_merge_layer"), "lmdx.regmean"),
+    **dict.fromkeys(("SolveResult", "spd_solve"), "lmdx.spd"),
+    **dict.fromkeys(
+        (
+            "Statistics",
+            "add_statistics",
+            "collect_fisher",
+            "collect_regmean_stats",
+            "collect_regmean_stats_ray",
+        ),
+        "lmdx.stats",
+    ),
+}
 
 __all__ = [
     "DataError",
@@ -129,9 +178,19 @@ _MOVED = {
 
 
 def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is not None:
+        module = importlib.import_module(home)
+        value = module if home == f"lmdx.{name}" else getattr(module, name)
+        globals()[name] = value
+        return value
     target = _MOVED.get(name)
     if target is None:
         raise AttributeError(f"module 'lmdx' has no attribute {name!r}")
     warnings.warn(f"lmdx.{name} is now {target}; use that", DeprecationWarning, stacklevel=2)
     home, _, new = target.rpartition(".")
     return getattr(importlib.import_module(home), new)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

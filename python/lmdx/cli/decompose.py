@@ -15,10 +15,12 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .._errors import CliError
-from ..data.files import load_corpus
 from .common import HelpFormatter
 
-__all__ = ["add_decompose_parser", "format_tables", "run_decompose", "split_counts"]
+__all__ = ["HELP", "add_decompose_parser", "format_tables", "run_decompose", "split_counts"]
+
+#: The command's line in ``lmdx --help``.
+HELP = "Language Model Decomposition: pairwise and group R² of sentence embeddings"
 
 #: Texts embedded per step by every model: bounds the memory held for embeddings.
 CHUNK_TEXTS = 8192
@@ -27,7 +29,7 @@ CHUNK_TEXTS = 8192
 def add_decompose_parser(sub: Any) -> None:
     p = sub.add_parser(
         "decompose",
-        help="Language Model Decomposition: pairwise and group R² of sentence embeddings",
+        help=HELP,
         description=(
             "Fit every model's sentence embeddings on every other model's (pairwise) and on "
             "all the others together (group), and report R²(target | basis) on the train, "
@@ -155,6 +157,8 @@ def _read_texts(args: argparse.Namespace) -> tuple[list[str], str]:
         lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
         return [t for t in lines if t], str(path)
     if args.corpus is not None:
+        from ..data.files import load_corpus
+
         corpus = load_corpus(args.corpus, "--corpus")
         return corpus.texts, corpus.source
     raise CliError("--models needs the texts to embed: --texts FILE or --corpus NAME")

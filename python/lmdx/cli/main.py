@@ -9,10 +9,8 @@ import threading
 from typing import Any
 
 from .._errors import CliError, DataError, MissingFileError
+from . import decompose, merge, stats
 from .common import HelpFormatter, debugging, report_errors
-from .decompose import add_decompose_parser, run_decompose
-from .merge import add_merge_parser, run_merge_cli
-from .stats import add_stats_parser, run_stats_cli
 
 __all__ = ["main"]
 
@@ -52,16 +50,23 @@ def _command(argv: list[str]) -> int:
         action="store_true",
         help="show errors with their traceback (before COMMAND; or LMDX_DEBUG=1)",
     )
+    if argv and argv[0] == "stats":
+        return stats.run_stats_cli(argv[1:])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.add_parser("info", help="print version, SIMD path, OpenMP and thread settings")
-    add_stats_parser(sub)
-    add_merge_parser(sub)
-    add_decompose_parser(sub)
-    if argv and argv[0] == "stats":
-        return run_stats_cli(argv[1:])
+    # only the command that runs gets its full parser (building merge's imports the merge)
+    for name, module, add in (
+        ("stats", stats, stats.add_stats_parser),
+        ("merge", merge, merge.add_merge_parser),
+        ("decompose", decompose, decompose.add_decompose_parser),
+    ):
+        if argv and argv[0] == name:
+            add(sub)
+        else:
+            sub.add_parser(name, help=module.HELP)
     args = parser.parse_args(argv)
     if args.command == "merge":
-        return run_merge_cli(args)
+        return merge.run_merge_cli(args)
     if args.command == "info":
         from ..config import show_config
 
@@ -69,7 +74,9 @@ def _command(argv: list[str]) -> int:
         return 0
     if args.command == "decompose":
         return report_errors(
-            "decompose", lambda: run_decompose(args), usage=(CliError, DataError, MissingFileError)
+            "decompose",
+            lambda: decompose.run_decompose(args),
+            usage=(CliError, DataError, MissingFileError),
         )
     parser.print_help(sys.stderr)
     return 2

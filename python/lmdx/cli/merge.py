@@ -18,7 +18,13 @@ from .._errors import (
 )
 from .common import Claimed, HelpFormatter, report_errors, size_of
 
-__all__ = ["add_merge_parser", "run_merge_cli"]
+__all__ = ["HELP", "add_merge_parser", "run_merge_cli"]
+
+#: The command's line in ``lmdx --help``.
+HELP = (
+    "merge models fine-tuned from one checkpoint (regmean, average, fisher, task_arithmetic) "
+    "as a config file says"
+)
 
 
 def add_merge_parser(sub: Any) -> None:
@@ -26,8 +32,7 @@ def add_merge_parser(sub: Any) -> None:
 
     p = sub.add_parser(
         "merge",
-        help="merge models fine-tuned from one checkpoint (regmean, average, fisher, "
-        "task_arithmetic) as a config file says",
+        help=HELP,
         description=(config_doc or "").strip(),
         epilog=(
             "examples:\n"

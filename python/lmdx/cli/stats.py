@@ -9,10 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import CliError, DataError, MissingFileError
-from ..data.files import read_data
 from .common import Claimed, HelpFormatter, printable, report_errors, size_of
 
-__all__ = ["add_stats_parser", "run_stats_cli"]
+__all__ = ["HELP", "add_stats_parser", "run_stats_cli"]
+
+#: The command's line in ``lmdx --help``.
+HELP = "collect RegMean Gram or Fisher statistics of a model on data; add or show files"
 
 
 # --------------------------------------------------------------------------- parsers
@@ -21,7 +23,7 @@ __all__ = ["add_stats_parser", "run_stats_cli"]
 def add_stats_parser(sub: Any) -> None:
     p = sub.add_parser(
         "stats",
-        help="collect RegMean Gram or Fisher statistics of a model on data; add or show files",
+        help=HELP,
         description=(
             "Collect the statistics a contributor shares instead of data: the Gram of every "
             "linear module's input (RegMean) or the diagonal Fisher, over the texts in DATA, "
@@ -257,6 +259,7 @@ def _stats_collect(args: argparse.Namespace, claimed: Claimed) -> int:
     from transformers import AutoTokenizer
 
     from ..data.batches import text_batches
+    from ..data.files import read_data
     from ..files.hf import load_model
     from ..stats.collect import collect_regmean_stats
     from ..stats.fisher import collect_fisher

@@ -1,0 +1,113 @@
+"""Import budget: a command imports what it runs and no more.
+
+Importing torch and transformers takes seconds; only collecting statistics (and the
+in-memory merge) needs them. Each command runs in a fresh interpreter (python -m lmdx,
+through runpy) that then reports which of torch and transformers it imported.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import hf_models as H
+import pytest
+
+RUNNER = """
+import json, runpy, sys
+report, *argv = sys.argv[1:]
+sys.argv = ["lmdx", *argv]
+code = 0
+try:
+    runpy.run_module("lmdx", run_name="__main__", alter_sys=True)
+except SystemExit as exc:
+    code = exc.code
+heavy = sorted({m.split(".")[0] for m in sys.modules} & {"torch", "transformers"})
+lmdx = sorted(m for m in sys.modules if m.count(".") == 1 and m.startswith("lmdx."))
+with open(report, "w") as f:
+    json.dump({"code": code, "heavy": heavy, "lmdx": lmdx}, f)
+"""
+
+
+def _run(tmp: Path, *argv: str) -> dict[str, Any]:
+    """Run ``lmdx ARGV`` in a new interpreter: the heavy packages (``heavy``) and the
+    modules of lmdx's top level (``lmdx``) it imported."""
+    report = tmp / "report.json"
+    report.unlink(missing_ok=True)
+    done = subprocess.run(
+        [sys.executable, "-c", RUNNER, str(report), *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    result = json.loads(report.read_text())
+    assert result["code"] == 0, done.stderr
+    return dict(result)
+
+
+def _imports(tmp: Path, *argv: str) -> list[str]:
+    return list(_run(tmp, *argv)["heavy"])
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two tiny BERT classifiers on disk, their Gram statistics, one of them in two parts,
+    and a RegMean merge configuration."""
+    root = tmp_path_factory.mktemp("startup")
+    _, models, batches = H.cached_family("bert", k=2)
+    for i, (model, data) in enumerate(zip(models, batches, strict=True)):
+        model.save_pretrained(root / f"m{i}")
+        H.collect(model, data).save(root / f"s{i}.safetensors")
+    for j, part in enumerate((batches[0][:2], batches[0][2:])):
+        H.collect(models[0], part).save(root / f"part{j}.safetensors")
+    (root / "merge.yaml").write_text(
+        "method: regmean\nmodels:\n"
+        "  - {path: m0, stats: s0.safetensors}\n  - {path: m1, stats: s1.safetensors}\n"
+        "heads: {patterns: ['classifier.*'], policy: keep}\n"
+    )
+    return root
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["info"],
+        ["merge", "--help"],
+        ["stats", "--help"],
+        ["stats", "show", "{root}/s0.safetensors"],
+        ["stats", "add", "{root}/part0.safetensors", "{root}/part1.safetensors", "--out", "{out}"],
+        ["merge", "{root}/merge.yaml", "--out", "{out}", "--dry-run"],
+    ],
+    ids=lambda argv: " ".join(a for a in argv if "{" not in a),
+)
+def test_command_imports_neither_torch_nor_transformers(folder, tmp_path, argv):
+    args = [a.format(root=folder, out=tmp_path / "out") for a in argv]
+    assert _imports(tmp_path, *args) == []
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["info"], ["stats", "--help"]])
+def test_help_and_info_import_no_subpackage(tmp_path, argv):
+    """``import lmdx`` imports its subpackages on first use only."""
+    imported = set(_run(tmp_path, *argv)["lmdx"])
+    assert not imported & {"lmdx.merge", "lmdx.stats", "lmdx.lmd", "lmdx.data", "lmdx.files"}
+    assert "lmdx.cli" in imported
+
+
+def test_streaming_merge_does_not_import_transformers(folder, tmp_path):
+    # torch is imported by the engine (its tensors are torch tensors), transformers is not
+    heavy = _imports(
+        tmp_path, "merge", str(folder / "merge.yaml"), "--out", str(tmp_path / "o"), "--no-progress"
+    )
+    assert "transformers" not in heavy
+    assert (tmp_path / "o" / "heads" / "1.json").is_file()
+
+
+def test_the_check_sees_an_import(folder, tmp_path):
+    """The in-memory merge loads the models with transformers: the check reports both."""
+    out = tmp_path / "m"
+    argv = ["merge", str(folder / "merge.yaml"), "--out", str(out), "--in-memory", "--no-progress"]
+    assert _imports(tmp_path, *argv) == ["torch", "transformers"]
