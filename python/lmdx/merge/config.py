@@ -208,8 +208,17 @@ def _resolved(checked: _ConfigFile, root: Path, where: str) -> MergeConfig:
     """The configuration with paths resolved and checked, and the rules across keys."""
 
     def resolve(p: str) -> str:
+        """``p`` relative to the config's folder, ``..`` folded away (``merge/../ft/x`` is
+        ``ft/x``) unless a symbolic link makes the two differ (then its real path)."""
         full = Path(p).expanduser()
-        return str(full if full.is_absolute() else root / full)
+        path = str(full if full.is_absolute() else root / full)
+        short = os.path.normpath(path)
+        if short == path or not os.path.exists(path):  # missing: reported as given, below
+            return path
+        try:
+            return short if os.path.samefile(short, path) else os.path.realpath(path)
+        except (OSError, ValueError):  # short is no path at all: path is the real one
+            return os.path.realpath(path)
 
     def exists(p: str, key: str, *, folder: bool) -> bool:
         try:
