@@ -1,0 +1,100 @@
+"""The README's "Merging Hugging Face models" section runs as written: its shell commands
+(every ``lmdx`` line of the first bash block, in order), its merge.yaml and the Python
+that predicts with task i's merged classifier, on three tiny BERT classifiers standing
+in for the fine-tuned models, in the folder names and data files the README uses."""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import io
+import json
+import re
+import shlex
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from lmdx.cli import main
+from tiny_bert import WORDS, build_tiny_bert
+from transformers import AutoTokenizer, BertForSequenceClassification
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+#: The README's three classifiers: folder -> labels.
+MODELS = {
+    "bbc": ("business", "entertainment", "politics", "sport", "tech"),
+    "news": ("World", "Sports", "Business", "Sci/Tech"),
+    "tweets": ("negative", "neutral", "positive"),
+}
+
+
+def _section() -> str:
+    text = README.read_text(encoding="utf-8")
+    start = text.index("## Merging Hugging Face models")
+    end = text.index("\n### ", start)
+    return text[start:end]
+
+
+def _blocks(section: str, language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", section, flags=re.S)
+
+
+@pytest.fixture
+def workspace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    tiny = build_tiny_bert(tmp_path / "pretrained")
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny))
+    gen = torch.Generator().manual_seed(7)
+    for i, (name, labels) in enumerate(MODELS.items()):
+        torch.manual_seed(i)
+        model = BertForSequenceClassification.from_pretrained(
+            str(tiny),
+            num_labels=len(labels),
+            id2label=dict(enumerate(labels)),
+            label2id={v: k for k, v in enumerate(labels)},
+        )
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.02 * torch.randn(p.shape, generator=gen))
+        model.save_pretrained(tmp_path / "finetuned" / name)
+        tokenizer.save_pretrained(tmp_path / "finetuned" / name)
+    rng = np.random.default_rng(8)
+
+    def texts(n: int) -> list[str]:
+        return [" ".join(rng.choice(WORDS, size=rng.integers(2, 12))) for _ in range(n)]
+
+    for fname in ("bbc-train.jsonl", "bbc-more.jsonl"):
+        lines = [json.dumps({"text": t, "label": "sport"}) for t in texts(12)]
+        (tmp_path / fname).write_text("\n".join(lines) + "\n")
+    (tmp_path / "news.csv").write_text("headline,label\n" + "\n".join(f"{t},1" for t in texts(10)))
+    (tmp_path / "tweets.txt").write_text("\n".join(texts(10)) + "\n")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_readme_merging_section_runs(workspace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    section = _section()
+    (yaml_block,) = _blocks(section, "yaml")
+    assert yaml_block.startswith("# merge.yaml")
+    (workspace / "merge.yaml").write_text(yaml_block)
+
+    commands = [
+        shlex.split(line, comments=True) for line in _blocks(section, "bash")[0].splitlines()
+    ]
+    commands = [c for c in commands if c]
+    assert [c[:2] for c in commands][-2:] == [["lmdx", "merge"], ["lmdx", "merge"]]
+    assert len(commands) >= 8
+    for argv in commands:
+        assert argv[0] == "lmdx", argv
+        assert main(argv[1:]) == 0, (argv, capsys.readouterr().err)
+    assert not (workspace / "merged" / ".tmp").exists()
+    heads = json.loads((workspace / "merged" / "heads" / "2.json").read_text())
+    assert heads["model"].endswith("finetuned/tweets") and heads["num_labels"] == 3
+
+    (predict,) = [b for b in _blocks(section, "python") if 'load_merged("merged"' in b]
+    capsys.readouterr()
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(predict, "README.md", "exec"), {})
+    shown = ast.literal_eval(printed.getvalue().strip().splitlines()[-1])
+    assert len(shown) == 2 and set(shown) <= set(MODELS["tweets"]), shown
