@@ -35,7 +35,7 @@ def _paths(record: dict) -> list[str]:
     ]
 
 
-def test_record_folds_dot_dot_away(root: Path) -> None:
+def test_record_folds_dot_dot_away(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = root / "merge" / "merge.yaml"
     cfg.write_text(
         "method: regmean\nmodels:\n"
@@ -45,6 +45,11 @@ def test_record_folds_dot_dot_away(root: Path) -> None:
     )
     out = root / "merged"
     assert main(["merge", str(cfg), "--out", str(out), "--no-progress"]) == 0
+    said = capsys.readouterr().out
+    assert (
+        f"model i's classifier (i = 0..1, in the config's order): lmdx.load_merged('{out}', task=i)"
+        in said
+    )
     record = json.loads((out / "lmdx_merge.json").read_text())
     paths = _paths(record)
     assert len(paths) == 10 and all(".." not in p and "/./" not in p for p in paths), paths

@@ -92,6 +92,7 @@ def _merge(args: argparse.Namespace, claimed: Claimed) -> int:
     from ..files.atomic import existing_parent
     from ..merge.config import load_merge_config, plan_merge, run_merge
     from ..merge.plan import peak_rss_bytes
+    from ..merge.sink import HEADS_DIR
 
     out = Path(args.out)
     if out.exists():
@@ -128,4 +129,9 @@ def _merge(args: argparse.Namespace, claimed: Claimed) -> int:
         f"{time.perf_counter() - t0:.1f} s; wrote {out} ({size / 1e6:.1f} MB); "
         f"peak RSS {peak_rss_bytes() / 1e9:.2f} GB"
     )
+    if (out / HEADS_DIR).is_dir():
+        print(
+            f"lmdx merge: model i's classifier (i = 0..{len(cfg.models) - 1}, in the config's "
+            f"order): lmdx.load_merged({str(out)!r}, task=i)"
+        )
     return 0
