@@ -706,6 +706,7 @@ def merge_methods(
                 alpha=alpha,
                 coefficients=None,
                 layout="linear",
+                precision="float64",
                 ridge=0.0,
                 allow_regularization=True,
                 name="layer",

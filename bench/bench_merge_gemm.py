@@ -74,6 +74,7 @@ def main() -> None:
                     alpha=ALPHA,
                     coefficients=None,
                     layout="linear",
+                    precision="float64",
                     ridge=0.0,
                     allow_regularization=True,
                     name="l",

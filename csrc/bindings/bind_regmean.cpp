@@ -1,4 +1,5 @@
 #include <optional>
+#include <sstream>
 #include <tuple>
 
 #include "bindings/common.hpp"
@@ -6,18 +7,22 @@
 
 namespace lmdx_bind {
 
+using lmdx::RegMeanInfo;
 using lmdx::SolveInfo;
 
 namespace {
 
-std::tuple<py::array_t<double>, SolveInfo> regmean_merge_layer(
+std::tuple<py::array_t<double>, RegMeanInfo> regmean_merge_layer(
     const std::vector<py::array>& grams, const std::vector<py::array>& weights,
     const std::vector<double>& counts, double alpha,
-    const std::optional<std::vector<double>>& coefficients, const std::string& layout, double ridge,
-    bool allow_regularization, const std::string& name, int n_threads) {
+    const std::optional<std::vector<double>>& coefficients, const std::string& layout,
+    const std::string& precision, double ridge, bool allow_regularization,
+    const std::string& name, int n_threads) {
   std::vector<ArrayView> g, w;
   for (size_t i = 0; i < grams.size(); ++i) {
-    g.push_back(float64_view(grams[i], name + ": grams[" + std::to_string(i) + "]", 2));
+    // A full (d, d) Gram, or its packed upper triangle (1-D).
+    const int ndim = grams[i].ndim() == 1 ? 1 : 2;
+    g.push_back(float64_view(grams[i], name + ": grams[" + std::to_string(i) + "]", ndim));
   }
   for (size_t i = 0; i < weights.size(); ++i) {
     w.push_back(float_view(weights[i], name + ": weights[" + std::to_string(i) + "]", 2));
@@ -32,10 +37,10 @@ std::tuple<py::array_t<double>, SolveInfo> regmean_merge_layer(
   // The merged weight has the layout (shape) of the inputs.
   py::array_t<double> out = new_float64(w.empty() ? std::vector<Index>{0, 0} : w[0].shape);
   double* out_data = out.mutable_data();
-  SolveInfo info;
+  RegMeanInfo info;
   {
     py::gil_scoped_release release;  // the views stay valid: the caller holds the arrays
-    info = lmdx::regmean_merge_layer(g, w, counts, coef, layout, opt, out_data);
+    info = lmdx::regmean_merge_layer(g, w, counts, coef, layout, precision, opt, out_data);
   }
   return {out, info};
 }
@@ -43,12 +48,34 @@ std::tuple<py::array_t<double>, SolveInfo> regmean_merge_layer(
 }  // namespace
 
 void bind_regmean(py::module_& m) {
+  py::class_<RegMeanInfo, SolveInfo>(m, "RegMeanInfo",
+                                     "What the solver did for one RegMean layer, and how its "
+                                     "right-hand side was computed.")
+      .def_readonly("precision", &RegMeanInfo::precision,
+                    "'float64', 'float32' (right-hand-side products) or 'identical'\n"
+                    "(equal weights in every model, returned without a solve).")
+      .def_readonly("condition_estimate", &RegMeanInfo::condition_estimate,
+                    "1-norm condition estimate of the system (0: not estimated).")
+      .def_readonly("float32_error_estimate", &RegMeanInfo::float32_error_estimate,
+                    "Estimated relative error of float32 products (0: not estimated).")
+      .def_readonly("relative_spread", &RegMeanInfo::relative_spread,
+                    "max_i max |W_i - mean| / max |mean|.")
+      .def("__repr__", [](const RegMeanInfo& s) {
+        std::ostringstream out;
+        out.precision(6);
+        out << "RegMeanInfo(precision='" << s.precision << "', ridge=" << s.ridge
+            << ", escalated=" << (s.escalated ? "True" : "False") << ", attempts=" << s.attempts
+            << ", rcond_estimate=" << s.rcond_estimate
+            << ", condition_estimate=" << s.condition_estimate
+            << ", relative_spread=" << s.relative_spread << ")";
+        return out.str();
+      });
   m.def("regmean_merge_layer", &regmean_merge_layer, py::kw_only(), py::arg("grams"),
         py::arg("weights"), py::arg("counts"), py::arg("alpha"), py::arg("coefficients"),
-        py::arg("layout"), py::arg("ridge"), py::arg("allow_regularization"), py::arg("name"),
-        py::arg("n_threads"),
-        "RegMean merge of one linear layer.\n"
-        "Returns (merged float64 weight in the layout of the inputs, SolveInfo).");
+        py::arg("layout"), py::arg("precision"), py::arg("ridge"),
+        py::arg("allow_regularization"), py::arg("name"), py::arg("n_threads"),
+        "RegMean merge of one linear layer; grams full (d, d) or packed upper triangles.\n"
+        "Returns (merged float64 weight in the layout of the inputs, RegMeanInfo).");
 }
 
 }  // namespace lmdx_bind

@@ -12,32 +12,54 @@ LMDX_NAMESPACE_BEGIN
 
 namespace {
 
-// Output columns of W_i^T widened to float64 at a time (bounds that copy: d_in x 1024
-// doubles).
+// Output columns of the deviations (W_i - W-)^T widened to float64 at a time (bounds that
+// buffer: d_in x 1024 doubles).
 constexpr Index kRhsChunk = 1024;
 // Multiply-adds below which a layer is merged on one thread: K = 3 models of a 128 x 128
 // layer (8.4e6) stay below it, of a 256 x 256 layer (6.7e7) do not. Chosen, not tuned.
 constexpr double kSerialWork = 2e7;
 // Columns of W_i^T widened per task.
 constexpr Index kWidenColumns = 64;
+// Tiles of the mirrored (upper) triangle.
+constexpr Index kTile = 64;
+// float32 unit roundoff, 2^-24.
+constexpr double kFloat32Roundoff = 5.9604644775390625e-8;
+// The error of float32 products is estimated as cond_1 x roundoff x sqrt(d_in) x spread x
+// this factor (a margin over the errors measured on ill-conditioned Grams,
+// tests/core/test_regmean.py).
+constexpr double kFloat32Margin = 8.0;
 
 enum class WeightLayout {
   Linear,  // torch nn.Linear: weight is [out, in]
   Conv1D,  // Hugging Face GPT-2 Conv1D: weight is [in, out]
 };
 
-struct RegMeanModel {
-  const double* gram = nullptr;  // d_in x d_in, symmetric, row-major (either order works)
-  double count = 0.0;            // n_i: rows (tokens) the Gram was accumulated over
-  ArrayView weight;              // [out, in] (Linear) or [in, out] (Conv1D), row-major
-};
-
 template <typename T>
 using RowMajor = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
-// Columns [c0, c0 + w) of W_i^T (d_in x d_out), widened to float64 into `out`.
+// A Gram as the caller holds it: a full symmetric matrix, or its upper triangle packed row
+// by row. Either way column j of the lower triangle (rows j..d-1) is contiguous.
+struct GramSource {
+  const double* data = nullptr;
+  bool packed = false;
+  Index d = 0;
+  const double* lower_column(Index j) const {
+    // Packed: row j of the upper triangle starts after rows 0..j-1 (d, d-1, ... values).
+    // Full (row-major, symmetric): row j from column j on.
+    return packed ? data + j * d - j * (j - 1) / 2 : data + j * d + j;
+  }
+  Index size() const { return packed ? d * (d + 1) / 2 : d * d; }
+};
+
+struct RegMeanModel {
+  GramSource gram;
+  double count = 0.0;  // n_i: rows (tokens) the Gram was accumulated over
+  ArrayView weight;    // [out, in] (Linear) or [in, out] (Conv1D), row-major
+};
+
+// Columns [c0, c0 + w) of W^T (d_in x d_out), widened to float64 into `out`.
 template <typename T>
-void load_weight_t(const T* data, Index d_in, Index d_out, WeightLayout layout, Index c0, Index w,
+void widen_columns(const T* data, Index d_in, Index d_out, WeightLayout layout, Index c0, Index w,
                    Eigen::Ref<MatrixXd> out) {
   if (layout == WeightLayout::Linear) {
     const Eigen::Map<const MatrixX<T>> wt(data, d_in, d_out);  // [out, in] row-major = W^T
@@ -45,6 +67,15 @@ void load_weight_t(const T* data, Index d_in, Index d_out, WeightLayout layout, 
   } else {
     const Eigen::Map<const RowMajor<T>> wt(data, d_in, d_out);  // [in, out] row-major
     out = wt.middleCols(c0, w).template cast<double>();
+  }
+}
+
+void widen_columns(const ArrayView& weight, Index d_in, Index d_out, WeightLayout layout, Index c0,
+                   Index w, Eigen::Ref<MatrixXd> out) {
+  if (weight.is_float32) {
+    widen_columns(weight.f32(), d_in, d_out, layout, c0, w, out);
+  } else {
+    widen_columns(weight.f64(), d_in, d_out, layout, c0, w, out);
   }
 }
 
@@ -57,11 +88,63 @@ WeightLayout parse_layout(const std::string& layout, const std::string& name) {
                               layout + "'");
 }
 
+bool parse_precision(const std::string& precision, const std::string& name) {
+  if (precision == "auto") return true;
+  if (precision == "float64") return false;
+  throw std::invalid_argument(name + ": precision: expected 'auto' or 'float64', got '" +
+                              precision + "'");
+}
+
+// y += a x and y = a x - b z, fused element by element: the same bits wherever x and z lie
+// in memory (Eigen's vectorized expressions fuse only the part of a column that is
+// aligned, so their results would depend on the inputs' addresses).
+void axpy(double a, const double* x, double* y, Index n) {
+  for (Index r = 0; r < n; ++r) y[r] = std::fma(a, x[r], y[r]);
+}
+void axmbz(double a, const double* x, double b, const double* z, double* y, Index n) {
+  for (Index r = 0; r < n; ++r) y[r] = std::fma(-b, z[r], a * x[r]);
+}
+
+// Copy the strict lower triangle of the square m onto its upper one, by tiles.
+void mirror_lower(MatrixXd& m, int threads) {
+  const Index d = m.rows();
+  const Index n_tiles = (d + kTile - 1) / kTile;
+  LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(dynamic, 1))
+  for (Index t = 0; t < n_tiles; ++t) {
+    const Index j0 = t * kTile;
+    const Index w = std::min(kTile, d - j0);
+    for (Index c = j0; c < j0 + w; ++c) {  // the diagonal tile
+      for (Index r = c + 1; r < j0 + w; ++r) m(c, r) = m(r, c);
+    }
+    for (Index i0 = j0 + w; i0 < d; i0 += kTile) {
+      const Index h = std::min(kTile, d - i0);
+      m.block(j0, i0, w, h) = m.block(i0, j0, h, w).transpose();
+    }
+  }
+}
+
+// ||A||_1 of the symmetric matrix whose lower triangle is in `lower`, off-diagonal scaled by
+// alpha, plus `shift` on the diagonal.
+double symmetric_norm1(const MatrixXd& lower, double alpha, double shift) {
+  const Index d = lower.rows();
+  VectorXd sums = VectorXd::Zero(d);
+  for (Index j = 0; j < d; ++j) {
+    sums(j) += std::abs(lower(j, j) + shift);
+    for (Index i = j + 1; i < d; ++i) {
+      const double v = alpha * std::abs(lower(i, j));
+      sums(j) += v;
+      sums(i) += v;
+    }
+  }
+  return sums.maxCoeff();
+}
+
 // W_M^T (d_in x d_out, column-major) into merged_t, from models whose shapes are checked
-// (opt.n_threads too); returns what the solver did.
-SolveInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in, Index d_out,
-                           const std::vector<double>& coefficients, WeightLayout layout,
-                           const SolveOptions& opt, MatrixXd& merged_t) {
+// (opt.n_threads too).
+RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in, Index d_out,
+                             const std::vector<double>& coefficients, WeightLayout layout,
+                             bool auto_precision, const SolveOptions& opt,
+                             MatrixXd& merged_t) {
   const size_t k = models.size();
   if (d_in < 1 || d_out < 1)
     throw std::invalid_argument(opt.name + ": weights: empty weight matrix");
@@ -70,7 +153,8 @@ SolveInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in, 
                                 std::to_string(opt.alpha));
   }
   const std::vector<double> coef = checked_coefficients(coefficients, k, opt.name + ": ");
-  std::vector<double> scale(k);
+  double total = 0.0;
+  size_t pivot = 0;  // the model with the largest coefficient (> 0)
   for (size_t i = 0; i < k; ++i) {
     const std::string tag = "[" + std::to_string(i) + "]";
     if (!std::isfinite(models[i].count) || !(models[i].count > 0.0)) {
@@ -78,11 +162,18 @@ SolveInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in, 
                                   std::to_string(models[i].count) +
                                   " (no rows reached this layer for that model)");
     }
-    require_finite(models[i].gram, d_in * d_in, d_in, opt.name + ": grams" + tag, opt.n_threads);
-    require_symmetric(models[i].gram, d_in, opt.name + ": grams" + tag, opt.n_threads);
+    const GramSource& g = models[i].gram;
+    require_finite(g.data, g.size(), g.packed ? 0 : d_in, opt.name + ": grams" + tag,
+                   opt.n_threads);
+    if (!g.packed) require_symmetric(g.data, d_in, opt.name + ": grams" + tag, opt.n_threads);
     require_finite(models[i].weight, layout == WeightLayout::Linear ? d_in : d_out,
                    opt.name + ": weights" + tag, opt.n_threads);
-    scale[i] = coef[i] / models[i].count;
+    total += coef[i];
+    if (coef[i] > coef[pivot]) pivot = i;
+  }
+  std::vector<size_t> others;  // models with c_i > 0 other than the pivot
+  for (size_t i = 0; i < k; ++i) {
+    if (i != pivot && coef[i] > 0.0) others.push_back(i);
   }
 
   // Tiny layers run on one thread: starting a team costs more than their arithmetic.
@@ -90,73 +181,141 @@ SolveInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in, 
   const double work = static_cast<double>(d_in) * static_cast<double>(d_in) *
                       (static_cast<double>(k) * static_cast<double>(d_out) + d_in);
   const int threads = work < kSerialWork ? 1 : opt.n_threads;
-  const double alpha = opt.alpha;
-  MatrixXd lhs = MatrixXd::Zero(d_in, d_in);
-  merged_t.setZero(d_in, d_out);
-  MatrixXd& rhs = merged_t;
-  // Right-hand side by row blocks of the output (fixed by d_in, never by the thread count,
-  // for determinism): each task multiplies its rows of G_i by all of W_i^T, so every Gram
-  // is read and packed once per column chunk instead of once per column block. W_i^T is
-  // widened to float64 once per model and chunk (at most kRhsChunk columns: bounded memory).
-  const Index row_block = column_block_width(d_in);
-  const Index n_row_blocks = (d_in + row_block - 1) / row_block;
-  const Index chunk = std::min(kRhsChunk, d_out);
-  MatrixXd wt(d_in, chunk);
+  RegMeanInfo info;
 
-  LMDX_PRAGMA(omp parallel num_threads(threads)) {
-    // lhs = sum_i s_i G_i (lower triangle), one column a task.
-    LMDX_PRAGMA(omp for schedule(dynamic, 16))
-    for (Index j = 0; j < d_in; ++j) {
-      for (size_t i = 0; i < k; ++i) {
-        if (scale[i] == 0.0) continue;
-        const Eigen::Map<const MatrixXd> g(models[i].gram, d_in, d_in);
-        lhs.col(j).tail(d_in - j) += scale[i] * g.col(j).tail(d_in - j);
+  // W-^T = W_p^T + sum_{i != p} (c_i / C) (W_i - W_p)^T: exactly W_p^T where all agree.
+  // The spread max_i max |W_i - W-| / max |W-| is taken on the way.
+  MatrixXd mean_t(d_in, d_out);
+  double spread = 0.0, scale = 0.0;
+  {
+    const Index n_blocks = (d_out + kWidenColumns - 1) / kWidenColumns;
+    LMDX_PRAGMA(omp parallel num_threads(threads)) {
+      MatrixXd wp(d_in, kWidenColumns), wi(d_in, kWidenColumns);
+      LMDX_PRAGMA(omp for schedule(static) reduction(max : spread, scale))
+      for (Index b = 0; b < n_blocks; ++b) {
+        const Index c0 = b * kWidenColumns;
+        const Index w = std::min(kWidenColumns, d_out - c0);
+        auto bar = mean_t.middleCols(c0, w);
+        widen_columns(models[pivot].weight, d_in, d_out, layout, c0, w, wp.leftCols(w));
+        bar = wp.leftCols(w);
+        for (size_t i : others) {
+          widen_columns(models[i].weight, d_in, d_out, layout, c0, w, wi.leftCols(w));
+          bar += (coef[i] / total) * (wi.leftCols(w) - wp.leftCols(w));
+        }
+        for (size_t i : others) {
+          widen_columns(models[i].weight, d_in, d_out, layout, c0, w, wi.leftCols(w));
+          spread = std::max(spread, (wi.leftCols(w) - bar).cwiseAbs().maxCoeff());
+        }
+        spread = std::max(spread, (wp.leftCols(w) - bar).cwiseAbs().maxCoeff());
+        scale = std::max(scale, bar.cwiseAbs().maxCoeff());
       }
     }
-    // rhs = sum_i s_i (alpha G_i W_i^T + (1 - alpha) diag(G_i) W_i^T).
-    for (Index c0 = 0; c0 < d_out; c0 += chunk) {
-      const Index w = std::min(chunk, d_out - c0);
-      for (size_t i = 0; i < k; ++i) {
-        if (scale[i] == 0.0) continue;
-        const ArrayView& weight = models[i].weight;
-        LMDX_PRAGMA(omp for schedule(static))
-        for (Index s0 = 0; s0 < w; s0 += kWidenColumns) {
-          const Index sw = std::min(kWidenColumns, w - s0);
-          auto part = wt.middleCols(s0, sw);
-          if (weight.is_float32) {
-            load_weight_t(weight.f32(), d_in, d_out, layout, c0 + s0, sw, part);
-          } else {
-            load_weight_t(weight.f64(), d_in, d_out, layout, c0 + s0, sw, part);
-          }
-        }  // barrier: W_i^T complete
-        const Eigen::Map<const MatrixXd> g(models[i].gram, d_in, d_in);
-        const auto wi = wt.leftCols(w);
-        LMDX_PRAGMA(omp for schedule(dynamic, 1))
-        for (Index rb = 0; rb < n_row_blocks; ++rb) {
-          const Index r0 = rb * row_block;
-          const Index h = std::min(row_block, d_in - r0);
-          auto out = rhs.block(r0, c0, h, w);
-          if (alpha != 0.0) out.noalias() += (scale[i] * alpha) * (g.middleRows(r0, h) * wi);
-          if (alpha != 1.0) {
-            out.noalias() += (scale[i] * (1.0 - alpha)) *
-                             (g.diagonal().segment(r0, h).asDiagonal() * wi.middleRows(r0, h));
-          }
-        }  // barrier: wt is rewritten next
-      }
+  }
+  info.relative_spread = scale > 0.0 ? spread / scale : (spread > 0.0 ? INFINITY : 0.0);
+  if (spread == 0.0) {  // equal in every model: nothing to solve
+    info.precision = "identical";
+    merged_t = mean_t;
+    return info;
+  }
+
+  // lhs = sum_i s_i G_i (lower triangle), s_i = c_i / n_i, one column a task.
+  std::vector<double> s(k);
+  for (size_t i = 0; i < k; ++i) s[i] = coef[i] / models[i].count;
+  MatrixXd lhs(d_in, d_in);
+  LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(dynamic, 16))
+  for (Index j = 0; j < d_in; ++j) {
+    auto col = lhs.col(j).tail(d_in - j);
+    col.setZero();
+    for (size_t i = 0; i < k; ++i) {
+      if (s[i] != 0.0) axpy(s[i], models[i].gram.lower_column(j), col.data(), d_in - j);
     }
   }
   SolveOptions solve_opt = opt;
   solve_opt.n_threads = threads;
-  return spd_solve(lhs, rhs, solve_opt);
+  MatrixXd l;
+  static_cast<SolveInfo&>(info) = spd_factor(lhs, l, solve_opt);
+  const double alpha = opt.alpha;
+
+  // Precision of the right-hand-side products. Layers merged on one thread always use
+  // float64 (their time is not in the products). The pivots give a lower bound on cond_2,
+  // so a layer they already rule out needs no estimate.
+  bool float32 = false;
+  if (auto_precision && work >= kSerialWork) {
+    const double per_cond =
+        kFloat32Roundoff * std::sqrt(static_cast<double>(d_in)) * kFloat32Margin *
+        info.relative_spread;
+    const double pivot_bound = 1.0 / info.rcond_estimate;
+    if (pivot_bound * per_cond <= kFloat32Tolerance) {
+      const double norm1 = symmetric_norm1(lhs, alpha, info.ridge_absolute);
+      info.condition_estimate = norm1 * inverse_norm1_estimate(l);
+      info.float32_error_estimate = info.condition_estimate * per_cond;
+      float32 = info.float32_error_estimate <= kFloat32Tolerance;
+    }
+  }
+  info.precision = float32 ? "float32" : "float64";
+
+  // rhs = sum_{i != p} D_i (W_i - W-)^T with D_i = s_i G~_i - (c_i / n_p) G~_p, G~ = the
+  // off-diagonal scaled by alpha. D_i reuses lhs's storage (the factor is in l).
+  merged_t.setZero();
+  MatrixXd& d_i = lhs;
+  Eigen::MatrixXf d_i32;
+  const Index row_block = column_block_width(d_in);
+  const Index n_row_blocks = (d_in + row_block - 1) / row_block;
+  const Index chunk = std::min(kRhsChunk, d_out);
+  MatrixXd delta(d_in, chunk);
+  Eigen::MatrixXf delta32;
+  for (size_t i : others) {
+    const double t = coef[i] / models[pivot].count;
+    LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(dynamic, 16))
+    for (Index j = 0; j < d_in; ++j) {
+      auto col = d_i.col(j).tail(d_in - j);
+      axmbz(s[i], models[i].gram.lower_column(j), t, models[pivot].gram.lower_column(j),
+            col.data(), d_in - j);
+      col.tail(d_in - j - 1) *= alpha;
+    }
+    mirror_lower(d_i, threads);
+    if (float32) d_i32 = d_i.cast<float>();
+    for (Index c0 = 0; c0 < d_out; c0 += chunk) {
+      const Index w = std::min(chunk, d_out - c0);
+      LMDX_PRAGMA(omp parallel num_threads(threads)) {
+        LMDX_PRAGMA(omp for schedule(static))
+        for (Index s0 = 0; s0 < w; s0 += kWidenColumns) {
+          const Index sw = std::min(kWidenColumns, w - s0);
+          auto part = delta.middleCols(s0, sw);
+          widen_columns(models[i].weight, d_in, d_out, layout, c0 + s0, sw, part);
+          part -= mean_t.middleCols(c0 + s0, sw);
+        }  // barrier: the deviations are complete
+        LMDX_PRAGMA(omp single)
+        if (float32) delta32 = delta.leftCols(w).cast<float>();
+        // (implicit barrier after single)
+        LMDX_PRAGMA(omp for schedule(dynamic, 1))
+        for (Index rb = 0; rb < n_row_blocks; ++rb) {
+          const Index r0 = rb * row_block;
+          const Index h = std::min(row_block, d_in - r0);
+          auto out = merged_t.block(r0, c0, h, w);
+          if (float32) {
+            const Eigen::MatrixXf part = d_i32.middleRows(r0, h) * delta32;
+            out += part.cast<double>();
+          } else {
+            out.noalias() += d_i.middleRows(r0, h) * delta.leftCols(w);
+          }
+        }
+      }
+    }
+  }
+  cholesky_solve_in_place(l, merged_t, threads);
+  merged_t += mean_t;
+  return info;
 }
 
 }  // namespace
 
-SolveInfo regmean_merge_layer(const std::vector<ArrayView>& grams,
-                              const std::vector<ArrayView>& weights,
-                              const std::vector<double>& counts,
-                              const std::vector<double>& coefficients, const std::string& layout,
-                              const SolveOptions& opt, double* out) {
+RegMeanInfo regmean_merge_layer(const std::vector<ArrayView>& grams,
+                                const std::vector<ArrayView>& weights,
+                                const std::vector<double>& counts,
+                                const std::vector<double>& coefficients, const std::string& layout,
+                                const std::string& precision, const SolveOptions& opt,
+                                double* out) {
   const std::string& name = opt.name;
   const int requested = resolve_threads(opt.n_threads);
   const size_t k = grams.size();
@@ -167,11 +326,16 @@ SolveInfo regmean_merge_layer(const std::vector<ArrayView>& grams,
                                 std::to_string(weights.size()));
   }
   const WeightLayout lay = parse_layout(layout, name);
+  const bool auto_precision = parse_precision(precision, name);
   std::vector<RegMeanModel> models(k);
   Index d_in = 0, d_out = 0;
   for (size_t i = 0; i < k; ++i) {
     const std::string tag = "[" + std::to_string(i) + "]";
     const ArrayView& w = weights[i];
+    if (w.shape.size() != 2) {
+      throw std::invalid_argument(name + ": weights" + tag + ": expected a matrix, got a " +
+                                  describe(w));
+    }
     const Index in = lay == WeightLayout::Linear ? w.shape[1] : w.shape[0];
     const Index out_dim = lay == WeightLayout::Linear ? w.shape[0] : w.shape[1];
     if (i == 0) {
@@ -182,18 +346,26 @@ SolveInfo regmean_merge_layer(const std::vector<ArrayView>& grams,
                                   " but weights[0] has shape " + shape_of(weights[0].shape) +
                                   "; all models must have the same architecture");
     }
-    if (grams[i].shape != std::vector<Index>{d_in, d_in}) {
-      throw std::invalid_argument(name + ": grams" + tag + " is a " + describe(grams[i]) +
-                                  " but the layer's input dimension is " + std::to_string(d_in) +
-                                  " (layout '" + layout + "')");
+    const bool packed = grams[i].shape.size() == 1;
+    const std::vector<Index> expected =
+        packed ? std::vector<Index>{d_in * (d_in + 1) / 2} : std::vector<Index>{d_in, d_in};
+    if (grams[i].shape != expected) {
+      throw std::invalid_argument(
+          name + ": grams" + tag + " is a " + describe(grams[i]) +
+          " but the layer's input dimension is " + std::to_string(d_in) + " (layout '" + layout +
+          "'): expected shape " + shape_of(expected) +
+          (packed ? " (the packed upper triangle)" : ""));
     }
-    models[i] = RegMeanModel{grams[i].f64(), counts[i], w};
+    models[i] = RegMeanModel{GramSource{grams[i].f64(), packed, d_in}, counts[i], w};
   }
   SolveOptions checked = opt;
   checked.n_threads = requested;
-  MatrixXd merged_t;
-  const SolveInfo info =
-      merge_transposed(models, d_in, d_out, coefficients, lay, checked, merged_t);
+  // Solved in a buffer of our own: Eigen's vectorized kernels fuse multiply-adds only where
+  // data is aligned, so working in the caller's buffer would make the last bits depend on
+  // its address.
+  MatrixXd merged_t(d_in, d_out);
+  const RegMeanInfo info =
+      merge_transposed(models, d_in, d_out, coefficients, lay, auto_precision, checked, merged_t);
   if (lay == WeightLayout::Linear) {
     // W_M^T column-major (d_in x d_out) is W_M row-major [out, in].
     std::copy(merged_t.data(), merged_t.data() + merged_t.size(), out);

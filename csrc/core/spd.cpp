@@ -162,6 +162,32 @@ SolveInfo spd_factor(const Eigen::Ref<const MatrixXd>& a, MatrixXd& l, const Sol
   return info;
 }
 
+double inverse_norm1_estimate(const MatrixXd& l) {
+  const Index d = l.rows();
+  const auto lower = l.triangularView<Eigen::Lower>();
+  const auto solve = [&](VectorXd& v) {  // v <- A^{-1} v (A^{-1} is symmetric)
+    lower.solveInPlace(v);
+    lower.transpose().solveInPlace(v);
+  };
+  VectorXd x = VectorXd::Constant(d, 1.0 / static_cast<double>(d));
+  double estimate = 0.0;
+  Index last = -1;
+  for (int iteration = 0; iteration < 5; ++iteration) {
+    VectorXd y = x;
+    solve(y);
+    estimate = std::max(estimate, y.lpNorm<1>());
+    VectorXd z = y.unaryExpr([](double v) { return v >= 0.0 ? 1.0 : -1.0; });
+    solve(z);
+    Index j = 0;
+    const double zmax = z.cwiseAbs().maxCoeff(&j);
+    if (zmax <= z.dot(x) || j == last) break;
+    x.setZero();
+    x(j) = 1.0;
+    last = j;
+  }
+  return estimate;
+}
+
 namespace {
 
 // L L^T X = B for one block of right-hand-side columns, by blocks of kFactorBlock rows: a

@@ -14,6 +14,7 @@ __all__: list[str] = [
     "SINGULAR_PIVOT",
     "Moments",
     "NotPositiveDefiniteError",
+    "RegMeanInfo",
     "SolveInfo",
     "compiler",
     "cpu_features",
@@ -134,6 +135,33 @@ class SolveInfo:
         ridge * mean(diag(a)).
         """
 
+class RegMeanInfo(SolveInfo):
+    """
+    What the solver did for one RegMean layer, and how its right-hand side was computed.
+    """
+    def __repr__(self) -> str: ...
+    @property
+    def condition_estimate(self) -> float:
+        """
+        1-norm condition estimate of the system (0: not estimated).
+        """
+    @property
+    def float32_error_estimate(self) -> float:
+        """
+        Estimated relative error of float32 products (0: not estimated).
+        """
+    @property
+    def precision(self) -> str:
+        """
+        'float64', 'float32' (right-hand-side products) or 'identical'
+        (equal weights in every model, returned without a solve).
+        """
+    @property
+    def relative_spread(self) -> float:
+        """
+        max_i max |W_i - mean| / max |mean|.
+        """
+
 def compiler() -> str:
     """
     The compiler that built this module.
@@ -204,14 +232,15 @@ def regmean_merge_layer(
     alpha: typing.SupportsFloat | typing.SupportsIndex,
     coefficients: collections.abc.Sequence[typing.SupportsFloat | typing.SupportsIndex] | None,
     layout: str,
+    precision: str,
     ridge: typing.SupportsFloat | typing.SupportsIndex,
     allow_regularization: bool,
     name: str,
     n_threads: typing.SupportsInt | typing.SupportsIndex,
-) -> tuple[numpy.typing.NDArray[numpy.float64], SolveInfo]:
+) -> tuple[numpy.typing.NDArray[numpy.float64], RegMeanInfo]:
     """
-    RegMean merge of one linear layer.
-    Returns (merged float64 weight in the layout of the inputs, SolveInfo).
+    RegMean merge of one linear layer; grams full (d, d) or packed upper triangles.
+    Returns (merged float64 weight in the layout of the inputs, RegMeanInfo).
     """
 
 def release_scratch() -> None:

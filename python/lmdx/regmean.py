@@ -32,6 +32,7 @@ def regmean_merge_layer(
     alpha: float = 1.0,
     coefficients: Sequence[float] | None = None,
     layout: Literal["linear", "conv1d"] = "linear",
+    precision: Literal["auto", "float64"] = "auto",
     ridge: float = 0.0,
     allow_regularization: bool = True,
     name: str = "layer",
@@ -43,14 +44,23 @@ def regmean_merge_layer(
 
         W_Mᵀ = (Σ_i c_i G̃_i)⁻¹ Σ_i c_i G̃_i W_iᵀ
 
-    solved in float64 by Cholesky (never an explicit inverse), without forming the K
-    reduced Grams.
+    solved by Cholesky in float64 (never an explicit inverse), without forming the K
+    reduced Grams, for the deviation from the coefficient-weighted average
+    ``W̄ = Σ c_i W_i / Σ c_i``::
+
+        W_Mᵀ = W̄ᵀ + (Σ_i c_i G̃_i + ridge·I)⁻¹ Σ_i c_i G̃_i (W_i − W̄)ᵀ
+
+    The same where ``Σ c_i G̃_i`` is positive definite; but a model merged with itself and
+    weights equal in every model come back bit-exact, and input directions no statistics
+    reached keep the average (a ridge does not pull them toward zero).
 
     Parameters
     ----------
     grams
-        K input Gram matrices ``G_i = Σ x xᵀ`` of shape (d_in, d_in), or :class:`Moments`
-        (then ``counts`` come from them).
+        K input Gram matrices ``G_i = Σ x xᵀ``: arrays of shape (d_in, d_in), or their
+        upper triangles packed row by row (shape ``(d_in (d_in + 1) / 2,)``, as statistics
+        files store them: no full matrix is formed), or :class:`Moments` (then ``counts``
+        come from them).
     weights
         K weights: shape (d_out, d_in) for ``layout="linear"`` (torch ``nn.Linear``) or
         (d_in, d_out) for ``layout="conv1d"`` (Hugging Face GPT-2 ``Conv1D``).
@@ -61,6 +71,13 @@ def regmean_merge_layer(
         weighted average.
     coefficients
         Optional K non-negative per-model coefficients ``c_i``.
+    precision
+        ``"auto"``: the right-hand-side products (most of the work) run in float32 where an
+        estimate of the error that adds (condition estimate × float32 roundoff × the models'
+        spread around their average) stays below ``1e-6`` of the weights' magnitude, else
+        in float64; ``"float64"`` always in float64. Factorization and solve are float64.
+        ``info.precision`` says what was used (``"identical"``: the weights are equal in
+        every model and are returned as they are).
     ridge, allow_regularization
         As in :func:`lmdx.spd_solve`; a singular sum (an input feature never active in
         any model) is regularized with a warning unless forbidden.
@@ -70,7 +87,9 @@ def regmean_merge_layer(
     Returns
     -------
     RegMeanResult
-        ``weight`` (float64, shape of the inputs) and ``info`` from the solver.
+        ``weight`` (float64, shape of the inputs) and ``info`` (a ``RegMeanInfo``: the
+        solver's ``SolveInfo`` fields plus ``precision``, ``condition_estimate``,
+        ``float32_error_estimate``, ``relative_spread``).
     """
     grams = list(grams)
     gram_arrays = []
@@ -80,7 +99,7 @@ def regmean_merge_layer(
             gram_arrays.append(g.gram())
             resolved_counts.append(g.count)
         else:
-            gram_arrays.append(as_float64(g, f"{name}: grams[{i}]"))
+            gram_arrays.append(as_float64(g, f"{name}: grams[{i}]"))  # full or packed
     if counts is not None:
         if len(counts) != len(grams):
             raise ValueError(
@@ -98,6 +117,7 @@ def regmean_merge_layer(
             alpha=float(alpha),
             coefficients=None if coefficients is None else [float(c) for c in coefficients],
             layout=str(layout),
+            precision=str(precision),
             ridge=float(ridge),
             allow_regularization=bool(allow_regularization),
             name=str(name),

@@ -67,6 +67,7 @@ def run_variant(core, inp):
         alpha=0.9,
         coefficients=[1.0, 2.0],
         layout="linear",
+        precision="float64",
         ridge=0.0,
         allow_regularization=True,
         name="layer",
@@ -194,7 +195,11 @@ def test_each_variant_raises_the_python_error_classes(monkeypatch, variant):
     assert isinstance(public.value, lmdx.LmdxError) and isinstance(public.value, ValueError)
     with pytest.raises(lmdx.NotPositiveDefiniteError, match=r"^probe: not numerically positive"):
         lmdx.regmean_merge_layer(
-            [singular], [np.ones((2, 3))], [1.0], allow_regularization=False, name="probe"
+            [singular, singular],
+            [np.ones((2, 3)), np.zeros((2, 3))],
+            [1.0, 1.0],
+            allow_regularization=False,
+            name="probe",
         )
     with pytest.raises(ValueError, match=r"^x: expected 3 columns"):
         core.Moments(dim=3, chunk_rows=8).update(

@@ -217,12 +217,16 @@ def test_never_active_feature_is_regularized_with_a_warning_naming_the_layer(rng
     with pytest.warns(lmdx.RegularizationWarning, match=r"^h\.0\.mlp\.fc: not numerically"):
         res = lmdx.regmean_merge_layer(grams, weights, counts, name="h.0.mlp.fc")
     assert res.info.escalated
-    # Reference with the ridge the solver reports, relative to mean diag of Σ c_i Ĝ_i.
+    # Reference with the ridge the solver reports, relative to mean diag of Σ c_i Ĝ_i,
+    # solved for the deviation from the average W̄ (the documented formula).
+    mean = sum(weights) / 2
     lhs = sum(g / n for g, n in zip(grams, counts, strict=False))
     ridge = res.info.ridge * np.mean(np.diag(lhs))
-    rhs = sum(g / n @ w.T for g, n, w in zip(grams, counts, weights, strict=False))
-    expected = np.linalg.solve(lhs + ridge * np.eye(6), rhs).T
+    rhs = sum(g / n @ (w - mean).T for g, n, w in zip(grams, counts, weights, strict=False))
+    expected = mean + np.linalg.solve(lhs + ridge * np.eye(6), rhs).T
     assert_merged_close(res.weight, expected, rtol=1e-6)
+    # The input direction no statistics reached keeps the models' average exactly.
+    np.testing.assert_allclose(res.weight[:, 2], mean[:, 2], rtol=0, atol=1e-12)
     with pytest.raises(
         lmdx.NotPositiveDefiniteError, match=r"^h\.0\.mlp\.fc: not numerically positive definite"
     ):
@@ -234,15 +238,14 @@ def test_never_active_feature_is_regularized_with_a_warning_naming_the_layer(rng
 def test_explicit_ridge(rng):
     grams, counts, weights, _ = make_models(rng, 2, 5, 4)
     res = lmdx.regmean_merge_layer(grams, weights, counts, alpha=0.9, ridge=0.05)
-    lhs = sum(
+    mean = (weights[0] + weights[1]) / 2
+    reduced = [
         0.9 * g / n + 0.1 * np.diag(np.diag(g / n)) for g, n in zip(grams, counts, strict=False)
-    )
-    rhs = sum(
-        (0.9 * g / n + 0.1 * np.diag(np.diag(g / n))) @ w.T
-        for g, n, w in zip(grams, counts, weights, strict=False)
-    )
+    ]
+    lhs = sum(reduced)
+    rhs = sum(r @ (w - mean).T for r, w in zip(reduced, weights, strict=False))
     lhs_reg = lhs + 0.05 * np.mean(np.diag(lhs)) * np.eye(5)
-    assert_merged_close(res.weight, np.linalg.solve(lhs_reg, rhs).T)
+    assert_merged_close(res.weight, mean + np.linalg.solve(lhs_reg, rhs).T)
     assert res.info.ridge == 0.05 and not res.info.escalated
 
 
@@ -358,3 +361,116 @@ def test_alpha_out_of_range(models, alpha):
     grams, counts, weights = models
     with pytest.raises(ValueError, match=r"alpha: must be in \[0, 1\]"):
         lmdx.regmean_merge_layer(grams, weights, counts, alpha=alpha)
+
+
+# --------------------------------------------------------------------------- deviation form
+
+
+def packed(g):
+    """Upper triangle row by row, as statistics files store a Gram (independent of lmdx)."""
+    return np.ascontiguousarray(g[np.triu_indices(g.shape[0])])
+
+
+@given(
+    k=st.integers(1, 3),
+    d_in=st.integers(1, 9),
+    alpha=st.sampled_from(ALPHAS),
+    layout=st.sampled_from(["linear", "conv1d"]),
+    seed=seeds,
+)
+def test_packed_grams_give_the_bits_of_full_grams(k, d_in, alpha, layout, seed):
+    rng = np.random.default_rng(seed)
+    grams, counts, weights, _ = make_models(rng, k, d_in, 4, np.float32)
+    if layout == "conv1d":
+        weights = [np.ascontiguousarray(w.T) for w in weights]
+    full = lmdx.regmean_merge_layer(grams, weights, counts, alpha=alpha, layout=layout)
+    tri = lmdx.regmean_merge_layer(
+        [packed(g) for g in grams], weights, counts, alpha=alpha, layout=layout
+    )
+    assert np.array_equal(full.weight, tri.weight)
+
+
+def test_packed_gram_of_the_wrong_length_names_the_shape(models):
+    grams, counts, weights = models
+    with pytest.raises(
+        ValueError, match=r"^enc\.q: grams\[1\] is a .*\(14,\) .*expected shape \(15,\)"
+    ):
+        lmdx.regmean_merge_layer(
+            [packed(grams[0]), packed(grams[1])[:-1]], weights, counts, name="enc.q"
+        )
+
+
+@given(
+    k=st.integers(2, 4),
+    alpha=st.sampled_from(ALPHAS),
+    f32=st.booleans(),
+    singular=st.booleans(),
+    seed=seeds,
+)
+def test_model_merged_with_itself_comes_back_bit_exact(k, alpha, f32, singular, seed):
+    # Each copy has its own statistics (here even singular ones: no solve is needed).
+    rng = np.random.default_rng(seed)
+    grams, counts, weights, rows = make_models(rng, k, 7, 5)
+    if singular:
+        grams = [np.outer(x[0], x[0]) for x in rows]  # rank one
+    w = weights[0].astype(np.float32) if f32 else weights[0]
+    res = lmdx.regmean_merge_layer(grams, [w] * k, counts, alpha=alpha, coefficients=[1.0] * k)
+    assert np.array_equal(res.weight, w.astype(np.float64))
+    assert res.info.precision == "identical"
+
+
+def test_equal_weights_of_a_zero_coefficient_model_do_not_matter(rng):
+    grams, counts, weights, _ = make_models(rng, 3, 6, 4)
+    res = lmdx.regmean_merge_layer(
+        grams, [weights[0], weights[0], weights[1]], counts, coefficients=[1.0, 2.0, 0.0]
+    )
+    assert np.array_equal(res.weight, weights[0]) and res.info.precision == "identical"
+
+
+def ill_conditioned_grams(rng, k, d, cond, n):
+    """K Grams sharing eigenvectors, eigenvalues log-spaced over ``cond``."""
+    q, _ = np.linalg.qr(rng.standard_normal((d, d)))
+    grams = []
+    for _ in range(k):
+        ev = np.logspace(0, -np.log10(cond), d) * rng.uniform(0.5, 2.0, d)
+        g = (q * ev) @ q.T * n
+        grams.append((g + g.T) / 2)
+    return grams
+
+
+@pytest.mark.parametrize("alpha", [0.1, 0.9, 1.0])
+@pytest.mark.parametrize("cond", [1e1, 1e3, 1e6])
+@pytest.mark.parametrize("spread", [1e-5, 1e-3, 3e-2])
+def test_auto_precision_stays_within_its_tolerance_of_float64(rng, alpha, cond, spread):
+    # Fine-tuned-like weights (W_0 + small deviations) on Grams of the given condition:
+    # "auto" must stay within 1e-6 (max |ΔW| / max |W|) of the float64 formula, whichever
+    # precision it picks; its error estimate must bound the error it made.
+    k, d_in, d_out, n = 3, 320, 300, 1000.0
+    grams = ill_conditioned_grams(rng, k, d_in, cond, n)
+    w0 = rng.standard_normal((d_out, d_in))
+    weights = [
+        (w0 + spread * rng.standard_normal((d_out, d_in))).astype(np.float32) for _ in range(k)
+    ]
+    auto = lmdx.regmean_merge_layer(grams, weights, [n] * k, alpha=alpha)
+    exact = lmdx.regmean_merge_layer(grams, weights, [n] * k, alpha=alpha, precision="float64")
+    assert exact.info.precision == "float64"
+    ref = reference_merge(grams, [n] * k, weights, alpha)
+    scale = np.abs(ref).max()
+    assert np.abs(exact.weight - ref).max() / scale <= 1e-9 * max(cond, 1.0)
+    err = np.abs(auto.weight - exact.weight).max() / np.abs(exact.weight).max()
+    assert err <= 1e-6
+    if auto.info.precision == "float32":
+        assert auto.info.float32_error_estimate <= 1e-6
+        assert err <= auto.info.float32_error_estimate
+    else:
+        assert auto.info.precision == "float64" and err == 0.0
+    if alpha == 0.1 and spread <= 1e-3:  # well conditioned, small deviations: float32 used
+        assert auto.info.precision == "float32"
+
+
+def test_auto_precision_is_float64_for_small_layers_and_can_be_forced(rng):
+    grams, counts, weights, _ = make_models(rng, 3, 8, 6, np.float32)
+    res = lmdx.regmean_merge_layer(grams, weights, counts, alpha=0.1)
+    assert res.info.precision == "float64"
+    with pytest.raises(ValueError, match=r"precision: expected 'auto' or 'float64', got 'half'"):
+        lmdx.regmean_merge_layer(grams, weights, counts, precision="half")

@@ -272,6 +272,7 @@ def raw_regmean(grams, weights):
         alpha=1.0,
         coefficients=None,
         layout="linear",
+        precision="float64",
         ridge=0.0,
         allow_regularization=True,
         name="blk.1",

@@ -163,18 +163,30 @@ def solve_group(
         members[0] if len(members) == 1 else f"{members[0]} (+{len(members) - 1} sharing its input)"
     )
     res = regmean_merge_layer(
-        [s.gram(members[0]) for s in stats],
+        [s.gram_stored(members[0]) for s in stats],
         weights_k,
         counts,
         alpha=options.alpha,
         coefficients=options.coefficients,
         layout=layout,
+        precision=options.precision,  # type: ignore[arg-type]
         ridge=options.ridge,
         allow_regularization=options.allow_regularization,
         name=name,
         n_threads=options.n_threads,
     )
     del weights_k
+    info = res.info
+    solved = {
+        "ridge": float(info.ridge),
+        "attempts": int(info.attempts),
+        "precision": str(info.precision),
+        "rcond_estimate": float(info.rcond_estimate),
+        "condition_estimate": float(info.condition_estimate),
+        "relative_spread": float(info.relative_spread),
+        "rows": min(counts),
+        "dim": int(weights[0][0].shape[1 - axis]) if weights and weights[0] else 0,
+    }
     out = {}
     layers = {}
     start = 0
@@ -182,9 +194,5 @@ def solve_group(
         part = slice(start, start + size)
         out[stats[0].modules[m]["weight"]] = res.weight[part] if axis == 0 else res.weight[:, part]
         start += size
-        layers[m] = {
-            "ridge": float(res.info.ridge),
-            "attempts": int(res.info.attempts),
-            "shared_with": members[0] if m != members[0] else None,
-        }
+        layers[m] = {**solved, "shared_with": members[0] if m != members[0] else None}
     return out, layers

@@ -10,10 +10,11 @@ from .._errors import MergeError
 from .._tensors import OUTPUT_DTYPES
 from .._util import parse_size
 
-__all__ = ["HEAD_POLICIES", "METHODS", "MergeOptions"]
+__all__ = ["HEAD_POLICIES", "METHODS", "PRECISIONS", "MergeOptions"]
 
 METHODS = ("regmean", "average", "fisher", "task_arithmetic")
 HEAD_POLICIES = ("keep", "drop")
+PRECISIONS = ("auto", "float64")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ class MergeOptions:
     scaling, fisher_eps, ridge, allow_regularization
         λ of task arithmetic; ε of Fisher averaging; the RegMean solves' relative ridge
         and whether the solver may raise it.
+    precision
+        RegMean's right-hand-side products: ``"auto"`` (float32 where the estimated error
+        stays below 1e-6 of the weights, else float64) or ``"float64"``.
     dtype
         Writing a folder: ``"auto"`` (each tensor's input dtype) or a float dtype.
     max_shard_size
@@ -55,6 +59,7 @@ class MergeOptions:
     fisher_eps: float = 1e-8
     ridge: float = 0.0
     allow_regularization: bool = True
+    precision: str = "auto"
     dtype: str = "auto"
     max_shard_size: int = 2 * 10**9
     n_threads: int | None = field(default=None)
@@ -74,6 +79,7 @@ class MergeOptions:
         fisher_eps: float = 1e-8,
         ridge: float = 0.0,
         allow_regularization: bool = True,
+        precision: str = "auto",
         dtype: str = "auto",
         max_shard_size: int | str = "2GB",
         n_threads: int | None = None,
@@ -87,6 +93,8 @@ class MergeOptions:
             raise MergeError(f"dtype: expected one of {OUTPUT_DTYPES}, got {dtype!r}")
         if not 0.0 <= alpha <= 1.0:
             raise MergeError(f"alpha: must be in [0, 1], got {alpha}")
+        if precision not in PRECISIONS:
+            raise MergeError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
         if k < 2:
             raise MergeError(f"need at least 2 models to merge, got {k}")
         try:
@@ -106,6 +114,7 @@ class MergeOptions:
             fisher_eps=float(fisher_eps),
             ridge=float(ridge),
             allow_regularization=bool(allow_regularization),
+            precision=precision,
             dtype=dtype,
             max_shard_size=shard,
             n_threads=n_threads,

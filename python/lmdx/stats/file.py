@@ -139,6 +139,15 @@ class Statistics:
             return self._moments[g].gram()
         return unpack_upper(self.tensor(f"gram/{g}"), int(self.groups[g]["dim"]))
 
+    def gram_stored(self, module: str) -> NDArray[np.float64]:
+        """A module's input Gram as held: its upper triangle packed row by row (1-D, as
+        files store it) when read from a file, the full (d, d) matrix when accumulated in
+        memory. :func:`lmdx.regmean_merge_layer` takes either, so a merge never unpacks."""
+        g = self.group_of(module)
+        if g in self._moments:
+            return self._moments[g].gram()
+        return np.asarray(self.tensor(f"gram/{g}"), dtype=np.float64)
+
     def sum(self, module: str) -> NDArray[np.float64]:
         """The (d,) float64 sum ``Σ x`` of a module's input."""
         g = self.group_of(module)
