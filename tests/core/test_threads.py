@@ -43,8 +43,8 @@ def native_calls():
         ),
         "regmean_merge_layer": lambda t: core.regmean_merge_layer(
             grams=[gram, gram], weights=[weight, weight], counts=[4.0, 4.0], alpha=1.0,
-            coefficients=None, layout="linear", precision="float64", ridge=0.0, allow_regularization=True,
-            name="l", n_threads=t,
+            coefficients=None, layout="linear", precision="float64", ridge=0.0,
+            allow_regularization=True, name="l", n_threads=t,
         ),
         "weighted_average": lambda t: core.weighted_average(
             tensors=[x, x], coefficients=None, n_threads=t
