@@ -121,6 +121,8 @@ def test_patterns_match_module_names_for_regmean_and_parameter_names_for_fisher(
     gram = _collect(classifier, "g.safetensors", "--exclude", "classifier", "*.pooler.*")
     assert "classifier" not in gram.modules and "bert.pooler.dense" not in gram.modules
     assert "bert.encoder.layer.0.output.dense" in gram.modules
+    by_weight = _collect(classifier, "g2.safetensors", "--exclude", "classifier.*")
+    assert set(by_weight.modules) == set(gram.modules) | {"bert.pooler.dense"}
 
     fisher = _collect(
         classifier,
