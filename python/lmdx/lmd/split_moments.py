@@ -119,7 +119,10 @@ class SplitMoments:
     ) -> None:
         self.layout = BlockLayout(names, dims)
         self.split = check_split(split)
-        self.moments = Moments(self.layout.dim, chunk_rows=chunk_rows)
+        # The D-dim accumulator (8·D² bytes) is allocated on first use, so a split that never
+        # gets rows costs nothing; a 1-dim one checks chunk_rows now.
+        self._chunk_rows = Moments(1, chunk_rows=chunk_rows).chunk_rows
+        self._moments: Moments | None = None
         self._shift: Array | None = None
 
     @classmethod
@@ -139,7 +142,7 @@ class SplitMoments:
                 f"split {split!r}: moments have dimension {moments.dim}, "
                 f"but the models' dims add up to {obj.layout.dim}"
             )
-        obj.moments = moments.copy()
+        obj._moments = moments.copy()
         if shift is not None:
             c = as_float64(shift, "shift").reshape(-1)
             if c.shape != (obj.layout.dim,) or not np.isfinite(c).all():
@@ -148,6 +151,13 @@ class SplitMoments:
         elif moments.count > 0:
             obj._shift = np.zeros(obj.layout.dim)
         return obj
+
+    @property
+    def moments(self) -> Moments:
+        """The :class:`lmdx.Moments` of the shifted rows (allocated on first access)."""
+        if self._moments is None:
+            self._moments = Moments(self.layout.dim, chunk_rows=self._chunk_rows)
+        return self._moments
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -164,7 +174,7 @@ class SplitMoments:
     @property
     def count(self) -> int:
         """Rows (sentences) added."""
-        return round(self.moments.count)
+        return 0 if self._moments is None else round(self._moments.count)
 
     @property
     def shift(self) -> Array | None:
@@ -286,7 +296,7 @@ class SplitMoments:
         return g
 
     def _require_rows(self, k: int) -> None:
-        if self.moments.count < k:
+        if self._moments is None or self._moments.count < k:
             raise ValueError(
                 f"split {self.split!r}: has {self.count} rows, needs at least {k}; "
                 f"add embeddings with .add({self.split!r}, ...)"
