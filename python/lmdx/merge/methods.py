@@ -137,11 +137,13 @@ def regmean_groups(
 def solve_group(
     members: Sequence[str],
     weights: Sequence[Sequence[Any]],
+    grams: Sequence[NDArray[np.float64]],
     stats: Sequence[Statistics],
     labels: Sequence[str],
     options: MergeOptions,
 ) -> tuple[dict[str, NDArray[np.float64]], dict[str, Any]]:
-    """RegMean of one group: ``weights[i]`` are model i's weights of ``members``.
+    """RegMean of one group: ``weights[i]`` are model i's weights of ``members``,
+    ``grams[i]`` its input Gram as :meth:`Statistics.gram_stored` returns it.
 
     Returns weight name -> merged float64 weight, and module name -> the solver's
     information (ridge used, attempts, which module's input it shares).
@@ -163,7 +165,7 @@ def solve_group(
         members[0] if len(members) == 1 else f"{members[0]} (+{len(members) - 1} sharing its input)"
     )
     res = regmean_merge_layer(
-        [s.gram_stored(members[0]) for s in stats],
+        grams,
         weights_k,
         counts,
         alpha=options.alpha,

@@ -8,6 +8,7 @@ sources, and the engine runs its steps.
 
 from __future__ import annotations
 
+import itertools
 import os
 import resource
 import sys
@@ -20,7 +21,7 @@ import numpy as np
 from .._errors import MergeError, ModelMismatchError
 from .._tensors import FLOAT_DTYPES
 from .._util import matches, split_in_order
-from ..files.checkpoint import SINGLE_FILE
+from ..files.checkpoint import SINGLE_FILE, Checkpoint
 from ..files.hf import base_model_info, model_files
 from ..files.identity import describe_mismatch
 from ..stats.file import Statistics
@@ -39,6 +40,7 @@ __all__ = [
     "make_plan",
     "open_stats",
     "peak_rss_bytes",
+    "regmean_order",
 ]
 
 
@@ -100,6 +102,7 @@ class MergePlan:
     baseline_rss: int
     base_class: str | None = None  # head_policy "drop": the backbone's class ...
     base_prefix: str = ""  # ... and the prefix of its parameters
+    read_ahead: bool = False  # read the next RegMean group's inputs while one solves
 
     @property
     def peak_memory(self) -> int:
@@ -295,8 +298,9 @@ def make_plan(
 
     steps = _steps(ref, body, stats, set(tied) | set(tied.values()), options, labels)
     out_size = 0 if options.dtype == "auto" or not folder else _itemsize(options.dtype)
+    packed = stats is not None and all(s.source for s in stats)  # read from files
     for step in steps:
-        step.memory = _step_memory(step, ref, len(sources), out_size)
+        step.memory = _step_memory(step, ref, len(sources), out_size, packed)
 
     base_class = None
     prefix = ""
@@ -319,6 +323,12 @@ def make_plan(
             outputs.append(Output(out_name, n, src_dtype if keep else options.dtype, ref.shape(n)))
     else:
         outputs = [Output(n, n, ref.dtype(n), ref.shape(n)) for n in body]
+    # Reading checkpoints, the engine reads the next RegMean group while one solves.
+    read_ahead = any(isinstance(s, Checkpoint) for s in sources)
+    if read_ahead:
+        order = regmean_order(steps, outputs)
+        for step, following in itertools.pairwise(order):
+            step.memory += _step_inputs(following, ref, len(sources), packed)
     shards = _shards(outputs, options.max_shard_size) if folder else []
     output_bytes = sum(o.nbytes for o in outputs)
     if folder and options.head_policy == "keep":
@@ -336,6 +346,7 @@ def make_plan(
         baseline_rss=current_rss_bytes(),
         base_class=base_class,
         base_prefix=prefix,
+        read_ahead=read_ahead,
     )
 
 
@@ -384,20 +395,48 @@ def _steps(
     return steps
 
 
-def _step_memory(step: Step, ref: TensorSource, k: int, out_size: int) -> int:
+def _step_memory(step: Step, ref: TensorSource, k: int, out_size: int, packed: bool) -> int:
+    """Estimated bytes while ``step`` runs; RegMean steps: without the next group's inputs
+    (added by :func:`make_plan` where they are read ahead)."""
+    n = sum(int(np.prod(ref.shape(t))) for t in step.tensors)
+    out = n * out_size if out_size else sum(ref.nbytes(t) for t in step.tensors)
+    if step.kind == "regmean":
+        d = step.dim
+        # The core: the summed system and its factor (+ a float32 copy of one difference
+        # of Grams), the float64 average, deviations (chunks of 1024 outputs), result and
+        # its copy out of the core; then the cast result.
+        core = 8 * d * d * 2 + 4 * d * d + 8 * n * 3 + 8 * d * min(1024, max(n // d, 1))
+        return _step_inputs(step, ref, k, packed) + core + out
+    # K reads (+ widened copies), float64 result (+ Fisher weights), the cast result
+    extra = 2 * k * 8 * n if step.kind == "fisher" else 0
+    return _step_inputs(step, ref, k, packed) + 8 * n + extra + out
+
+
+def _step_inputs(step: Step, ref: TensorSource, k: int, packed: bool) -> int:
+    """Bytes of one step's inputs: K reads (+ widened and concatenated copies), and for
+    RegMean K Grams (packed triangles from files, full matrices from memory)."""
     n = sum(int(np.prod(ref.shape(t))) for t in step.tensors)
     read = sum(ref.nbytes(t) for t in step.tensors)
     widened = 4 * n if any(ref.dtype(t) in ("bfloat16", "float16") for t in step.tensors) else 0
-    out = n * out_size if out_size else read  # 0: the input's dtype
-    if step.kind == "regmean":
-        d = step.dim
-        joined = 4 * n if len(step.tensors) > 1 else 0  # concatenated members
-        # K reads (+ copies), K float64 Grams (+ one packed read), the summed system, the
-        # float64 right-hand side/result and its copy out of the core, the cast result
-        return k * (read + widened + joined) + (k + 1) * 8 * d * d + 4 * d * d + 16 * n + out
-    # K reads (+ widened copies), float64 result (+ Fisher weights), the cast result
-    extra = 2 * k * 8 * n if step.kind == "fisher" else 0
-    return k * (read + widened) + 8 * n + extra + out
+    if step.kind != "regmean":
+        return k * (read + widened)
+    joined = 4 * n if len(step.tensors) > 1 else 0
+    d = step.dim
+    gram = 4 * d * (d + 1) if packed else 8 * d * d
+    return k * (read + widened + joined + gram)
+
+
+def regmean_order(steps: Sequence[Step], outputs: Sequence[Output]) -> list[Step]:
+    """The RegMean steps in the order the outputs first need them."""
+    by_tensor = {t: s for s in steps if s.kind == "regmean" for t in s.tensors}
+    seen: set[int] = set()
+    order = []
+    for out in outputs:
+        step = by_tensor.get(out.source)
+        if step is not None and id(step) not in seen:
+            seen.add(id(step))
+            order.append(step)
+    return order
 
 
 def _shards(outputs: Sequence[Output], max_shard: int) -> list[tuple[str, list[int]]]:
