@@ -20,6 +20,9 @@ constexpr Index kRhsChunk = 1024;
 constexpr double kSerialWork = 2e7;
 // Columns of W_i^T widened per task.
 constexpr Index kWidenColumns = 64;
+// Input dimensions up to which every layer gets a 1-norm condition estimate (beyond, only
+// where float32 products are considered: the estimate's solves stream the factor).
+constexpr Index kEstimateDim = 1024;
 // Tiles of the mirrored (upper) triangle.
 constexpr Index kTile = 64;
 // float32 unit roundoff, 2^-24.
@@ -236,9 +239,18 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
   static_cast<SolveInfo&>(info) = spd_factor(lhs, l, solve_opt);
   const double alpha = opt.alpha;
 
-  // Precision of the right-hand-side products. Layers merged on one thread always use
-  // float64 (their time is not in the products). The pivots give a lower bound on cond_2,
-  // so a layer they already rule out needs no estimate.
+  // The condition estimate: always up to kEstimateDim inputs (O(d^2), negligible there),
+  // and where float32 products are considered. Precision of those products: layers merged
+  // on one thread always use float64 (their time is not in the products); the pivots give
+  // a lower bound on cond_2, so a layer they already rule out needs no estimate.
+  const auto estimate = [&] {
+    if (info.condition_estimate == 0.0) {
+      const double norm1 = symmetric_norm1(lhs, alpha, info.ridge_absolute);
+      info.condition_estimate = norm1 * inverse_norm1_estimate(l);
+    }
+    return info.condition_estimate;
+  };
+  if (d_in <= kEstimateDim) estimate();
   bool float32 = false;
   if (auto_precision && work >= kSerialWork) {
     const double per_cond =
@@ -246,9 +258,7 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
         info.relative_spread;
     const double pivot_bound = 1.0 / info.rcond_estimate;
     if (pivot_bound * per_cond <= kFloat32Tolerance) {
-      const double norm1 = symmetric_norm1(lhs, alpha, info.ridge_absolute);
-      info.condition_estimate = norm1 * inverse_norm1_estimate(l);
-      info.float32_error_estimate = info.condition_estimate * per_cond;
+      info.float32_error_estimate = estimate() * per_cond;
       float32 = info.float32_error_estimate <= kFloat32Tolerance;
     }
   }

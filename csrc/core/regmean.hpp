@@ -31,7 +31,8 @@ struct RegMeanInfo : SolveInfo {
   /// "float64", "float32" (right-hand-side products; factorization and solve float64), or
   /// "identical" (the weights are equal in every model: returned as they are, no solve).
   std::string precision = "float64";
-  /// Estimate of the 1-norm condition number of the regularized system (0: not estimated).
+  /// Estimate of the 1-norm condition number of the regularized system (0: not estimated;
+  /// always estimated up to 1024 inputs, beyond only where float32 products are considered).
   double condition_estimate = 0.0;
   /// Estimated relative error of float32 products (0: not needed, products in float64
   /// because the pivots alone already exceed the tolerance, or the weights are identical).

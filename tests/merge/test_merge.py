@@ -565,3 +565,31 @@ def test_tied_weights_are_averaged_and_stay_tied():
     )
     assert "lm_head" not in result.report["layers"]
     assert result.report["tied"] == {"lm_head.weight": "transformer.wte.weight"}
+
+
+# --------------------------------------------------------------------------- conditioning
+
+
+def test_poorly_determined_systems_are_reported_with_what_to_do():
+    # The pooler sees one row per sequence ([CLS]): 20 sequences give 20 rows for its 16
+    # inputs, fewer than 2 per input; the encoder's layers see every real token.
+    _, models = H.family("bert", k=2)
+    stats = [
+        H.collect(m, H.random_batches("bert", 10 + i, n_sequences=20)) for i, m in enumerate(models)
+    ]
+    res = merge_models(models, "regmean", stats=stats, heads=H.HEADS["bert"], progress=False)
+    notes = {n["module"]: n for n in res.report["poorly_determined"]}
+    pooler = notes["bert.pooler.dense"]
+    assert pooler["rows"] == 20 and pooler["dim"] == H.HIDDEN
+    assert f"20 statistics rows for {H.HIDDEN} inputs" in pooler["why"]
+    assert "more data" in pooler["advice"] and "lower alpha" in pooler["advice"]
+    layers = res.report["layers"]
+    for module, info in layers.items():
+        if info["shared_with"] is not None:
+            continue
+        few_rows = info["rows"] < 2 * info["dim"]
+        condition = info["condition_estimate"] or 1 / info["rcond_estimate"]
+        expected = few_rows or condition >= 1e6 or info["attempts"] > 1
+        assert (module in notes) == expected, module
+    assert any(not n.startswith("bert.pooler") for n in layers)  # the encoder was solved
+    assert len(notes) < len([m for m, v in layers.items() if v["shared_with"] is None])

@@ -21,6 +21,7 @@ from .methods import (
     average_tensor,
     cast_merged,
     fisher_tensor,
+    poorly_determined,
     solve_group,
     task_arithmetic_tensor,
 )
@@ -56,7 +57,9 @@ class Sink(Protocol):
 class Executor:
     """Computes merged tensors on demand, one step at a time.
 
-    ``report["layers"]`` collects the RegMean solver's information per module and
+    ``report["layers"]`` collects the RegMean solver's information per module,
+    ``report["poorly_determined"]`` the RegMean systems that are poorly determined (too
+    few statistics rows per input, ill-conditioned) with what to do, and
     ``report["fisher_weighted"]`` the Fisher-weighted tensors.
     """
 
@@ -76,6 +79,7 @@ class Executor:
         self.step_of = {t: s for s in plan.steps for t in s.tensors}
         self.ready: dict[str, Any] = {}
         report.setdefault("layers", {})
+        report.setdefault("poorly_determined", [])
         order = regmean_order(plan.steps, plan.outputs)
         self._after = {id(a): b for a, b in itertools.pairwise(order)}
         self._reading: dict[int, Future[RegMeanInputs]] = {}
@@ -119,7 +123,7 @@ class Executor:
         assert self.stats is not None
         if self.remote is not None:
             stored, layers = self.remote.result(step)
-            self.report["layers"].update(layers)
+            self._record(step, layers)
             self.ready.update(stored)
             return
         pending = self._reading.pop(id(step), None)
@@ -140,8 +144,14 @@ class Executor:
             step, self.sources, self.stats, self.labels, self.options, inputs
         )
         del inputs
-        self.report["layers"].update(layers)
+        self._record(step, layers)
         self.ready.update(solved)
+
+    def _record(self, step: Step, layers: dict[str, Any]) -> None:
+        self.report["layers"].update(layers)
+        note = poorly_determined(step.modules[0], layers[step.modules[0]])
+        if note is not None:
+            self.report["poorly_determined"].append(note)
 
 
 class RegMeanInputs(NamedTuple):

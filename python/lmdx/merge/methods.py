@@ -14,6 +14,7 @@ shared by every front door (models in memory, checkpoints on disk, Ray workers).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -33,6 +34,7 @@ __all__ = [
     "cast_merged",
     "checked_finite",
     "fisher_tensor",
+    "poorly_determined",
     "regmean_groups",
     "solve_group",
     "task_arithmetic_tensor",
@@ -132,6 +134,39 @@ def regmean_groups(
         key = (*(s.group_of(m) for s in stats), info["layout"])
         by_group.setdefault(key, []).append(m)
     return list(by_group.values())
+
+
+#: A RegMean system counts as poorly determined below this many statistics rows per input
+#: dimension, or at a condition estimate of at least CONDITION_LIMIT.
+ROWS_PER_INPUT = 2.0
+CONDITION_LIMIT = 1e6
+
+
+def poorly_determined(module: str, layer: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Why the RegMean system of ``module`` (its solver report from :func:`solve_group`) is
+    poorly determined, with what to do; None when it is not."""
+    rows, dim = float(layer["rows"]), int(layer["dim"])
+    rcond = float(layer["rcond_estimate"])
+    condition = float(layer["condition_estimate"]) or (1.0 / rcond if rcond > 0 else math.inf)
+    bound = "≈" if layer["condition_estimate"] else "≥"
+    reasons = []
+    if rows < ROWS_PER_INPUT * dim:
+        reasons.append(f"{rows:g} statistics rows for {dim} inputs")
+    if condition >= CONDITION_LIMIT:
+        reasons.append(f"condition {bound} {condition:.1e}")
+    if int(layer["attempts"]) > 1:
+        reasons.append(f"factored only with a ridge of {float(layer['ridge']):g}")
+    if not reasons:
+        return None
+    return {
+        "module": module,
+        "rows": rows,
+        "dim": dim,
+        "condition": condition,
+        "why": "; ".join(reasons),
+        "advice": "collect statistics on more data (more texts or a longer max_length), "
+        "lower alpha (e.g. 0.9), or exclude the module",
+    }
 
 
 def solve_group(
