@@ -30,7 +30,7 @@ constexpr double kFloat32Roundoff = 5.9604644775390625e-8;
 // The error of float32 products is estimated as cond_1 x roundoff x sqrt(d_in) x spread x
 // this factor (a margin over the errors measured on ill-conditioned Grams,
 // tests/core/test_regmean.py).
-constexpr double kFloat32Margin = 8.0;
+constexpr double kFloat32Margin = 2.0;
 
 enum class WeightLayout {
   Linear,  // torch nn.Linear: weight is [out, in]
