@@ -96,8 +96,11 @@ Index blocked_cholesky(Eigen::Ref<MatrixXd> m, double scale, int n_threads, doub
 }
 
 Index column_block_width(Index k) {
-  const Index quarter = ((k + 3) / 4 + 63) / 64 * 64;
-  return std::min<Index>(std::clamp<Index>(quarter, 128, 512), k);
+  if (k < 1) return 1;
+  Index blocks = (k + 511) / 512;
+  blocks = k >= 512 ? (blocks + 3) / 4 * 4 : (k + 127) / 128;
+  const Index width = ((k + blocks - 1) / blocks + 15) / 16 * 16;
+  return std::min(width, k);
 }
 
 SolveInfo spd_factor(const Eigen::Ref<const MatrixXd>& a, MatrixXd& l, const SolveOptions& opt) {

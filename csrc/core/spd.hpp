@@ -53,10 +53,12 @@ constexpr double kSingularPivot = 1e-13;
 SolveInfo spd_factor(const Eigen::Ref<const MatrixXd>& a, MatrixXd& l, const SolveOptions& opt);
 
 /// Width of the blocks k columns (or rows) are split into for the threads: the right-hand
-/// sides of the solves, the rows of the RegMean right-hand side. About k/4 rounded up to
-/// 64, clamped to [128, 512] (and to k): wide blocks run the GEMMs faster (RegMean d_in =
-/// 3072: 75 -> 88 GFLOP/s from 192 to 384 columns, bench/RESULTS.md), at least 4 blocks
-/// keep 2+ threads busy. Depends on k only, never on the thread count (determinism).
+/// sides of the solves, the rows of the RegMean right-hand side. From k = 512 on, a
+/// multiple of 4 blocks of at most 512 (768 -> 4 x 192, 2304 -> 8 x 288, 3072 -> 8 x 384),
+/// so 2 or 4 threads get equal shares (3 or 5 blocks left one of 2 threads idle for a
+/// round); below, blocks of about 128. Wide blocks run the GEMMs faster (RegMean d_in =
+/// 3072: 75 -> 88 GFLOP/s from 192 to 384 columns, bench/RESULTS.md). Rounded to 16 columns;
+/// depends on k only, never on the thread count (determinism).
 Index column_block_width(Index k);
 
 /// Estimate of ||A^{-1}||_1 from the Cholesky factor L of A (Hager's method, as LAPACK's
