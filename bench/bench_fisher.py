@@ -66,7 +66,6 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--loop-reps", type=int, default=1)
-    ap.add_argument("--profile", action="store_true", help="cProfile one lmdx run")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     transformers.logging.set_verbosity_error()
@@ -132,15 +131,6 @@ def main() -> None:
         f"parameters; {len(noise)} near-zero parameters (< 1e-9 of the largest) differ by "
         f"at most {max(noise.values(), default=0.0):.2e} of their own norm"
     )
-    if args.profile:
-        import cProfile
-        import pstats
-
-        prof = cProfile.Profile()
-        prof.enable()
-        lmdx.collect_fisher(model, batches, progress=False)
-        prof.disable()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(15)
 
 
 if __name__ == "__main__":
