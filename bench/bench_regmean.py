@@ -333,6 +333,13 @@ def merge_worker(args: argparse.Namespace) -> None:
                 n for n, v in layers.items() if v.get("ridge", 0) > 0 or v.get("attempts", 1) > 1
             )
             solver["layers"] = len(layers)
+            precisions: dict[str, int] = {}
+            for v in layers.values():
+                if v.get("shared_with") is None:
+                    precisions[v.get("precision", "?")] = (
+                        precisions.get(v.get("precision", "?"), 0) + 1
+                    )
+            solver["precision"] = precisions
             return res.state_dict
 
     for alpha in args.alphas:
@@ -819,7 +826,8 @@ def main() -> None:
             sv = mm.get("solver", {})
             P(
                 f"{key}: {sv.get('layers')} layers solved, regularized (ridge added): "
-                f"{sv.get('regularized') or 'none'}."
+                f"{sv.get('regularized') or 'none'}; right-hand-side products per system: "
+                f"{sv.get('precision') or 'not reported'}."
             )
     P(
         f"Peak RSS: {merges[next(iter(merges))]['rss_method']} — the worker's RSS high-water "
