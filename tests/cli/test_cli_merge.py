@@ -274,6 +274,10 @@ def test_merge_task_arithmetic_and_average(workspace: Path) -> None:
             "do not belong to .*m0: parameter",
         ),
         ("method: average\nalpha: 2\nmodels: [m0, m1]\n", r"alpha must be in \[0, 1\]"),
+        (
+            "method: average\nprecision: half\nmodels: [m0, m1]\n",
+            "precision must be one of auto, float64",
+        ),
         ("method: task_arithmetic\nmodels: [m0, m1]\n", "needs base"),
         ("method: average\nmodels: [m0, m1]\noutput: {dtype: int8}\n", "output.dtype"),
         ("method: [unclosed\n", "cannot parse"),

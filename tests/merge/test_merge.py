@@ -593,3 +593,14 @@ def test_poorly_determined_systems_are_reported_with_what_to_do():
         assert (module in notes) == expected, module
     assert any(not n.startswith("bert.pooler") for n in layers)  # the encoder was solved
     assert len(notes) < len([m for m, v in layers.items() if v["shared_with"] is None])
+
+
+def test_precision_option_reaches_every_solve_and_is_checked():
+    _, models = H.family("bert", k=2)
+    stats = [H.collect(m, H.random_batches("bert", 10 + i)) for i, m in enumerate(models)]
+    res = merge_models(
+        models, "regmean", stats=stats, heads=H.HEADS["bert"], precision="float64", progress=False
+    )
+    assert {v["precision"] for v in res.report["layers"].values()} == {"float64"}
+    with pytest.raises(MergeError, match=r"^precision: expected one of .*got 'half'"):
+        merge_models(models, "regmean", stats=stats, precision="half", progress=False)

@@ -165,6 +165,7 @@ def merge_models(
     fisher_eps: float = 1e-8,
     ridge: float = 0.0,
     allow_regularization: bool = True,
+    precision: str = "auto",
     labels: Sequence[str] | None = None,
     progress: bool = True,
     n_threads: int | None = None,
@@ -197,8 +198,13 @@ def merge_models(
         λ of task arithmetic.
     fisher_eps
         ε added to every Fisher value.
-    ridge, allow_regularization
-        Passed to the RegMean solves (see :func:`lmdx.regmean_merge_layer`).
+    ridge, allow_regularization, precision
+        Passed to the RegMean solves (see :func:`lmdx.regmean_merge_layer`):
+        ``precision="float64"`` keeps every right-hand-side product in float64;
+        ``"auto"`` uses float32 where the estimated error stays below 1e-6 of the
+        weights. ``report["layers"]`` says per module what was used, and
+        ``report["poorly_determined"]`` lists the systems with too few statistics rows
+        per input or a large condition estimate, with what to do.
     labels
         Names of the models for messages and the report (default: their paths or
         ``model0``...).
@@ -216,6 +222,7 @@ def merge_models(
         fisher_eps=fisher_eps,
         ridge=ridge,
         allow_regularization=allow_regularization,
+        precision=precision,
         n_threads=n_threads,
     )
     names = _labels(models, labels)
@@ -400,6 +407,7 @@ def stream_merge(
     fisher_eps: float = 1e-8,
     ridge: float = 0.0,
     allow_regularization: bool = True,
+    precision: str = "auto",
     dtype: str = "auto",
     max_shard_size: int | str = "2GB",
     labels: Sequence[str] | None = None,
@@ -451,6 +459,7 @@ def stream_merge(
         fisher_eps=fisher_eps,
         ridge=ridge,
         allow_regularization=allow_regularization,
+        precision=precision,
         dtype=dtype,
         max_shard_size=max_shard_size,
         n_threads=n_threads,

@@ -19,8 +19,8 @@ Example::
       max_shard_size: 2GB
 
 ``base`` (a model folder) and ``scaling`` (λ) are for ``task_arithmetic``;
-``fisher_eps`` for ``fisher``; ``ridge``, ``allow_regularization`` and ``threads`` tune
-the RegMean solves.
+``fisher_eps`` for ``fisher``; ``ridge``, ``allow_regularization``, ``precision``
+(``auto`` | ``float64``) and ``threads`` tune the RegMean solves.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from .._util import parse_size
 from ..files.hf import load_model
 from ..files.parse import parse_json, read_text, read_yaml, schema_message
 from .api import merge_models, save_merged, stream_merge
-from .options import HEAD_POLICIES, METHODS
+from .options import HEAD_POLICIES, METHODS, PRECISIONS
 from .plan import MergePlan
 
 __all__ = ["MergeConfig", "ModelEntry", "load_merge_config", "plan_merge", "run_merge"]
@@ -67,6 +67,7 @@ class MergeConfig:
     fisher_eps: float = 1e-8
     ridge: float = 0.0
     allow_regularization: bool = True
+    precision: str = "auto"
     exclude: list[str] = field(default_factory=list)
     head_patterns: list[str] = field(default_factory=list)
     head_policy: str = "keep"
@@ -137,6 +138,7 @@ class _ConfigFile(_Strict):
     fisher_eps: Annotated[float, Field(ge=0.0)] = 1e-8
     ridge: Annotated[float, Field(ge=0.0)] = 0.0
     allow_regularization: bool = True
+    precision: Literal[PRECISIONS] = "auto"  # type: ignore[valid-type]
     exclude: _Patterns | None = None
     heads: _Heads | None = None
     output: _Output | None = None
@@ -153,6 +155,7 @@ _LABELS = {
     "method": f"must be one of {', '.join(METHODS)}",
     "models": "must be a list of at least 2 entries ({path: ..., ...})",
     "alpha": "must be in [0, 1]",
+    "precision": f"must be one of {', '.join(PRECISIONS)}",
     "heads.policy": "must be keep or drop",
     "output.dtype": "must be auto/float32/bfloat16/float16",
     "exclude": "must be a list of name patterns",
@@ -259,6 +262,7 @@ def _resolved(checked: _ConfigFile, root: Path, where: str) -> MergeConfig:
         fisher_eps=checked.fisher_eps,
         ridge=checked.ridge,
         allow_regularization=checked.allow_regularization,
+        precision=checked.precision,
         threads=checked.threads,
         exclude=list(checked.exclude or []),
     )
@@ -298,6 +302,7 @@ def _merge_kwargs(cfg: MergeConfig) -> dict[str, Any]:
         "fisher_eps": cfg.fisher_eps,
         "ridge": cfg.ridge,
         "allow_regularization": cfg.allow_regularization,
+        "precision": cfg.precision,
         "labels": labels,
         "n_threads": cfg.threads,
     }
