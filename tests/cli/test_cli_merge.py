@@ -459,3 +459,30 @@ def test_errors_are_one_escaped_line_and_debug_shows_them_raised(
     with pytest.raises(MergeError, match="no such model folder"):
         main(["--debug", "merge", str(cfg), "--out", str(out), "--no-progress"])
     assert not out.exists()
+
+
+def test_merge_summary_names_poorly_determined_systems(
+    workspace: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Statistics on 3 texts: the pooler sees 3 rows for its inputs, far fewer than 2 each.
+    (workspace / "three.txt").write_text("a short text\nanother one here\nand a third\n")
+    for i in range(K):
+        stats = workspace / f"few{i}.safetensors"
+        if not stats.exists():
+            args = ["stats", str(workspace / f"m{i}"), str(workspace / "three.txt")]
+            assert main([*args, "--out", str(stats), "--no-progress"]) == 0
+    models = "\n".join(f"  - {{path: m{i}, stats: few{i}.safetensors}}" for i in range(K))
+    cfg = _write_config(
+        workspace / "few.yaml",
+        f"method: regmean\nmodels:\n{models}\nheads: {{patterns: ['classifier.*']}}\n",
+    )
+    out = workspace / "merged-few"
+    capsys.readouterr()
+    assert main(["merge", str(cfg), "--out", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    notes = json.loads((out / "lmdx_merge.json").read_text())["report"]["poorly_determined"]
+    pooler = next(n for n in notes if n["module"] == "bert.pooler.dense")
+    assert pooler["rows"] == 3 and "3 statistics rows for" in pooler["why"]
+    assert f"{len(notes)} RegMean system(s) poorly determined" in printed
+    assert "bert.pooler.dense (3 statistics rows for" in printed
+    assert "Collect statistics on more data" in printed

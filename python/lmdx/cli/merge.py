@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ from .._errors import (
     MergeError,
     MissingFileError,
     ModelMismatchError,
+    RegularizationWarning,
     StatisticsFileError,
 )
 from .common import Claimed, HelpFormatter, report_errors, size_of
@@ -92,7 +95,7 @@ def _merge(args: argparse.Namespace, claimed: Claimed) -> int:
     from ..files.atomic import existing_parent
     from ..merge.config import load_merge_config, plan_merge, run_merge
     from ..merge.plan import peak_rss_bytes
-    from ..merge.sink import HEADS_DIR
+    from ..merge.sink import HEADS_DIR, MERGE_RECORD
 
     out = Path(args.out)
     if out.exists():
@@ -115,23 +118,47 @@ def _merge(args: argparse.Namespace, claimed: Claimed) -> int:
         return 0
     t0 = time.perf_counter()
     claimed.claim(out)
-    run_merge(
-        cfg,
-        out,
-        progress=not args.no_progress,
-        streaming=not args.in_memory,
-        ray_workers=args.ray_workers,
-        ray_address=args.ray_address,
-    )
+    with warnings.catch_warnings():
+        # Systems that needed a ridge are listed once, in the summary below (and in
+        # lmdx_merge.json), instead of one Python warning per layer.
+        warnings.simplefilter("ignore", RegularizationWarning)
+        run_merge(
+            cfg,
+            out,
+            progress=not args.no_progress,
+            streaming=not args.in_memory,
+            ray_workers=args.ray_workers,
+            ray_address=args.ray_address,
+        )
     size = size_of(out)
     print(
         f"lmdx merge: {cfg.method} of {len(cfg.models)} models in "
         f"{time.perf_counter() - t0:.1f} s; wrote {out} ({size / 1e6:.1f} MB); "
         f"peak RSS {peak_rss_bytes() / 1e9:.2f} GB"
     )
+    _report_poorly_determined(out / MERGE_RECORD)
     if (out / HEADS_DIR).is_dir():
         print(
             f"lmdx merge: model i's classifier (i = 0..{len(cfg.models) - 1}, in the config's "
             f"order): lmdx.load_merged({str(out)!r}, task=i)"
         )
     return 0
+
+
+def _report_poorly_determined(record: Path) -> None:
+    """The RegMean systems the merge found poorly determined (from its record)."""
+    try:
+        notes = json.loads(record.read_text())["report"]["poorly_determined"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    if not notes:
+        return
+    worst = sorted(notes, key=lambda n: (n["rows"] / max(n["dim"], 1), -n["condition"]))
+    shown = "; ".join(f"{n['module']} ({n['why']})" for n in worst[:5])
+    more = f"; and {len(notes) - 5} more" if len(notes) > 5 else ""
+    print(
+        f"lmdx merge: {len(notes)} RegMean system(s) poorly determined (all in "
+        f"{record}), fewest rows per input first: {shown}{more}. "
+        f"{notes[0]['advice'][0].upper()}"
+        f"{notes[0]['advice'][1:]}."
+    )

@@ -33,6 +33,7 @@ from .source import TensorSource
 __all__ = [
     "HEADS_DIR",
     "LABEL_KEYS",
+    "MERGE_RECORD",
     "FolderSink",
     "MemorySink",
     "head_files",
@@ -43,6 +44,7 @@ __all__ = [
 
 #: The folder of a merged model that holds every input model's own task head.
 HEADS_DIR = "heads"
+MERGE_RECORD = "lmdx_merge.json"  # the merge's record in its output folder
 #: The entries of a model's configuration that describe its task head's labels.
 LABEL_KEYS = ("id2label", "label2id", "num_labels", "problem_type")
 #: ``format`` of ``heads/<i>.json``.
@@ -181,7 +183,7 @@ class FolderSink:
             (self.tmp / fname).write_text(text)
         if model_folder is not None and model_folder.is_dir():
             copy_model_files(model_folder, self.tmp)
-        (self.tmp / "lmdx_merge.json").write_text(json.dumps(dict(record), indent=2, default=str))
+        (self.tmp / MERGE_RECORD).write_text(json.dumps(dict(record), indent=2, default=str))
 
 
 def output_config(
