@@ -264,8 +264,9 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
   }
   info.precision = float32 ? "float32" : "float64";
 
-  // rhs = sum_{i != p} D_i (W_i - W-)^T with D_i = s_i G~_i - (c_i / n_p) G~_p, G~ = the
-  // off-diagonal scaled by alpha. D_i reuses lhs's storage (the factor is in l).
+  // rhs = sum_{i != p} D_i (W_i - W-)^T with D_i = c_i (G~_i - G~_p), built from the raw
+  // Grams as s_i G_i - (c_i / n_p) G_p with the off-diagonal scaled by alpha. D_i reuses
+  // lhs's storage (the factor is in l).
   merged_t.setZero();
   MatrixXd& d_i = lhs;
   Eigen::MatrixXf d_i32;

@@ -8,7 +8,7 @@
 // -- the same where the sum is positive definite, but a model merged with itself and layers
 // equal in every model come back bit-exact, and directions no statistics reached keep the
 // average instead of being pulled to zero by a ridge. Since sum_i c_i (W_i - W-) = 0, the
-// right-hand side needs K - 1 products: sum_{i != p} c_i (G~_i/n_i - G~_p/n_p) (W_i - W-)^T
+// right-hand side needs K - 1 products: sum_{i != p} c_i (G~_i - G~_p) (W_i - W-)^T
 // for a pivot model p. Those products may run in float32 where an estimate of the error
 // they cause stays below kFloat32Tolerance (precision "auto", layers large enough to be
 // threaded); the factorization and the solve are always float64.
