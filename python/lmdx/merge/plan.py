@@ -13,6 +13,7 @@ import os
 import resource
 import sys
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -21,6 +22,7 @@ import numpy as np
 from .._errors import MergeError, ModelMismatchError
 from .._tensors import FLOAT_DTYPES
 from .._util import matches, split_in_order
+from ..config import default_threads
 from ..files.checkpoint import SINGLE_FILE, Checkpoint
 from ..files.hf import base_model_info, model_files
 from ..files.identity import describe_mismatch
@@ -189,8 +191,8 @@ def check_stats_model(source: TensorSource, stats: Statistics) -> dict[str, str]
 
     if arch and ident.get("architecture") not in (arch, "state_dict"):
         raise fail(f"architecture {ident.get('architecture')} (statistics) vs {arch} (model)")
-    stored = {}
-    for name in sorted(source.names()):
+    names = sorted(source.names())
+    for name in names:
         if name not in params:
             raise fail(f"parameter {name!r} is in this model but not in the statistics' model")
         p = params[name]
@@ -198,7 +200,13 @@ def check_stats_model(source: TensorSource, stats: Statistics) -> dict[str, str]
         if p["shape"] != here["shape"] or p["dtype"] != here["dtype"]:
             here["sha256"] = p["sha256"]
             raise fail(describe_mismatch({"parameters": {name: p}}, {"parameters": {name: here}}))
-        h = source.sha256(name)
+    # SHA-256 releases the GIL: the tensors are hashed on the CPUs available (results in
+    # name order, so the first mismatch reported is the same).
+    with ThreadPoolExecutor(min(default_threads(), 8), "lmdx-hash") as pool:
+        hashes = list(pool.map(source.sha256, names))
+    stored = {}
+    for name, h in zip(names, hashes, strict=True):
+        p = params[name]
         if h != p["sha256"]:
             raise fail(
                 f"parameter {name!r} has different values (sha256 {p['sha256'][:12]}… there, "
