@@ -3,17 +3,15 @@ tensor to a sink (a dict in memory or a folder on disk).
 
 Every merged float tensor is computed in float64 (:mod:`lmdx.merge.methods`), checked
 finite and cast to its input's dtype; a RegMean group's other members wait, already
-cast, until they are asked for. Peak memory is one step's inputs plus its results; reading
-checkpoints, the next RegMean group's inputs are read while the current one solves (the
-native solve releases the GIL), which adds that group's inputs.
+cast, until they are asked for. Peak memory is one step's inputs plus its results. (Reading
+the next RegMean group while one solves was measured and not kept: on 2 cores the reading
+and hashing compete with the solve's threads, no faster, 0.2 GB more; bench/RESULTS.md.)
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 from .._util import progress_bar
 from ..stats.file import Statistics
@@ -26,15 +24,13 @@ from .methods import (
     task_arithmetic_tensor,
 )
 from .options import MergeOptions
-from .plan import MergePlan, Step, regmean_order
+from .plan import MergePlan, Step
 from .source import TensorSource
 
 __all__ = [
     "Executor",
     "GroupSolver",
-    "RegMeanInputs",
     "Sink",
-    "read_regmean_inputs",
     "run",
     "solve_regmean_step",
 ]
@@ -80,11 +76,6 @@ class Executor:
         self.ready: dict[str, Any] = {}
         report.setdefault("layers", {})
         report.setdefault("poorly_determined", [])
-        order = regmean_order(plan.steps, plan.outputs)
-        self._after = {id(a): b for a, b in itertools.pairwise(order)}
-        self._reading: dict[int, Future[RegMeanInputs]] = {}
-        read_ahead = plan.read_ahead and remote is None and len(order) > 1
-        self._reader = ThreadPoolExecutor(1, "lmdx-read") if read_ahead else None
 
     def result(self, name: str) -> Any:
         """Merged tensor ``name`` (torch, in its input dtype); computed once, handed out
@@ -126,24 +117,9 @@ class Executor:
             self._record(step, layers)
             self.ready.update(stored)
             return
-        pending = self._reading.pop(id(step), None)
-        inputs = (
-            pending.result()
-            if pending is not None
-            else read_regmean_inputs(step, self.sources, self.stats)
-        )
-        following = self._after.get(id(step))
-        if self._reader is not None:
-            if following is not None:
-                self._reading[id(following)] = self._reader.submit(
-                    read_regmean_inputs, following, self.sources, self.stats
-                )
-            else:
-                self._reader.shutdown(wait=False)
         solved, layers = solve_regmean_step(
-            step, self.sources, self.stats, self.labels, self.options, inputs
+            step, self.sources, self.stats, self.labels, self.options
         )
-        del inputs
         self._record(step, layers)
         self.ready.update(solved)
 
@@ -154,40 +130,21 @@ class Executor:
             self.report["poorly_determined"].append(note)
 
 
-class RegMeanInputs(NamedTuple):
-    """One RegMean group's inputs: ``weights[i]`` model i's member weights, ``grams[i]``
-    its input Gram as stored."""
-
-    weights: list[list[Any]]
-    grams: list[Any]
-
-
-def read_regmean_inputs(
-    step: Step, sources: Sequence[TensorSource], stats: Sequence[Statistics]
-) -> RegMeanInputs:
-    """Read one RegMean group's weights from every source and its Gram from every
-    statistics file (checked against its content hash)."""
-    return RegMeanInputs(
-        [[s.read(w) for w in step.tensors] for s in sources],
-        [s.gram_stored(step.modules[0]) for s in stats],
-    )
-
-
 def solve_regmean_step(
     step: Step,
     sources: Sequence[TensorSource],
     stats: Sequence[Statistics],
     labels: Sequence[str],
     options: MergeOptions,
-    inputs: RegMeanInputs | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """One RegMean group solved from ``inputs`` (read from ``sources`` and ``stats`` when
-    None): its merged weights (torch, cast to their input dtype) and the solver's report
-    per module. Local runs and Ray actors both call this."""
-    if inputs is None:
-        inputs = read_regmean_inputs(step, sources, stats)
-    solved, layers = solve_group(step.modules, inputs.weights, inputs.grams, stats, labels, options)
-    del inputs
+    """One RegMean group read from ``sources`` (its weights) and ``stats`` (its Grams as
+    stored, checked against their content hashes) and solved: its merged weights (torch,
+    cast to their input dtype) and the solver's report per module. Local runs and Ray
+    actors both call this."""
+    weights = [[s.read(w) for w in step.tensors] for s in sources]
+    grams = [s.gram_stored(step.modules[0]) for s in stats]
+    solved, layers = solve_group(step.modules, weights, grams, stats, labels, options)
+    del weights, grams
     return {w: cast_merged(w, v, sources[0].dtype(w)) for w, v in solved.items()}, layers
 
 

@@ -8,7 +8,6 @@ sources, and the engine runs its steps.
 
 from __future__ import annotations
 
-import itertools
 import os
 import resource
 import sys
@@ -23,7 +22,7 @@ from .._errors import MergeError, ModelMismatchError
 from .._tensors import FLOAT_DTYPES
 from .._util import matches, split_in_order
 from ..config import default_threads
-from ..files.checkpoint import SINGLE_FILE, Checkpoint
+from ..files.checkpoint import SINGLE_FILE
 from ..files.hf import base_model_info, model_files
 from ..files.identity import describe_mismatch
 from ..stats.file import Statistics
@@ -42,7 +41,6 @@ __all__ = [
     "make_plan",
     "open_stats",
     "peak_rss_bytes",
-    "regmean_order",
 ]
 
 
@@ -104,7 +102,6 @@ class MergePlan:
     baseline_rss: int
     base_class: str | None = None  # head_policy "drop": the backbone's class ...
     base_prefix: str = ""  # ... and the prefix of its parameters
-    read_ahead: bool = False  # read the next RegMean group's inputs while one solves
 
     @property
     def peak_memory(self) -> int:
@@ -331,12 +328,6 @@ def make_plan(
             outputs.append(Output(out_name, n, src_dtype if keep else options.dtype, ref.shape(n)))
     else:
         outputs = [Output(n, n, ref.dtype(n), ref.shape(n)) for n in body]
-    # Reading checkpoints, the engine reads the next RegMean group while one solves.
-    read_ahead = any(isinstance(s, Checkpoint) for s in sources)
-    if read_ahead:
-        order = regmean_order(steps, outputs)
-        for step, following in itertools.pairwise(order):
-            step.memory += _step_inputs(following, ref, len(sources), packed)
     shards = _shards(outputs, options.max_shard_size) if folder else []
     output_bytes = sum(o.nbytes for o in outputs)
     if folder and options.head_policy == "keep":
@@ -354,7 +345,6 @@ def make_plan(
         baseline_rss=current_rss_bytes(),
         base_class=base_class,
         base_prefix=prefix,
-        read_ahead=read_ahead,
     )
 
 
@@ -404,8 +394,7 @@ def _steps(
 
 
 def _step_memory(step: Step, ref: TensorSource, k: int, out_size: int, packed: bool) -> int:
-    """Estimated bytes while ``step`` runs; RegMean steps: without the next group's inputs
-    (added by :func:`make_plan` where they are read ahead)."""
+    """Estimated bytes while ``step`` runs."""
     n = sum(int(np.prod(ref.shape(t))) for t in step.tensors)
     out = n * out_size if out_size else sum(ref.nbytes(t) for t in step.tensors)
     if step.kind == "regmean":
@@ -432,19 +421,6 @@ def _step_inputs(step: Step, ref: TensorSource, k: int, packed: bool) -> int:
     d = step.dim
     gram = 4 * d * (d + 1) if packed else 8 * d * d
     return k * (read + widened + joined + gram)
-
-
-def regmean_order(steps: Sequence[Step], outputs: Sequence[Output]) -> list[Step]:
-    """The RegMean steps in the order the outputs first need them."""
-    by_tensor = {t: s for s in steps if s.kind == "regmean" for t in s.tensors}
-    seen: set[int] = set()
-    order = []
-    for out in outputs:
-        step = by_tensor.get(out.source)
-        if step is not None and id(step) not in seen:
-            seen.add(id(step))
-            order.append(step)
-    return order
 
 
 def _shards(outputs: Sequence[Output], max_shard: int) -> list[tuple[str, list[int]]]:
