@@ -193,23 +193,24 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
   {
     const Index n_blocks = (d_out + kWidenColumns - 1) / kWidenColumns;
     LMDX_PRAGMA(omp parallel num_threads(threads)) {
-      MatrixXd wp(d_in, kWidenColumns), wi(d_in, kWidenColumns);
+      // This block of columns of every model with c_i > 0, widened once: [0] the pivot's.
+      std::vector<MatrixXd> wk(others.size() + 1, MatrixXd(d_in, kWidenColumns));
       LMDX_PRAGMA(omp for schedule(static) reduction(max : spread, scale))
       for (Index b = 0; b < n_blocks; ++b) {
         const Index c0 = b * kWidenColumns;
         const Index w = std::min(kWidenColumns, d_out - c0);
         auto bar = mean_t.middleCols(c0, w);
-        widen_columns(models[pivot].weight, d_in, d_out, layout, c0, w, wp.leftCols(w));
-        bar = wp.leftCols(w);
-        for (size_t i : others) {
-          widen_columns(models[i].weight, d_in, d_out, layout, c0, w, wi.leftCols(w));
-          bar += (coef[i] / total) * (wi.leftCols(w) - wp.leftCols(w));
+        const auto wp = wk[0].leftCols(w);
+        widen_columns(models[pivot].weight, d_in, d_out, layout, c0, w, wk[0].leftCols(w));
+        bar = wp;
+        for (size_t j = 0; j < others.size(); ++j) {
+          const size_t i = others[j];
+          widen_columns(models[i].weight, d_in, d_out, layout, c0, w, wk[j + 1].leftCols(w));
+          bar += (coef[i] / total) * (wk[j + 1].leftCols(w) - wp);
         }
-        for (size_t i : others) {
-          widen_columns(models[i].weight, d_in, d_out, layout, c0, w, wi.leftCols(w));
+        for (const MatrixXd& wi : wk) {
           spread = std::max(spread, (wi.leftCols(w) - bar).cwiseAbs().maxCoeff());
         }
-        spread = std::max(spread, (wp.leftCols(w) - bar).cwiseAbs().maxCoeff());
         scale = std::max(scale, bar.cwiseAbs().maxCoeff());
       }
     }
