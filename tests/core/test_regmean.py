@@ -462,6 +462,7 @@ def test_auto_precision_stays_within_its_tolerance_of_float64(rng, alpha, cond, 
     if auto.info.precision == "float32":
         assert auto.info.float32_error_estimate <= 1e-6
         assert err <= auto.info.float32_error_estimate
+        assert err <= 0.05 * auto.info.float32_error_estimate  # the margin the docs state
     else:
         assert auto.info.precision == "float64" and err == 0.0
     if alpha == 0.1 and spread <= 1e-3:  # well conditioned, small deviations: float32 used

@@ -147,10 +147,7 @@ def _merge(args: argparse.Namespace, claimed: Claimed) -> int:
 
 def _report_poorly_determined(record: Path) -> None:
     """The RegMean systems the merge found poorly determined (from its record)."""
-    try:
-        notes = json.loads(record.read_text())["report"]["poorly_determined"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return
+    notes = json.loads(record.read_text())["report"].get("poorly_determined", [])
     if not notes:
         return
     worst = sorted(notes, key=lambda n: (n["rows"] / max(n["dim"], 1), -n["condition"]))

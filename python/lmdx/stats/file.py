@@ -146,7 +146,7 @@ class Statistics:
         g = self.group_of(module)
         if g in self._moments:
             return self._moments[g].gram()
-        return np.asarray(self.tensor(f"gram/{g}"), dtype=np.float64)
+        return self.packed(f"gram/{g}")
 
     def sum(self, module: str) -> NDArray[np.float64]:
         """The (d,) float64 sum ``Σ x`` of a module's input."""
