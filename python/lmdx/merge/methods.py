@@ -212,6 +212,7 @@ def solve_group(
         name=name,
         n_threads=options.n_threads,
     )
+    dim = int(weights_k[0].shape[1 - axis])  # the layer's input dimension
     del weights_k
     info = res.info
     solved = {
@@ -222,7 +223,7 @@ def solve_group(
         "condition_estimate": float(info.condition_estimate),
         "relative_spread": float(info.relative_spread),
         "rows": min(counts),
-        "dim": int(weights[0][0].shape[1 - axis]) if weights and weights[0] else 0,
+        "dim": dim,
     }
     out = {}
     layers = {}
