@@ -394,33 +394,25 @@ def _steps(
 
 
 def _step_memory(step: Step, ref: TensorSource, k: int, out_size: int, packed: bool) -> int:
-    """Estimated bytes while ``step`` runs."""
-    n = sum(int(np.prod(ref.shape(t))) for t in step.tensors)
-    out = n * out_size if out_size else sum(ref.nbytes(t) for t in step.tensors)
-    if step.kind == "regmean":
-        d = step.dim
-        # The core: the summed system and its factor (+ a float32 copy of one difference
-        # of Grams), the float64 average, deviations (chunks of 1024 outputs), result and
-        # its copy out of the core; then the cast result.
-        core = 8 * d * d * 2 + 4 * d * d + 8 * n * 3 + 8 * d * min(1024, max(n // d, 1))
-        return _step_inputs(step, ref, k, packed) + core + out
-    # K reads (+ widened copies), float64 result (+ Fisher weights), the cast result
-    extra = 2 * k * 8 * n if step.kind == "fisher" else 0
-    return _step_inputs(step, ref, k, packed) + 8 * n + extra + out
-
-
-def _step_inputs(step: Step, ref: TensorSource, k: int, packed: bool) -> int:
-    """Bytes of one step's inputs: K reads (+ widened and concatenated copies), and for
-    RegMean K Grams (packed triangles from files, full matrices from memory)."""
+    """Estimated bytes while ``step`` runs: K reads (+ widened copies of 16-bit weights),
+    the float64 result (+ Fisher weights) and the cast result; for RegMean also the joined
+    members, K Grams (packed triangles from files, full matrices from memory) and the
+    core's buffers."""
     n = sum(int(np.prod(ref.shape(t))) for t in step.tensors)
     read = sum(ref.nbytes(t) for t in step.tensors)
     widened = 4 * n if any(ref.dtype(t) in ("bfloat16", "float16") for t in step.tensors) else 0
-    if step.kind != "regmean":
-        return k * (read + widened)
-    joined = 4 * n if len(step.tensors) > 1 else 0
-    d = step.dim
-    gram = 4 * d * (d + 1) if packed else 8 * d * d
-    return k * (read + widened + joined + gram)
+    out = n * out_size if out_size else read  # 0: the input's dtype
+    if step.kind == "regmean":
+        d = step.dim
+        joined = 4 * n if len(step.tensors) > 1 else 0
+        gram = 4 * d * (d + 1) if packed else 8 * d * d
+        # The core: the summed system and its factor (+ a float32 copy of one difference
+        # of Grams), the float64 average, deviations (chunks of 1024 outputs), result and
+        # its copy out of the core.
+        core = 8 * d * d * 2 + 4 * d * d + 8 * n * 3 + 8 * d * min(1024, max(n // d, 1))
+        return k * (read + widened + joined + gram) + core + out
+    extra = 2 * k * 8 * n if step.kind == "fisher" else 0
+    return k * (read + widened) + 8 * n + extra + out
 
 
 def _shards(outputs: Sequence[Output], max_shard: int) -> list[tuple[str, list[int]]]:
