@@ -1,43 +1,54 @@
-"""The only place where user arrays and torch tensors become arrays for the native core.
+"""The only place where user arrays and torch tensors become arrays for the native core,
+and where tensors change dtype.
 
 Everything the core receives is a C-contiguous float32 or float64 NumPy array -- except
 rows for the Gram kernel (:func:`as_gram_rows`), where float16 and bfloat16 stay 16-bit
 (the kernel widens them while packing). Torch tensors are detached and moved to the CPU;
 elsewhere bfloat16/float16 are widened to float32; integer inputs become float64. Copies
 happen here, visibly, never in the bindings.
+
+bfloat16 NumPy arrays use the ``ml_dtypes`` dtype (:data:`BFLOAT16`), so an array always
+says what it holds; files and merges work on NumPy arrays without importing torch
+(:func:`as_numpy` and :func:`to_torch` cross over where torch is in use). Narrowing casts
+(:func:`cast_float`) round exactly as torch does.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 from numpy.typing import NDArray
 
 __all__ = [
+    "BFLOAT16",
     "FLOAT_DTYPES",
     "OUTPUT_DTYPES",
     "ST_NUMPY",
     "TORCH_OF_ST",
     "as_float64",
     "as_gram_rows",
+    "as_numpy",
     "as_rows",
     "as_tensor_array",
     "as_weights",
+    "cast_float",
     "dtype_name",
-    "from_stored",
     "is_tensor",
-    "to_stored",
     "to_torch",
+    "widen",
 ]
 
-#: The one dtype table: safetensors code -> (NumPy dtype of the stored bytes, torch dtype
-#: name). bfloat16 has no NumPy dtype: its bytes are kept as raw uint16.
+#: NumPy's bfloat16 (from ``ml_dtypes``; ``np.dtype("bfloat16")`` once it is imported).
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+#: The one dtype table: safetensors code -> (NumPy dtype name, torch dtype name).
 DTYPES: dict[str, tuple[str, str]] = {
     "F64": ("float64", "float64"),
     "F32": ("float32", "float32"),
     "F16": ("float16", "float16"),
-    "BF16": ("uint16", "bfloat16"),
+    "BF16": ("bfloat16", "bfloat16"),
     "I64": ("int64", "int64"),
     "I32": ("int32", "int32"),
     "I16": ("int16", "int16"),
@@ -83,8 +94,8 @@ def as_tensor_array(x: Any, name: str) -> NDArray[np.floating[Any]]:
         arr = t.contiguous().numpy()
     else:
         arr = np.asarray(x)
-    if arr.dtype == np.float16:
-        arr = arr.astype(np.float32)
+    if arr.dtype in (np.float16, BFLOAT16):
+        arr = widen(arr)
     elif arr.dtype not in (np.float32, np.float64):
         if arr.dtype.kind not in "biuf":
             raise ValueError(f"{name}: expected numbers, got an array of dtype {arr.dtype}")
@@ -123,8 +134,11 @@ def as_gram_rows(x: Any, dim: int, name: str = "x") -> tuple[NDArray[Any], tuple
             arr = t.view(torch.int16).numpy().view(np.uint16)
         else:
             arr = t.numpy()
-    elif isinstance(x, np.ndarray) and x.dtype == np.float16:
+    elif isinstance(x, np.ndarray) and x.dtype in (np.float16, BFLOAT16):
+        bfloat16 = x.dtype == BFLOAT16
         arr = np.ascontiguousarray(x)
+        if bfloat16:
+            arr = arr.view(np.uint16)
     else:
         arr = as_tensor_array(x, name)
     rows, leading = _rows_of(arr, dim, name)
@@ -156,29 +170,53 @@ def dtype_name(t: Any) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def to_torch(arr: Any, dtype: str) -> Any:
-    """A NumPy array (any float dtype) as a torch tensor of dtype name ``dtype``."""
+def widen(arr: NDArray[Any]) -> NDArray[np.float32]:
+    """A float16 or bfloat16 array widened (exactly) to float32."""
+    if arr.dtype == BFLOAT16:  # the bits in the upper half of a float32: exact, fast
+        bits = np.ascontiguousarray(arr).view(np.uint16).astype(np.uint32)
+        bits <<= 16
+        return bits.view(np.float32)
+    return arr.astype(np.float32)
+
+
+def cast_float(arr: NDArray[Any], dtype: str) -> NDArray[Any]:
+    """A float array as float dtype ``dtype`` (``"float32"``, ``"bfloat16"``, ...),
+    rounded to nearest even exactly as torch's ``Tensor.to`` rounds: float64 values are
+    rounded to float32 first, then to the 16-bit type. Values beyond the type's range
+    become infinite (check with :func:`numpy.isfinite`)."""
+    target = np.dtype(dtype)
+    if arr.dtype == target:
+        return arr
+    if target.itemsize == 2 and arr.dtype == np.float64:
+        arr = arr.astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return arr.astype(target)
+
+
+def as_numpy(x: Any) -> NDArray[Any]:
+    """A torch tensor or NumPy array as a C-contiguous NumPy array of the same dtype
+    (a view where possible; bfloat16 as :data:`BFLOAT16`)."""
+    if _is_torch(x):
+        t = _cpu_tensor(x).contiguous()
+        if str(t.dtype) == "torch.bfloat16":
+            import torch  # present: x is a torch tensor
+
+            return np.asarray(t.view(torch.int16).numpy().view(BFLOAT16))
+        return np.asarray(t.numpy())
+    return np.ascontiguousarray(x)
+
+
+def to_torch(arr: Any) -> Any:
+    """A NumPy array (any dtype of the table, bfloat16 included) as a torch tensor of the
+    same dtype, sharing its memory (a copy when the array is read-only); torch tensors
+    are returned as they are."""
     import torch
 
-    return torch.from_numpy(np.ascontiguousarray(arr)).to(getattr(torch, dtype))
-
-
-def to_stored(t: Any, dtype: str) -> NDArray[Any]:
-    """A torch tensor as the NumPy array of its bytes in ``dtype`` (bfloat16 as uint16)."""
-    import torch
-
-    t = _cpu_tensor(t).to(getattr(torch, dtype)).contiguous()
-    if dtype == "bfloat16":
-        return t.view(torch.int16).numpy().view(np.uint16)  # type: ignore[no-any-return]
-    return t.numpy()  # type: ignore[no-any-return]
-
-
-def from_stored(raw: NDArray[Any], dtype: str) -> Any:
-    """Inverse of :func:`to_stored`: stored bytes as a torch tensor of ``dtype``
-    (a writable copy when ``raw`` is read-only, as arrays from Ray's store are)."""
-    import torch
-
-    arr = raw if raw.flags.writeable else np.array(raw)
-    if dtype == "bfloat16":
-        return torch.from_numpy(np.ascontiguousarray(arr).view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(arr))
+    if _is_torch(arr):
+        return arr
+    arr = np.ascontiguousarray(arr)
+    if not arr.flags.writeable:  # e.g. arrays from Ray's object store
+        arr = arr.copy()
+    if arr.dtype == BFLOAT16:
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(arr)

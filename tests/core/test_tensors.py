@@ -10,6 +10,7 @@ import scipy.linalg
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from lmdx import _tensors as T
 from lmdx._core import core
 
 seeds = st.integers(0, 2**32 - 1)
@@ -360,3 +361,72 @@ def test_raw_averages_reject_non_contiguous_and_wrong_dtype():
         core.fisher_average(
             params=[x.T], fishers=[x.T.copy()], coefficients=None, eps=0.0, n_threads=1
         )
+
+
+# --------------------------------------------------------------------------- dtypes without torch
+
+NARROW = ["float32", "float16", "bfloat16"]
+
+
+def _values(seed: int, n: int) -> np.ndarray:
+    """float64 values across the 16-bit types' ranges, with exact ties and the edges."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(n) * np.exp(rng.uniform(-30, 30, n))
+    normal16 = (rng.standard_normal(n) * 100).astype(np.float32).view(np.uint32)
+    # halfway between neighbouring bfloat16 / float16 values (round-to-even ties) ...
+    ties = np.concatenate(
+        [
+            (x.astype(np.float32).view(np.uint32) & np.uint32(0xFFFF0000)) | np.uint32(0x8000),
+            (normal16 & np.uint32(0xFFFFE000)) | np.uint32(0x1000),
+        ]
+    )
+    ties64 = ties.view(np.float32).astype(np.float64)
+    edges = [0.0, -0.0, 65504.0, 65520.0, 3.3895313892515355e38, 3.4e38, 1e-45, 6e-8]
+    # ... and values a float64 -> float32 rounding moves onto such a tie (torch rounds
+    # through float32: a direct float64 -> 16-bit rounding differs there)
+    return np.concatenate([x, ties64, ties64 * (1 + 2.0**-40), edges, [np.inf, -np.inf]])
+
+
+@given(seed=seeds, n=st.integers(1, 300), dtype=st.sampled_from(NARROW))
+def test_cast_float_rounds_like_torch(seed, n, dtype):
+    """float64 -> float32/float16/bfloat16 bit for bit as torch's Tensor.to (which rounds
+    through float32), overflow to infinity included."""
+    x = _values(seed, n)
+    got = T.cast_float(x, dtype)
+    ref = torch.from_numpy(x).to(getattr(torch, dtype))
+    assert T.dtype_name(got) == dtype
+    assert np.array_equal(T.as_numpy(ref).view(got.dtype), got, equal_nan=True)
+    assert torch.equal(T.to_torch(got), ref)
+
+
+@given(seed=seeds, n=st.integers(1, 300), src=st.sampled_from(NARROW), dst=st.sampled_from(NARROW))
+def test_cast_float_between_narrow_types_like_torch(seed, n, src, dst):
+    x = torch.from_numpy(_values(seed, n)).to(getattr(torch, src))
+    got = T.cast_float(T.as_numpy(x), dst)
+    assert torch.equal(T.to_torch(got), x.to(getattr(torch, dst)))
+
+
+@pytest.mark.parametrize("dtype", [*TORCH_FLOATS, torch.int64, torch.bool, torch.uint8])
+def test_numpy_torch_round_trip_keeps_dtype_and_bits(rng, dtype):
+    t = torch.from_numpy(rng.standard_normal((3, 5)) * 100).to(dtype)
+    arr = T.as_numpy(t)
+    assert T.dtype_name(arr) == T.dtype_name(t)
+    back = T.to_torch(arr)
+    assert back.dtype == t.dtype and torch.equal(back, t)
+    frozen = arr.copy()
+    frozen.flags.writeable = False  # as from Ray's object store: copied, not refused
+    assert torch.equal(T.to_torch(frozen), t)
+
+
+def test_bfloat16_arrays_reach_the_kernels_widened_exactly(rng):
+    t = torch.from_numpy(rng.standard_normal((4, 6))).to(torch.bfloat16)
+    arr = T.as_numpy(t)
+    assert arr.dtype == T.BFLOAT16
+    widened = T.as_tensor_array(arr, "x")
+    assert widened.dtype == np.float32 and np.array_equal(widened, t.float().numpy())
+    m_np, m_torch = lmdx.Moments(6), lmdx.Moments(6)
+    m_np.update(arr)
+    m_torch.update(t)
+    assert np.array_equal(m_np.gram(), m_torch.gram())
+    avg = lmdx.weighted_average([arr, arr * 2])  # NumPy bfloat16 arithmetic
+    np.testing.assert_allclose(avg, 1.5 * t.double().numpy(), rtol=1e-2)

@@ -6,8 +6,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from numpy.typing import NDArray
+
 from .._errors import MergeError, MissingFileError
-from .._tensors import FLOAT_DTYPES, TORCH_OF_ST, from_stored
+from .._tensors import FLOAT_DTYPES, TORCH_OF_ST
 from .parse import read_json
 from .safetensors import SafetensorsFile, open_shards, read_safetensors_header
 
@@ -123,14 +125,15 @@ class Checkpoint:
         except KeyError:
             raise MergeError(f"model {self.label}: no tensor {name!r}") from None
 
-    def read(self, name: str) -> Any:
-        """One tensor as a torch tensor in its stored dtype."""
+    def read(self, name: str) -> NDArray[Any]:
+        """One tensor as a NumPy array of its stored dtype (bfloat16 as
+        :data:`lmdx._tensors.BFLOAT16`; :func:`lmdx._tensors.to_torch` makes it a torch
+        tensor)."""
         handle = self._handle(name)
         try:
-            raw = handle.get_raw(name)
+            return handle.get_raw(name)
         except ValueError as exc:
             raise MergeError(f"model {self.label}: {exc}") from None
-        return from_stored(raw, self.dtype(name))
 
     def sha256(self, name: str) -> str:
         if name not in self._sha:

@@ -25,7 +25,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .._errors import MissingFileError
-from .._tensors import ST_NUMPY
+from .._tensors import BFLOAT16, ST_NUMPY, widen
 from .atomic import atomic_file, disk_full, is_disk_full
 from .parse import parse_json
 
@@ -39,28 +39,23 @@ __all__ = [
     "write_safetensors",
 ]
 
-_ST_OF: dict[str, str] = {v: k for k, v in ST_NUMPY.items() if k != "BF16"}
-_ST_OF["bfloat16"] = "BF16"
+_ST_OF: dict[str, str] = {v: k for k, v in ST_NUMPY.items()}
 
 
 class TensorSpec:
     """Name, dtype and shape of one tensor of a file being written.
 
-    ``dtype`` is a NumPy dtype or ``"bfloat16"`` (then arrays are given as raw uint16).
+    ``dtype`` is a NumPy dtype or its name (``"bfloat16"``: :data:`lmdx._tensors.BFLOAT16`).
     """
 
     __slots__ = ("dtype", "name", "shape", "st_dtype")
 
     def __init__(self, name: str, dtype: Any, shape: Sequence[int]) -> None:
         self.name = name
-        if isinstance(dtype, str) and dtype == "bfloat16":
-            self.st_dtype = "BF16"
-            self.dtype = np.dtype(np.uint16)
-        else:
-            self.dtype = np.dtype(dtype)
-            if self.dtype.name not in _ST_OF:
-                raise ValueError(f"{name}: dtype {self.dtype} cannot be written")
-            self.st_dtype = _ST_OF[self.dtype.name]
+        self.dtype = BFLOAT16 if isinstance(dtype, str) and dtype == "bfloat16" else np.dtype(dtype)
+        if self.dtype.name not in _ST_OF:
+            raise ValueError(f"{name}: dtype {self.dtype} cannot be written")
+        self.st_dtype = _ST_OF[self.dtype.name]
         self.shape = tuple(int(s) for s in shape)
 
     @property
@@ -165,7 +160,8 @@ class SafetensorsWriter:
             )
         little = np.ascontiguousarray(arr).astype(arr.dtype.newbyteorder("<"), copy=False)
         if little.size:
-            self._pwrite(little.reshape(-1), self._data_start + self._offsets[name])
+            raw = little.reshape(-1).view(np.uint8)  # bytes (bfloat16 has no buffer format)
+            self._pwrite(raw, self._data_start + self._offsets[name])
         self._written.add(name)
 
     def missing(self) -> list[str]:
@@ -273,24 +269,26 @@ class SafetensorsFile:
         return int(end - begin)
 
     def get_raw(self, name: str) -> NDArray[Any]:
-        """The stored values as a NumPy array (bfloat16 as raw uint16)."""
+        """The stored values as a NumPy array of the stored dtype (bfloat16 as
+        :data:`lmdx._tensors.BFLOAT16`)."""
         e = self._entries[name]
-        dtype = np.dtype(ST_NUMPY[e["dtype"]]).newbyteorder("<")
+        stored = np.dtype(ST_NUMPY[e["dtype"]])
+        little = stored.newbyteorder("<")
         count = int(np.prod(e["shape"], dtype=np.int64))
         arr = np.fromfile(
-            self.path, dtype=dtype, count=count, offset=self._data_start + e["data_offsets"][0]
+            self.path, dtype=little, count=count, offset=self._data_start + e["data_offsets"][0]
         )
         if arr.size != count:
             raise ValueError(f"{self.path}: tensor {name!r} is cut short")
-        out: NDArray[Any] = arr.reshape(e["shape"]).astype(dtype.newbyteorder("="), copy=False)
+        # the native dtype object itself (the core checks dtypes by identity)
+        arr = arr.view(stored) if little == stored else arr.astype(stored)
+        out: NDArray[Any] = arr.reshape(e["shape"])
         return out
 
     def get_tensor(self, name: str) -> NDArray[Any]:
         """The values as NumPy (bfloat16 widened to float32)."""
         arr = self.get_raw(name)
-        if self.dtype(name) == "BF16":
-            return (arr.astype(np.uint32) << 16).view(np.float32)
-        return arr
+        return widen(arr) if arr.dtype == BFLOAT16 else arr
 
     def sha256(self, name: str) -> str:
         """SHA-256 of a tensor's stored bytes (equal to hashing the tensor in memory)."""

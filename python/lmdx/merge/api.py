@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import MergeError
+from .._tensors import to_torch
 from ..files.checkpoint import Checkpoint
 from ..files.hf import hf_progress, load_model, model_class, read_config
 from ..files.identity import file_sha256
@@ -571,14 +572,14 @@ def load_merged(
             f"{sorted(record['tensors'])}; the head files are from different merges"
         )
     body = Checkpoint(folder, str(folder))
-    state = {n: body.read(n) for n in body.names()}
+    state = {n: to_torch(body.read(n)) for n in body.names()}
     absent = [n for n in record["tensors"] if n not in state]
     if absent:
         raise MergeError(
             f"head {tensors_file}: tensor {absent[0]!r} is not a tensor of the merged model "
             f"{folder}; the head is from another merge"
         )
-    state.update({n: head.read(n) for n in head.names()})
+    state.update({n: to_torch(head.read(n)) for n in head.names()})
     for key, value in record["config"].items():
         if value is None:
             config.pop(key, None)

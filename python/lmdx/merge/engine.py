@@ -78,8 +78,8 @@ class Executor:
         report.setdefault("poorly_determined", [])
 
     def result(self, name: str) -> Any:
-        """Merged tensor ``name`` (torch, in its input dtype); computed once, handed out
-        once."""
+        """Merged tensor ``name`` (NumPy, or the source's own tensor for a copied one, in its
+        input dtype); computed once, handed out once."""
         if name not in self.ready:
             self._run(name)
         return self.ready.pop(name)
@@ -138,7 +138,7 @@ def solve_regmean_step(
     options: MergeOptions,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """One RegMean group read from ``sources`` (its weights) and ``stats`` (its Grams as
-    stored, checked against their content hashes) and solved: its merged weights (torch,
+    stored, checked against their content hashes) and solved: its merged weights (NumPy,
     cast to their input dtype) and the solver's report per module. Local runs and Ray
     actors both call this."""
     weights = [[s.read(w) for w in step.tensors] for s in sources]

@@ -22,7 +22,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .._errors import MergeError
-from .._tensors import as_float64, as_tensor_array, is_tensor, to_torch
+from .._tensors import as_float64, as_numpy, as_tensor_array, cast_float, is_tensor
 from .._util import matches
 from ..average import fisher_average, weighted_average
 from ..regmean import regmean_merge_layer
@@ -59,17 +59,14 @@ def checked_finite(name: str, arr: Any, dtype: str | None = None) -> Any:
     return arr
 
 
-def cast_merged(name: str, value: Any, dtype: str) -> Any:
-    """A merged tensor (float64 NumPy, or torch) as a torch tensor of ``dtype``, checked
-    finite after the cast (a value finite in float64 may overflow a narrower type): the
-    one cast every front door applies."""
-    if is_tensor(value):
-        import torch
-
-        out = value.to(getattr(torch, dtype))
-    else:
-        out = to_torch(np.asarray(value), dtype)
-    return checked_finite(name, out, dtype)
+def cast_merged(name: str, value: Any, dtype: str) -> NDArray[Any]:
+    """A merged tensor (float64 NumPy, or any float array or torch tensor) as a NumPy
+    array of ``dtype``, rounded as torch rounds, checked finite after the cast (a value
+    finite in float64 may overflow a narrower type): the one cast every front door
+    applies."""
+    out = cast_float(as_numpy(value), dtype)
+    checked_finite(name, out, dtype)
+    return out
 
 
 def _named(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> NDArray[np.float64]:

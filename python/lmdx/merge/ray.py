@@ -12,7 +12,6 @@ from typing import Any
 
 from .. import _ray
 from .._errors import MergeError
-from .._tensors import from_stored, to_stored
 from ..files.checkpoint import Checkpoint
 from ..stats.file import Statistics
 from .engine import solve_regmean_step
@@ -32,13 +31,9 @@ class _Actor:
         self.stats = [Statistics.load(p) for p in stats]
         self.labels, self.options = labels, options
 
-    def solve(self, step: Step) -> tuple[dict[str, tuple[Any, str]], dict[str, Any]]:
-        solved, layers = solve_regmean_step(step, self.ckpts, self.stats, self.labels, self.options)
-        stored = {}
-        for w, tensor in solved.items():  # plain arrays cross Ray's object store
-            dtype = self.ckpts[0].dtype(w)
-            stored[w] = (to_stored(tensor, dtype), dtype)
-        return stored, layers
+    def solve(self, step: Step) -> tuple[dict[str, Any], dict[str, Any]]:
+        # NumPy arrays (bfloat16 too) cross Ray's object store as they are
+        return solve_regmean_step(step, self.ckpts, self.stats, self.labels, self.options)
 
 
 class RayGroupSolver:
@@ -80,19 +75,19 @@ class RayGroupSolver:
             self.next += 1
 
     def result(self, step: Step) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The merged tensors of ``step`` (torch, in their input dtype) and the solver's
-        report per module."""
+        """The merged tensors of ``step`` (NumPy, in their input dtype; read-only) and the
+        solver's report per module."""
         i = self.position[id(step)]
         self._submit_until(i)
         ref = self.refs.pop(i)
         try:
-            stored, layers = self.ray.get(ref)
+            solved, layers = self.ray.get(ref)
         except self.ray.exceptions.RayError as exc:
             raise MergeError(
                 f"RegMean of {step.modules[0]!r} failed on its Ray worker: "
                 f"{_ray.failure(self.ray, exc)}"
             ) from exc
-        return {w: from_stored(raw, dtype) for w, (raw, dtype) in stored.items()}, layers
+        return dict(solved), layers
 
     def close(self) -> None:
         _ray.kill_actors(self.ray, self.actors, self.started)

@@ -20,7 +20,7 @@ from types import TracebackType
 from typing import Any
 
 from .._core import core
-from .._tensors import dtype_name, to_stored
+from .._tensors import as_numpy, dtype_name, to_torch
 from ..files.atomic import atomic_directory, check_free_space
 from ..files.checkpoint import INDEX_FILE
 from ..files.hf import copy_model_files
@@ -84,14 +84,14 @@ def head_record(task: int, source: TensorSource, tensors: Sequence[str]) -> dict
 
 
 class MemorySink:
-    """Merged tensors by output name."""
+    """Merged tensors by output name, as torch tensors (the models' own type)."""
 
     def __init__(self, plan: MergePlan) -> None:
         self.plan = plan
         self.tensors: dict[str, Any] = {}
 
     def write(self, index: int, tensor: Any) -> None:
-        self.tensors[self.plan.outputs[index].name] = tensor
+        self.tensors[self.plan.outputs[index].name] = to_torch(tensor)
 
 
 class FolderSink:
@@ -133,7 +133,7 @@ class FolderSink:
         out = self.plan.outputs[index]
         if out.dtype != dtype_name(tensor):  # output.dtype: the final cast, checked finite
             tensor = cast_merged(out.name, tensor, out.dtype)
-        self._writer.write(out.name, to_stored(tensor, out.dtype))
+        self._writer.write(out.name, as_numpy(tensor))
         self._left -= 1
         if self._left == 0:
             self._writer.close()
@@ -171,7 +171,7 @@ class FolderSink:
                 specs = [TensorSpec(h, src.dtype(h), src.shape(h)) for h in names]
                 with SafetensorsWriter(tensors, specs) as w:
                     for h in names:
-                        w.write(h, to_stored(src.read(h), src.dtype(h)))
+                        w.write(h, as_numpy(src.read(h)))
                 record_file.write_text(
                     json.dumps(head_record(i, src, names), indent=2, sort_keys=True) + "\n"
                 )
