@@ -11,9 +11,11 @@ and hashing compete with the solve's threads, no faster, 0.2 GB more; bench/RESU
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from .._util import progress_bar
+from ..config import default_threads
 from ..stats.file import Statistics
 from .methods import (
     average_tensor,
@@ -141,8 +143,12 @@ def solve_regmean_step(
     stored, checked against their content hashes) and solved: its merged weights (NumPy,
     cast to their input dtype) and the solver's report per module. Local runs and Ray
     actors both call this."""
-    weights = [[s.read(w) for w in step.tensors] for s in sources]
-    grams = [s.gram_stored(step.modules[0]) for s in stats]
+    # The K models' weights and Grams are read, and the Grams checked against their
+    # SHA-256, on the CPUs available: reading and hashing release the GIL.
+    with ThreadPoolExecutor(min(len(stats), default_threads()), "lmdx-read") as pool:
+        grams_read = pool.map(lambda s: s.gram_stored(step.modules[0]), stats)
+        weights = [[s.read(w) for w in step.tensors] for s in sources]
+        grams = list(grams_read)
     solved, layers = solve_group(step.modules, weights, grams, stats, labels, options)
     del weights, grams
     return {w: cast_merged(w, v, sources[0].dtype(w)) for w, v in solved.items()}, layers
