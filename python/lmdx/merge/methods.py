@@ -1,6 +1,7 @@
 """The arithmetic of one merge step: a RegMean input group, or one averaged, Fisher-weighted
-or task-arithmetic tensor. Every step computes in float64 with the native kernels and is
-shared by every front door (models in memory, checkpoints on disk, Ray workers).
+or task-vector (task arithmetic, TIES, DARE) tensor. Every step computes in float64 (the
+native kernels; vectorized NumPy for the task vectors) and is shared by every front door
+(models in memory, checkpoints on disk, Ray workers).
 
 * ``regmean`` (Jin et al., 2023): every linear weight with statistics in all K files is
   solved in closed form, ``W_Mᵀ = (Σ c_i G̃_i)⁻¹ Σ c_i G̃_i W_iᵀ`` with
@@ -11,7 +12,9 @@ shared by every front door (models in memory, checkpoints on disk, Ray workers).
   gradients from :func:`lmdx.collect_fisher`.
 * ``task_arithmetic``: ``θ_0 + λ Σ c_i τ_i`` with the task vectors ``τ_i = θ_i − θ_0``
   against a base model ``θ_0`` (float64).
-* ``ties`` (TIES-Merging, Yadav et al., 2023; mergekit's ``ties``): per tensor and per
+* ``ties`` (TIES-Merging, Yadav et al., 2023; mergekit's ``ties``, whose per-tensor trim
+  and coefficient-weighted mean it follows; the paper's code trims over the whole
+  flattened model and divides by the number of agreeing models): per tensor and per
   model keep the ``int(density × numel)`` entries of ``τ_i`` of largest magnitude (ties at
   the threshold: the lowest flat indices in C order), elect per entry the sign of
   ``Σ c_i τ̂_i`` (``+`` where it is 0), and average the trimmed ``c_i τ̂_i`` that are non-zero
@@ -25,7 +28,8 @@ shared by every front door (models in memory, checkpoints on disk, Ray workers).
   density``; so they depend on nothing else (not the order of steps, the threads or the
   front door).
 * ``dare_ties`` (mergekit's name): DARE's drop and rescale, then TIES's sign election and
-  mean of the agreeing entries.
+  mean of the agreeing entries (as the DARE paper's code applies DARE before TIES-Merging;
+  mergekit's ``dare_ties`` sums the agreeing entries unless ``normalize: true``).
 """
 
 from __future__ import annotations
