@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -140,11 +140,12 @@ def task_vector_tensor(
         _sparsified(name, i, as_float64(t, name) - theta0, options) for i, t in enumerate(tensors)
     )
     if options.method in ELECTING_METHODS:
-        delta = _elected_mean(list(taus), coefficients)
+        delta = _elected_mean(taus, coefficients)
     else:
         delta = np.zeros_like(theta0)
         for ci, tau in zip(coefficients, taus, strict=True):
-            delta += ci * tau
+            tau *= ci  # in place: every task vector here is a new array of this function's
+            delta += tau
     return theta0 + options.scaling * delta
 
 
@@ -203,25 +204,33 @@ def dare_keep(
 
 
 def _elected_mean(
-    taus: Sequence[NDArray[np.float64]], coefficients: Sequence[float]
+    taus: Iterable[NDArray[np.float64]], coefficients: Sequence[float]
 ) -> NDArray[np.float64]:
     """TIES's sign election and disjoint mean (mergekit's ``sum`` consensus with
     normalization): the elected sign per entry is that of ``Σ c_i τ_i`` (``+`` at 0); the
     result is ``Σ c_i τ_i / Σ c_i`` over the models whose ``c_i τ_i`` is non-zero with that
-    sign (0 where none is)."""
-    total = np.zeros_like(taus[0])
+    sign (0 where none is). ``taus`` are new arrays, scaled by ``c_i`` in place."""
+    weighted = []
     for ci, tau in zip(coefficients, taus, strict=True):
-        total += ci * tau
-    positive = total >= 0
+        tau *= ci
+        weighted.append(tau)
+    total = np.zeros_like(weighted[0])
+    for w in weighted:
+        total += w
+    elected = np.where(total >= 0, 1.0, -1.0)
     del total
-    mixed = np.zeros_like(taus[0])
-    divisor = np.zeros_like(taus[0])
-    for ci, tau in zip(coefficients, taus, strict=True):
-        weighted = ci * tau
-        agree = np.where(positive, weighted > 0, weighted < 0)
-        mixed += np.where(agree, weighted, 0.0)
-        divisor += np.where(agree, ci, 0.0)
-    divisor[divisor == 0] = 1.0
+    mixed = np.zeros_like(weighted[0])
+    divisor = np.zeros_like(weighted[0])
+    work = np.empty_like(mixed)
+    agree = np.empty(np.shape(mixed), dtype=bool)
+    for ci, w in zip(coefficients, weighted, strict=True):
+        np.multiply(w, elected, out=work)  # > 0 exactly where w is non-zero with the sign
+        np.greater(work, 0.0, out=agree)
+        np.multiply(w, agree, out=work)
+        mixed += work
+        np.multiply(agree, ci, out=work)
+        divisor += work
+    np.copyto(divisor, 1.0, where=divisor == 0)
     mixed /= divisor
     return mixed
 
