@@ -165,7 +165,10 @@ def _sparsified(
         if options.density >= 1.0:
             return tau
         keep = dare_keep(name, i, tau.shape, options.density, options.seed)
-        return np.where(keep, tau / options.density, 0.0)
+        tau = np.asarray(tau)  # in place below: ``tau`` is this merge's own array
+        tau /= options.density
+        np.copyto(tau, 0.0, where=~keep)
+        return tau
     return top_k_magnitude(tau, options.density)
 
 

@@ -415,7 +415,7 @@ def _step_memory(step: Step, ref: TensorSource, k: int, out_size: int, packed: b
         core = 8 * d * d * 2 + 4 * d * d + 8 * n * 3 + 8 * d * min(1024, max(n // d, 1))
         return k * (read + widened + joined + gram) + core + out
     if step.kind in TASK_VECTOR_METHODS:
-        work = k + 6 if step.kind in ELECTING_METHODS else 6
+        work = k + 7 if step.kind in ELECTING_METHODS else 6
         return (k + 1) * (read + widened) + 8 * n * work + out
     extra = 2 * k * 8 * n if step.kind == "fisher" else 0
     return k * (read + widened) + 8 * n + extra + out
