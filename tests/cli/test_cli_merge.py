@@ -15,6 +15,7 @@ import torch
 from lmdx.cli import main
 from lmdx.stats import Statistics
 from safetensors.numpy import load_file
+from task_vectors import ref_merge
 from tiny_bert import WORDS, build_tiny_bert
 from transformers import AutoTokenizer, BertForSequenceClassification
 
@@ -255,6 +256,46 @@ def test_merge_task_arithmetic_and_average(workspace: Path) -> None:
     assert _rel(load_file(str(out / "model.safetensors"))[name].astype(np.float64), ref) < 1e-6
 
 
+def test_merge_ties_and_dare_match_numpy(
+    workspace: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    models = "\n".join(f"  - {{path: m{i}, coefficient: {i + 1}}}" for i in range(K))
+    heads = "heads: {patterns: ['classifier.*'], policy: keep}\n"
+    base = load_file(str(workspace / "base" / "model.safetensors"))
+    thetas = [load_file(str(workspace / f"m{i}" / "model.safetensors")) for i in range(K)]
+    for method, keys, settings in (
+        ("ties", "density: 0.3\n", {"density": 0.3, "scaling": 1.0}),
+        ("dare", "seed: 4\nscaling: 0.5\n", {"density": 0.5, "scaling": 0.5, "seed": 4}),
+    ):
+        cfg = _write_config(
+            workspace / f"{method}.yaml",
+            f"method: {method}\nbase: base\n{keys}{heads}models:\n{models}\n",
+        )
+        out = workspace / f"merged-{method}"
+        assert main(["merge", str(cfg), "--out", str(out), "--no-progress"]) == 0
+        shown = ", ".join(f"{k} {v}" for k, v in settings.items())
+        assert f"lmdx merge: {method} ({shown}) of {K} models in" in capsys.readouterr().out
+        merged = load_file(str(out / "model.safetensors"))
+        for name in ("bert.encoder.layer.0.output.dense.weight", "bert.embeddings.LayerNorm.bias"):
+            ref = ref_merge(
+                method,
+                name,
+                base[name].astype(np.float64),
+                [t[name] for t in thetas],
+                [1.0, 2.0, 3.0],
+                settings["density"],
+                settings["scaling"],
+                settings.get("seed", 0),
+            )
+            assert _rel(merged[name].astype(np.float64), ref) < 1e-6, (method, name)
+        record = json.loads((out / "lmdx_merge.json").read_text())
+        assert {k: record["report"][k] for k in settings} == settings
+        assert record["config"]["base"] == str(workspace / "base")
+        model = BertForSequenceClassification.from_pretrained(str(out))
+        ids = torch.tensor([[2, 7, 9, 3]])
+        assert torch.isfinite(model(input_ids=ids).logits).all()
+
+
 @pytest.mark.parametrize(
     ("body", "match"),
     [
@@ -279,6 +320,38 @@ def test_merge_task_arithmetic_and_average(workspace: Path) -> None:
             "precision must be one of auto, float64",
         ),
         ("method: task_arithmetic\nmodels: [m0, m1]\n", "needs base"),
+        ("method: ties\nmodels: [m0, m1]\n", "ties needs base: "),
+        (
+            "method: ties\nbase: base\ndensity: 0\nmodels: [m0, m1]\n",
+            r"density must be in \(0, 1\]",
+        ),
+        (
+            "method: dare\nbase: base\ndensity: 1.5\nmodels: [m0, m1]\n",
+            r"density must be in \(0, 1\]",
+        ),
+        (
+            "method: dare\nbase: base\nseed: -1\nmodels: [m0, m1]\n",
+            "seed must be a whole number >= 0",
+        ),
+        ("method: dare\nbase: base\nseed: 1.5\nmodels: [m0, m1]\n", "seed must be a whole number"),
+        (
+            "method: ties\nbase: base\nseed: 3\nmodels: [m0, m1]\n",
+            "seed is only used by dare, dare_ties, not ties",
+        ),
+        (
+            "method: average\ndensity: 0.5\nmodels: [m0, m1]\n",
+            "density is only used by ties, dare, dare_ties, not average",
+        ),
+        (
+            "method: average\nscaling: 0.5\nmodels: [m0, m1]\n",
+            "scaling is only used by task_arithmetic",
+        ),
+        ("method: average\nbase: base\nmodels: [m0, m1]\n", "base is only used by task_arithmetic"),
+        (
+            "method: dare_ties\nbase: base\n"
+            "models:\n  - {path: m0, stats: s0.safetensors}\n  - m1\n",
+            r"models\[0\]\.stats given but method dare_ties uses no statistics",
+        ),
         ("method: average\nmodels: [m0, m1]\noutput: {dtype: int8}\n", "output.dtype"),
         ("method: [unclosed\n", "cannot parse"),
     ],

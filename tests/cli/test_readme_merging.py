@@ -1,7 +1,8 @@
 """The README's "Merging Hugging Face models" section runs as written: its shell commands
 (every ``lmdx`` line of the first bash block, in order), its merge.yaml and the Python
 that predicts with task i's merged classifier, on three tiny BERT classifiers standing
-in for the fine-tuned models, in the folder names and data files the README uses."""
+in for the fine-tuned models, in the folder names and data files the README uses; and
+so does its "Without statistics" subsection (the base, ties.yaml, lmdx merge)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import numpy as np
 import pytest
 import torch
 from lmdx.cli import main
+from safetensors.numpy import load_file
+from task_vectors import ref_merge
 from tiny_bert import WORDS, build_tiny_bert
 from transformers import AutoTokenizer, BertForSequenceClassification
 
@@ -98,3 +101,34 @@ def test_readme_merging_section_runs(workspace: Path, capsys: pytest.CaptureFixt
         exec(compile(predict, "README.md", "exec"), {})
     shown = ast.literal_eval(printed.getvalue().strip().splitlines()[-1])
     assert len(shown) == 2 and set(shown) <= set(MODELS["tweets"]), shown
+
+
+def _subsection(title: str) -> str:
+    text = README.read_text(encoding="utf-8")
+    start = text.index(f"### {title}")
+    return text[start : text.index("\n### ", start + 1)]
+
+
+def test_readme_task_vector_section_runs(workspace: Path) -> None:
+    """The "Without statistics" subsection: its base made as written, its ties.yaml and
+    lmdx merge line; the merged body is the TIES formula of the README's table."""
+    section = _subsection("Without statistics: task arithmetic, TIES and DARE")
+    (make_base,) = _blocks(section, "python")
+    exec(compile(make_base, "README.md", "exec"), {})
+    (yaml_block,) = _blocks(section, "yaml")
+    assert yaml_block.startswith("# ties.yaml")
+    (workspace / "ties.yaml").write_text(yaml_block)
+    (command,) = [shlex.split(line) for line in _blocks(section, "bash")[0].splitlines()]
+    assert command[:2] == ["lmdx", "merge"]
+    assert main(command[1:]) == 0
+    out = workspace / command[command.index("--out") + 1]
+    name = "bert.encoder.layer.1.attention.self.query.weight"
+    base = load_file(str(workspace / "pretrained-classifier" / "model.safetensors"))[name]
+    thetas = [
+        load_file(str(workspace / "finetuned" / m / "model.safetensors"))[name] for m in MODELS
+    ]
+    expected = ref_merge("ties", name, base.astype(np.float64), thetas, None, 0.2, 1.0)
+    got = load_file(str(out / "model.safetensors"))[name].astype(np.float64)
+    assert np.abs(got - expected).max() <= 1e-6 * np.abs(expected).max()
+    model = BertForSequenceClassification.from_pretrained(str(out))
+    assert model.config.num_labels == len(MODELS["bbc"])

@@ -38,6 +38,7 @@ from lmdx.files import safetensors as lmdx_io
 from lmdx.files.atomic import remove_stale_temporaries
 from lmdx.files.hf import load_model
 from lmdx.merge import stream_merge
+from lmdx.merge.options import TASK_VECTOR_METHODS
 from lmdx.stats import Statistics
 from lmdx.stats.collect import collect_regmean_stats
 
@@ -90,6 +91,9 @@ CASES = [
     ("regmean", {"alpha": 1.0, "coefficients": (0.5, 2.0, 1.25)}),
     ("average", {}),
     ("task_arithmetic", {"scaling": 0.7}),
+    ("ties", {"density": 0.3, "coefficients": (0.5, 2.0, 1.25)}),
+    ("dare", {}),
+    ("dare_ties", {"density": 0.6, "seed": 5}),
 ]
 
 
@@ -101,7 +105,7 @@ def test_streaming_equals_in_memory(folders, tmp_path, arch, method, options, he
     kwargs = dict(options, heads=H.HEADS[arch])
     if method == "regmean":
         kwargs["stats"] = f["stats"]
-    if method == "task_arithmetic":
+    if method in TASK_VECTOR_METHODS:
         kwargs["base"] = f["base"]
     mem = merge_models(f["models"], method, progress=False, **kwargs)
     a = save_merged(mem, tmp_path / "mem", f["models"][0], head_policy=head_policy, progress=False)

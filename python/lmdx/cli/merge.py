@@ -25,8 +25,8 @@ __all__ = ["HELP", "add_merge_parser", "run_merge_cli"]
 
 #: The command's line in ``lmdx --help``.
 HELP = (
-    "merge models fine-tuned from one checkpoint (regmean, average, fisher, task_arithmetic) "
-    "as a config file says"
+    "merge models fine-tuned from one checkpoint (regmean, average, fisher, task_arithmetic, "
+    "ties, dare, dare_ties) as a config file says"
 )
 
 
@@ -131,12 +131,15 @@ def _merge(args: argparse.Namespace, claimed: Claimed) -> int:
             ray_address=args.ray_address,
         )
     size = size_of(out)
+    report = json.loads((out / MERGE_RECORD).read_text())["report"]
+    settings = ", ".join(f"{k} {report[k]}" for k in ("density", "scaling", "seed") if k in report)
     print(
-        f"lmdx merge: {cfg.method} of {len(cfg.models)} models in "
+        f"lmdx merge: {cfg.method}{f' ({settings})' if settings else ''} of "
+        f"{len(cfg.models)} models in "
         f"{time.perf_counter() - t0:.1f} s; wrote {out} ({size / 1e6:.1f} MB); "
         f"peak RSS {peak_rss_bytes() / 1e9:.2f} GB"
     )
-    _report_poorly_determined(out / MERGE_RECORD)
+    _report_poorly_determined(out / MERGE_RECORD, report)
     if (out / HEADS_DIR).is_dir():
         print(
             f"lmdx merge: model i's classifier (i = 0..{len(cfg.models) - 1}, in the config's "
@@ -145,9 +148,10 @@ def _merge(args: argparse.Namespace, claimed: Claimed) -> int:
     return 0
 
 
-def _report_poorly_determined(record: Path) -> None:
-    """The RegMean systems the merge found poorly determined (from its record)."""
-    notes = json.loads(record.read_text())["report"].get("poorly_determined", [])
+def _report_poorly_determined(record: Path, report: dict[str, Any]) -> None:
+    """The RegMean systems the merge found poorly determined (from its ``record``, whose
+    ``report`` has been read)."""
+    notes = report.get("poorly_determined", [])
     if not notes:
         return
     worst = sorted(notes, key=lambda n: (n["rows"] / max(n["dim"], 1), -n["condition"]))

@@ -1,5 +1,5 @@
-"""Merging K models fine-tuned from one checkpoint: RegMean, averaging, Fisher and task
-arithmetic through one engine, from models in memory or checkpoints on disk.
+"""Merging K models fine-tuned from one checkpoint: RegMean, averaging, Fisher, task
+arithmetic, TIES and DARE through one engine, from models in memory or checkpoints on disk.
 
 The pieces, in the order a merge uses them: :mod:`~lmdx.merge.options` (what to do),
 :mod:`~lmdx.merge.source` (where tensors come from), :mod:`~lmdx.merge.plan` (checks,

@@ -28,7 +28,7 @@ from ..files.parse import read_json
 from ..stats.file import Statistics
 from ..stats.format import INDEX_NAME
 from .engine import Executor, run
-from .options import MergeOptions
+from .options import RANDOM_METHODS, SPARSIFYING_METHODS, TASK_VECTOR_METHODS, MergeOptions
 from .plan import MergePlan, make_plan, open_stats, peak_rss_bytes
 from .ray import RayGroupSolver
 from .sink import (
@@ -122,8 +122,12 @@ def _report(plan: MergePlan, options: MergeOptions, streaming: bool) -> dict[str
     }
     if plan.tied:
         report["tied"] = plan.tied
-    if options.method == "task_arithmetic":
+    if options.method in TASK_VECTOR_METHODS:
         report["scaling"] = options.scaling
+    if options.method in SPARSIFYING_METHODS:
+        report["density"] = options.density
+    if options.method in RANDOM_METHODS:
+        report["seed"] = options.seed
     return report
 
 
@@ -162,7 +166,9 @@ def merge_models(
     exclude: Sequence[str] = (),
     heads: Sequence[str] = (),
     base: Any = None,
-    scaling: float = 0.3,
+    scaling: float | None = None,
+    density: float | None = None,
+    seed: int | None = None,
     fisher_eps: float = 1e-8,
     ridge: float = 0.0,
     allow_regularization: bool = True,
@@ -178,7 +184,9 @@ def merge_models(
     models
         K torch modules, state dicts or Hugging Face model folders.
     method
-        ``"regmean"``, ``"average"``, ``"fisher"`` or ``"task_arithmetic"``.
+        ``"regmean"``, ``"average"``, ``"fisher"``, or a task-vector method:
+        ``"task_arithmetic"``, ``"ties"``, ``"dare"`` or ``"dare_ties"`` (see
+        :mod:`lmdx.merge.methods` for the formulas).
     stats
         ``regmean``: K Gram statistics (objects, files or sharded folders), one per model,
         in order; ``fisher``: K Fisher statistics. Each is verified to belong to its model
@@ -187,16 +195,30 @@ def merge_models(
         RegMean's off-diagonal scaling in [0, 1] (the paper uses 0.9 for transformers).
     coefficients
         Optional K non-negative per-model coefficients (RegMean: multiply the Grams;
-        averages: weights; task arithmetic: per task-vector factors).
+        averages: weights; task-vector methods: per task-vector factors, which TIES and
+        DARE-TIES also use to elect signs and weight the mean of the agreeing entries).
     exclude
         ``fnmatch`` patterns of module names RegMean must not solve (they are averaged).
     heads
         ``fnmatch`` patterns of parameter names that are task heads: not merged; each
         model's own head is kept in :attr:`MergeResult.heads`.
     base
-        The pre-trained model (``task_arithmetic``).
+        The pre-trained model the task vectors ``θ_i − θ_base`` are taken against
+        (needed by the task-vector methods, refused by the others).
     scaling
-        λ of task arithmetic.
+        λ of the task-vector methods: ``θ_base + λ × (merged task vector)``. Default
+        (None): 0.3 for ``task_arithmetic`` and ``dare``, 1.0 for ``ties`` and
+        ``dare_ties`` (the TIES paper's recommendation).
+    density
+        In (0, 1]: ``ties`` keeps the ``int(density × numel)`` entries of largest
+        magnitude of each task vector, per tensor; ``dare`` and ``dare_ties`` keep each
+        entry with probability ``density`` and divide the kept ones by ``density``.
+        Default (None): 0.2 for ``ties`` (the TIES paper's top 20 %), 0.5 for ``dare``
+        and ``dare_ties``.
+    seed
+        ``dare``/``dare_ties``: seed of the random drops, a whole number >= 0 (default
+        0). Model ``i``'s drops in tensor ``name`` depend only on (seed, i, name): the
+        same seed gives the same bits, in memory or streaming, on any thread count.
     fisher_eps
         ε added to every Fisher value.
     ridge, allow_regularization, precision
@@ -220,6 +242,8 @@ def merge_models(
         exclude=exclude,
         heads=heads,
         scaling=scaling,
+        density=density,
+        seed=seed,
         fisher_eps=fisher_eps,
         ridge=ridge,
         allow_regularization=allow_regularization,
@@ -404,7 +428,9 @@ def stream_merge(
     heads: Sequence[str] = (),
     head_policy: str = "keep",
     base: str | os.PathLike[str] | None = None,
-    scaling: float = 0.3,
+    scaling: float | None = None,
+    density: float | None = None,
+    seed: int | None = None,
     fisher_eps: float = 1e-8,
     ridge: float = 0.0,
     allow_regularization: bool = True,
@@ -457,6 +483,8 @@ def stream_merge(
         heads=heads,
         head_policy=head_policy,
         scaling=scaling,
+        density=density,
+        seed=seed,
         fisher_eps=fisher_eps,
         ridge=ridge,
         allow_regularization=allow_regularization,

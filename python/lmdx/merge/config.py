@@ -2,7 +2,7 @@
 
 Example::
 
-    method: regmean            # regmean | average | fisher | task_arithmetic
+    method: regmean     # regmean | average | fisher | task_arithmetic | ties | dare | dare_ties
     models:
       - path: finetuned/bbc    # a save_pretrained folder (relative to this file)
         stats: stats/bbc.safetensors     # regmean: Gram statistics; fisher: Fisher
@@ -18,9 +18,22 @@ Example::
       dtype: auto              # auto | float32 | bfloat16 | float16
       max_shard_size: 2GB
 
-``base`` (a model folder) and ``scaling`` (λ) are for ``task_arithmetic``;
-``fisher_eps`` for ``fisher``; ``ridge``, ``allow_regularization``, ``precision``
-(``auto`` | ``float64``) and ``threads`` tune the RegMean solves.
+The task-vector methods (``task_arithmetic``, ``ties``, ``dare``, ``dare_ties``) need
+``base`` (the pre-trained model folder) and take no statistics::
+
+    method: ties               # TIES-Merging: trim, elect sign, mean of the agreeing
+    base: pretrained/bert      # task vectors are θ_i − θ_base
+    models: [finetuned/bbc, finetuned/reuters]
+    density: 0.2               # ties, dare, dare_ties: fraction of each task vector kept
+    scaling: 1.0               # λ: θ_base + λ × (merged task vector)
+    heads: {patterns: ["classifier.*"], policy: keep}
+
+``density`` (default 0.2 for ``ties``, 0.5 for ``dare`` and ``dare_ties``) and ``seed``
+(``dare``, ``dare_ties``: the seed of the random drops, default 0) go with the methods
+that use them, ``scaling`` (default 0.3 for ``task_arithmetic`` and ``dare``, 1.0 for
+``ties`` and ``dare_ties``) with the task-vector methods. ``fisher_eps`` is for
+``fisher``; ``ridge``, ``allow_regularization``, ``precision`` (``auto`` | ``float64``)
+and ``threads`` tune the RegMean solves.
 """
 
 from __future__ import annotations
@@ -38,7 +51,14 @@ from .._util import parse_size
 from ..files.hf import load_model
 from ..files.parse import parse_json, read_text, read_yaml, schema_message
 from .api import merge_models, save_merged, stream_merge
-from .options import HEAD_POLICIES, METHODS, PRECISIONS
+from .options import (
+    HEAD_POLICIES,
+    METHODS,
+    PRECISIONS,
+    RANDOM_METHODS,
+    SPARSIFYING_METHODS,
+    TASK_VECTOR_METHODS,
+)
 from .plan import MergePlan
 
 __all__ = ["MergeConfig", "ModelEntry", "load_merge_config", "plan_merge", "run_merge"]
@@ -63,7 +83,9 @@ class MergeConfig:
     models: list[ModelEntry]
     base: str | None = None
     alpha: float = 1.0
-    scaling: float = 0.3
+    scaling: float | None = None
+    density: float | None = None
+    seed: int | None = None
     fisher_eps: float = 1e-8
     ridge: float = 0.0
     allow_regularization: bool = True
@@ -134,7 +156,9 @@ class _ConfigFile(_Strict):
     models: Annotated[list[Annotated[_Model, BeforeValidator(_as_entry)]], Field(min_length=2)]
     base: _Path | None = None
     alpha: Annotated[float, Field(ge=0.0, le=1.0)] = 1.0
-    scaling: float = 0.3
+    scaling: float | None = None
+    density: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    seed: Annotated[int, Field(ge=0)] | None = None
     fisher_eps: Annotated[float, Field(ge=0.0)] = 1e-8
     ridge: Annotated[float, Field(ge=0.0)] = 0.0
     allow_regularization: bool = True
@@ -155,6 +179,8 @@ _LABELS = {
     "method": f"must be one of {', '.join(METHODS)}",
     "models": "must be a list of at least 2 entries ({path: ..., ...})",
     "alpha": "must be in [0, 1]",
+    "density": "must be in (0, 1] (the fraction of each task vector kept)",
+    "seed": "must be a whole number >= 0",
     "precision": f"must be one of {', '.join(PRECISIONS)}",
     "heads.policy": "must be keep or drop",
     "output.dtype": "must be auto/float32/bfloat16/float16",
@@ -259,6 +285,8 @@ def _resolved(checked: _ConfigFile, root: Path, where: str) -> MergeConfig:
         models=models,
         alpha=checked.alpha,
         scaling=checked.scaling,
+        density=checked.density,
+        seed=checked.seed,
         fisher_eps=checked.fisher_eps,
         ridge=checked.ridge,
         allow_regularization=checked.allow_regularization,
@@ -266,14 +294,20 @@ def _resolved(checked: _ConfigFile, root: Path, where: str) -> MergeConfig:
         threads=checked.threads,
         exclude=list(checked.exclude or []),
     )
-    if method == "task_arithmetic":
+    if method in TASK_VECTOR_METHODS:
         if checked.base is None:
-            raise MergeError(f"{where}: task_arithmetic needs base: (the pre-trained model folder)")
+            raise MergeError(f"{where}: {method} needs base: (the pre-trained model folder)")
         cfg.base = resolve(checked.base)
         if not exists(cfg.base, "base", folder=True):
             raise MergeError(f"{where}: base {cfg.base}: no such model folder")
-    elif checked.base is not None:
-        raise MergeError(f"{where}: base is only used by task_arithmetic, not {method}")
+    for key, users in (
+        ("base", TASK_VECTOR_METHODS),
+        ("scaling", TASK_VECTOR_METHODS),
+        ("density", SPARSIFYING_METHODS),
+        ("seed", RANDOM_METHODS),
+    ):
+        if method not in users and getattr(checked, key) is not None:
+            raise MergeError(f"{where}: {key} is only used by {', '.join(users)}, not {method}")
     if checked.heads is not None:
         cfg.head_patterns = list(checked.heads.patterns or [])
         cfg.head_policy = checked.heads.policy
@@ -299,6 +333,8 @@ def _merge_kwargs(cfg: MergeConfig) -> dict[str, Any]:
         "heads": cfg.head_patterns,
         "base": cfg.base,
         "scaling": cfg.scaling,
+        "density": cfg.density,
+        "seed": cfg.seed,
         "fisher_eps": cfg.fisher_eps,
         "ridge": cfg.ridge,
         "allow_regularization": cfg.allow_regularization,

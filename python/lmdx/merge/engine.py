@@ -23,7 +23,7 @@ from .methods import (
     fisher_tensor,
     poorly_determined,
     solve_group,
-    task_arithmetic_tensor,
+    task_vector_tensor,
 )
 from .options import MergeOptions
 from .plan import MergePlan, Step
@@ -107,9 +107,9 @@ class Executor:
             assert self.stats is not None
             self.report.setdefault("fisher_weighted", []).append(name)
             value = fisher_tensor(name, reads, self.stats, self.options)
-        else:  # task arithmetic
+        else:  # a task-vector method: task arithmetic, TIES, DARE, DARE-TIES
             assert self.base is not None
-            value = task_arithmetic_tensor(name, self.base.read(name), reads, self.options)
+            value = task_vector_tensor(name, self.base.read(name), reads, self.options)
         self.ready[name] = self._cast(name, value)
 
     def _regmean(self, step: Step) -> None:

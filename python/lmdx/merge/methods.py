@@ -1,6 +1,7 @@
 """The arithmetic of one merge step: a RegMean input group, or one averaged, Fisher-weighted
-or task-arithmetic tensor. Every step computes in float64 with the native kernels and is
-shared by every front door (models in memory, checkpoints on disk, Ray workers).
+or task-vector (task arithmetic, TIES, DARE) tensor. Every step computes in float64 (the
+native kernels; vectorized NumPy for the task vectors) and is shared by every front door
+(models in memory, checkpoints on disk, Ray workers).
 
 * ``regmean`` (Jin et al., 2023): every linear weight with statistics in all K files is
   solved in closed form, ``W_Mᵀ = (Σ c_i G̃_i)⁻¹ Σ c_i G̃_i W_iᵀ`` with
@@ -9,13 +10,33 @@ shared by every front door (models in memory, checkpoints on disk, Ray workers).
 * ``average``: ``Σ c_i θ_i / Σ c_i``.
 * ``fisher``: ``Σ c_i (F_i+ε) θ_i / Σ c_i (F_i+ε)`` with ``F_i`` the mean squared
   gradients from :func:`lmdx.collect_fisher`.
-* ``task_arithmetic``: ``θ_0 + λ Σ c_i (θ_i − θ_0)`` from a base model ``θ_0``.
+* ``task_arithmetic``: ``θ_0 + λ Σ c_i τ_i`` with the task vectors ``τ_i = θ_i − θ_0``
+  against a base model ``θ_0`` (float64).
+* ``ties`` (TIES-Merging, Yadav et al., 2023; mergekit's ``ties``, whose per-tensor trim
+  and coefficient-weighted mean it follows; the paper's code trims over the whole
+  flattened model and divides by the number of agreeing models): per tensor and per
+  model keep the ``int(density × numel)`` entries of ``τ_i`` of largest magnitude (ties at
+  the threshold: the lowest flat indices in C order), elect per entry the sign of
+  ``Σ c_i τ̂_i`` (``+`` where it is 0), and average the trimmed ``c_i τ̂_i`` that are non-zero
+  and have the elected sign: ``Σ_agree c_i τ̂_i / Σ_agree c_i`` (0 where none agrees);
+  ``θ_0 + λ`` times that.
+* ``dare`` (DARE, Yu et al., 2024): drop each entry of ``τ_i`` with probability
+  ``1 − density``, rescale the survivors by ``1/density``, then task arithmetic (density
+  1 is ``task_arithmetic`` bit for bit). The drops of model ``i``'s tensor ``name`` come
+  from NumPy's PCG64 seeded by ``SeedSequence([seed, i, *w])``, ``w`` the eight
+  little-endian 32-bit words of SHA-256(``name`` in UTF-8): keep where ``random() <
+  density``; so they depend on nothing else (not the order of steps, the threads or the
+  front door).
+* ``dare_ties`` (mergekit's name): DARE's drop and rescale, then TIES's sign election and
+  mean of the agreeing entries (as the DARE paper's code applies DARE before TIES-Merging;
+  mergekit's ``dare_ties`` sums the agreeing entries unless ``normalize: true``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,17 +48,19 @@ from .._util import matches
 from ..average import fisher_average, weighted_average
 from ..regmean import regmean_merge_layer
 from ..stats.file import Statistics
-from .options import MergeOptions
+from .options import ELECTING_METHODS, RANDOM_METHODS, MergeOptions
 
 __all__ = [
     "average_tensor",
     "cast_merged",
     "checked_finite",
+    "dare_keep",
     "fisher_tensor",
     "poorly_determined",
     "regmean_groups",
     "solve_group",
-    "task_arithmetic_tensor",
+    "task_vector_tensor",
+    "top_k_magnitude",
 ]
 
 
@@ -100,15 +123,116 @@ def fisher_tensor(
     )
 
 
-def task_arithmetic_tensor(
+def task_vector_tensor(
     name: str, base: Any, tensors: Sequence[Any], options: MergeOptions
 ) -> NDArray[np.float64]:
-    """``θ_0 + λ Σ c_i (θ_i − θ_0)`` of one tensor, in float64."""
+    """One tensor merged from its task vectors ``τ_i = θ_i − θ_0`` (``base`` is ``θ_0``) by
+    ``options.method`` (``task_arithmetic``, ``ties``, ``dare`` or ``dare_ties``; see the
+    module's description), in float64: ``θ_0 + λ Σ c_i τ_i``, with ``τ_i`` sparsified
+    first (``ties``, ``dare``, ``dare_ties``) and the sum replaced by the mean of the
+    entries agreeing with the elected sign (``ties``, ``dare_ties``)."""
     theta0 = as_float64(base, f"base: {name}")
-    delta = np.zeros_like(theta0)
-    for ci, t in zip(options.coefficients or [1.0] * len(tensors), tensors, strict=True):
-        delta += ci * (as_float64(t, name) - theta0)
+    coefficients = options.coefficients or (1.0,) * len(tensors)
+    taus = (
+        _sparsified(name, i, as_float64(t, name) - theta0, options) for i, t in enumerate(tensors)
+    )
+    if options.method in ELECTING_METHODS:
+        delta = _elected_mean(taus, coefficients)
+    else:
+        delta = np.zeros_like(theta0)
+        for ci, tau in zip(coefficients, taus, strict=True):
+            tau *= ci  # in place: every task vector here is a new array of this function's
+            delta += tau
     return theta0 + options.scaling * delta
+
+
+def _sparsified(
+    name: str, i: int, tau: NDArray[np.float64], options: MergeOptions
+) -> NDArray[np.float64]:
+    """Model ``i``'s task vector of tensor ``name`` as ``options.method`` sparsifies it:
+    TIES's top-k, DARE's drop and rescale, or unchanged (task arithmetic)."""
+    if options.method == "task_arithmetic":
+        return tau
+    if not np.isfinite(tau).all():  # a dropped or trimmed NaN would vanish silently
+        raise MergeError(
+            f"tensor {name!r}: the task vector of model {i} (its values minus the base's) is "
+            "not finite; check that model and the base for NaN/Inf"
+        )
+    if options.method in RANDOM_METHODS:
+        if options.density >= 1.0:
+            return tau
+        keep = dare_keep(name, i, tau.shape, options.density, options.seed)
+        tau = np.asarray(tau)  # in place below: ``tau`` is this merge's own array
+        tau /= options.density
+        np.copyto(tau, 0.0, where=~keep)
+        return tau
+    return top_k_magnitude(tau, options.density)
+
+
+def top_k_magnitude(tau: NDArray[np.float64], density: float) -> NDArray[np.float64]:
+    """``tau`` with all but its ``int(density × tau.size)`` entries of largest magnitude set
+    to 0 (TIES's trim, mergekit's ``magnitude``). Entries tied at the threshold are kept
+    in C order (lowest flat index first), so the result is deterministic. ``k = 0`` keeps
+    nothing."""
+    n = tau.size
+    k = int(density * n)
+    if k >= n:
+        return tau
+    flat = tau.reshape(-1)
+    magnitude = np.abs(flat)
+    keep = np.zeros(n, dtype=bool)
+    if k > 0:
+        threshold = np.partition(magnitude, n - k)[n - k]  # the k-th largest magnitude
+        np.greater(magnitude, threshold, out=keep)
+        short = k - int(np.count_nonzero(keep))
+        if short > 0:
+            keep[np.flatnonzero(magnitude == threshold)[:short]] = True
+    return np.where(keep, flat, 0.0).reshape(tau.shape)
+
+
+def dare_keep(
+    name: str, model: int, shape: tuple[int, ...], density: float, seed: int
+) -> NDArray[np.bool_]:
+    """DARE's mask of model ``model``'s task vector of tensor ``name``: each entry kept with
+    probability ``density``, from PCG64 seeded by ``SeedSequence([seed, model, *w])`` with
+    ``w`` the eight little-endian 32-bit words of SHA-256(``name``) (keep where
+    ``random() < density``)."""
+    words = np.frombuffer(hashlib.sha256(name.encode("utf-8")).digest(), dtype="<u4")
+    entropy = [int(seed), int(model), *(int(w) for w in words)]
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy)))
+    return rng.random(shape) < density
+
+
+def _elected_mean(
+    taus: Iterable[NDArray[np.float64]], coefficients: Sequence[float]
+) -> NDArray[np.float64]:
+    """TIES's sign election and disjoint mean (mergekit's ``sum`` consensus with
+    normalization): the elected sign per entry is that of ``Σ c_i τ_i`` (``+`` at 0); the
+    result is ``Σ c_i τ_i / Σ c_i`` over the models whose ``c_i τ_i`` is non-zero with that
+    sign (0 where none is). ``taus`` are new arrays, scaled by ``c_i`` in place."""
+    weighted = []
+    for ci, tau in zip(coefficients, taus, strict=True):
+        tau *= ci
+        weighted.append(tau)
+    total = np.zeros_like(weighted[0])
+    for w in weighted:
+        total += w
+    elected = np.where(total >= 0, 1.0, -1.0)
+    del total
+    mixed = np.zeros_like(weighted[0])
+    divisor = np.zeros_like(weighted[0])
+    work = np.empty_like(mixed)
+    agree = np.empty(np.shape(mixed), dtype=bool)
+    for ci, w in zip(coefficients, weighted, strict=True):
+        np.multiply(w, elected, out=work)  # > 0 exactly where w is non-zero with the sign
+        np.greater(work, 0.0, out=agree)
+        np.multiply(w, agree, out=work)
+        mixed += work
+        np.multiply(agree, ci, out=work)
+        divisor += work
+    np.copyto(divisor, 1.0, where=divisor == 0)
+    mixed /= divisor
+    return mixed
 
 
 def regmean_groups(

@@ -27,7 +27,7 @@ from ..files.hf import base_model_info, model_files
 from ..files.identity import describe_mismatch
 from ..stats.file import Statistics
 from .methods import regmean_groups
-from .options import MergeOptions
+from .options import ELECTING_METHODS, TASK_VECTOR_METHODS, MergeOptions
 from .source import TensorSource
 
 __all__ = [
@@ -63,7 +63,7 @@ def current_rss_bytes() -> int:
 class Step:
     """One unit of work: a RegMean input group or one tensor."""
 
-    kind: str  # "regmean" | "average" | "fisher" | "task_arithmetic" | "copy"
+    kind: str  # "regmean" | "average" | "fisher" | "copy" | a task-vector method's name
     tensors: list[str]  # input tensor names (RegMean: the members' weights)
     modules: list[str] = field(default_factory=list)
     layout: str = "linear"
@@ -294,9 +294,9 @@ def make_plan(
         for source, s in zip(sources, stats, strict=True):
             tied = {**source.aliases(), **check_stats_model(source, s)}
         check_same_entries(stats, labels)
-    if options.method == "task_arithmetic":
+    if options.method in TASK_VECTOR_METHODS:
         if base is None:
-            raise MergeError("task_arithmetic needs base= (the pre-trained model)")
+            raise MergeError(f"{options.method} needs base= (the pre-trained model)")
         check_same_layout([ref, base], body, options.heads)
     elif base is not None:
         raise MergeError(f"method {options.method!r} takes no base model")
@@ -385,8 +385,8 @@ def _steps(
             kind = "copy"
         elif options.method == "fisher" and stats is not None and n in stats[0].parameters:
             kind = "fisher"
-        elif options.method == "task_arithmetic":
-            kind = "task_arithmetic"
+        elif options.method in TASK_VECTOR_METHODS:
+            kind = options.method
         else:
             kind = "average"
         steps.append(Step(kind, [n]))
@@ -397,7 +397,10 @@ def _step_memory(step: Step, ref: TensorSource, k: int, out_size: int, packed: b
     """Estimated bytes while ``step`` runs: K reads (+ widened copies of 16-bit weights),
     the float64 result (+ Fisher weights) and the cast result; for RegMean also the joined
     members, K Grams (packed triangles from files, full matrices from memory) and the
-    core's buffers."""
+    core's buffers; for the task-vector methods also the base's read, ``θ_0``, the sum and
+    the float64 work arrays: one task vector at a time (task arithmetic, DARE: the vector,
+    its random draws and rescaled copy) or all K sparsified vectors at once (TIES and
+    DARE-TIES: the sign election and mean need them together)."""
     n = sum(int(np.prod(ref.shape(t))) for t in step.tensors)
     read = sum(ref.nbytes(t) for t in step.tensors)
     widened = 4 * n if any(ref.dtype(t) in ("bfloat16", "float16") for t in step.tensors) else 0
@@ -411,6 +414,9 @@ def _step_memory(step: Step, ref: TensorSource, k: int, out_size: int, packed: b
         # its copy out of the core.
         core = 8 * d * d * 2 + 4 * d * d + 8 * n * 3 + 8 * d * min(1024, max(n // d, 1))
         return k * (read + widened + joined + gram) + core + out
+    if step.kind in TASK_VECTOR_METHODS:
+        work = k + 7 if step.kind in ELECTING_METHODS else 6
+        return (k + 1) * (read + widened) + 8 * n * work + out
     extra = 2 * k * 8 * n if step.kind == "fisher" else 0
     return k * (read + widened) + 8 * n + extra + out
 
