@@ -200,6 +200,36 @@ def test_streaming_bfloat16_inputs(tmp_path):
     assert Checkpoint(res.out_dir).dtype("model.layers.0.mlp.up_proj.weight") == "bfloat16"
 
 
+def test_generative_model_folders_merge_alike_in_memory_and_streaming(tmp_path):
+    """A causal LM's folder holds generation_config.json: both front doors write the first
+    model's (the in-memory merge once failed, writing it twice)."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    paths, stats = [], []
+    for i in range(2):
+        model = transformers.LlamaForCausalLM(cfg).eval()
+        model.generation_config.max_new_tokens = 7 + i  # differs: whose file is copied
+        model.save_pretrained(tmp_path / f"m{i}")
+        assert (tmp_path / f"m{i}" / "generation_config.json").is_file()
+        ids = torch.randint(3, 40, (8, 12))
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        stats.append(collect_regmean_stats(model, [batch], progress=False))
+        paths.append(tmp_path / f"m{i}")
+    mem = merge_models(paths, stats=stats, progress=False)
+    a = save_merged(mem, tmp_path / "mem", paths[0], progress=False)
+    res = stream_merge(paths, tmp_path / "s", stats=stats, progress=False)
+    _assert_same_folder_weights(a, res.out_dir)
+    for out in (a, res.out_dir):
+        written = json.loads((out / "generation_config.json").read_text())
+        assert written == json.loads((paths[0] / "generation_config.json").read_text())
+
+
 def load_model_copy(model):
     import copy
 

@@ -151,8 +151,9 @@ class FolderSink:
         record: Mapping[str, Any],
         files: Mapping[str, str] | None = None,
     ) -> None:
-        """The index, heads, configuration, ``files`` (name -> text), the tokenizer and
-        generation files of ``model_folder`` and the record."""
+        """The index, heads, configuration, the tokenizer and generation files of
+        ``model_folder``, ``files`` (name -> text) that the folder does not provide, and
+        the record."""
         if len(self.plan.shards) > 1:
             index = {
                 out.name: fname
@@ -179,10 +180,11 @@ class FolderSink:
             (self.tmp / "config.json").write_text(
                 json.dumps(dict(config), indent=2, sort_keys=True) + "\n"
             )
-        for fname, text in (files or {}).items():
-            (self.tmp / fname).write_text(text)
         if model_folder is not None and model_folder.is_dir():
             copy_model_files(model_folder, self.tmp)
+        for fname, text in (files or {}).items():  # what the model folder does not provide
+            if not (self.tmp / fname).exists():
+                (self.tmp / fname).write_text(text)
         (self.tmp / MERGE_RECORD).write_text(json.dumps(dict(record), indent=2, default=str))
 
 
