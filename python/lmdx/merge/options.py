@@ -12,7 +12,7 @@ from .._util import parse_size
 
 __all__ = ["HEAD_POLICIES", "METHODS", "PRECISIONS", "MergeOptions"]
 
-METHODS = ("regmean", "average", "fisher", "task_arithmetic")
+METHODS = ("regmean", "average", "fisher", "task_arithmetic", "regmean_plusplus")
 HEAD_POLICIES = ("keep", "drop")
 PRECISIONS = ("auto", "float64")
 
@@ -24,9 +24,10 @@ class MergeOptions:
     Attributes
     ----------
     method
-        ``"regmean"``, ``"average"``, ``"fisher"`` or ``"task_arithmetic"``.
+        ``"regmean"``, ``"average"``, ``"fisher"``, ``"task_arithmetic"`` or
+        ``"regmean_plusplus"`` (:mod:`lmdx.merge.regmean_plusplus`).
     alpha
-        RegMean's off-diagonal scale in [0, 1].
+        RegMean's (and RegMean++'s) off-diagonal scale in [0, 1].
     coefficients
         Per-model non-negative coefficients (None: all equal).
     exclude
