@@ -98,3 +98,25 @@ def test_readme_merging_section_runs(workspace: Path, capsys: pytest.CaptureFixt
         exec(compile(predict, "README.md", "exec"), {})
     shown = ast.literal_eval(printed.getvalue().strip().splitlines()[-1])
     assert len(shown) == 2 and set(shown) <= set(MODELS["tweets"]), shown
+
+
+def test_readme_regmean_plusplus_section_runs(
+    workspace: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The RegMean++ subsection's command and merge-pp.yaml, on the same stand-ins."""
+    text = README.read_text(encoding="utf-8")
+    start = text.index("### RegMean++")
+    section = text[start : text.index("\n### ", start + 1)]
+    (yaml_block,) = _blocks(section, "yaml")
+    assert yaml_block.startswith("# merge-pp.yaml")
+    (workspace / "merge-pp.yaml").write_text(yaml_block)
+    (bash,) = _blocks(section, "bash")
+    commands = [shlex.split(line, comments=True) for line in bash.splitlines()]
+    commands = [c for c in commands if c]
+    assert commands == [["lmdx", "merge", "merge-pp.yaml", "--out", "merged-pp"]]
+    for argv in commands:
+        assert main(argv[1:]) == 0, (argv, capsys.readouterr().err)
+    record = json.loads((workspace / "merged-pp" / "lmdx_merge.json").read_text())
+    assert record["report"]["method"] == "regmean_plusplus"
+    assert record["report"]["regmean_plusplus"]["blocks"] == 2
+    assert json.loads((workspace / "merged-pp" / "heads" / "1.json").read_text())["num_labels"] == 4

@@ -37,39 +37,12 @@ from lmdx.stats.collect import collect_regmean_stats
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-#: The stack of repeated blocks of each architecture (tests/hf_models.py builds 2).
-BLOCKS = {
-    "bert": "bert.encoder.layer",
-    "roberta": "roberta.encoder.layer",
-    "gpt2": "transformer.h",
-    "llama": "model.layers",
-}
-
-
 # --------------------------------------------------------------------------- reference
-
-
-def reference_regmean(grams, counts, weights, alpha, coefficients, layout):
-    """The paper's closed form in float64 (weights in their stored layout)."""
-    c = np.ones(len(grams)) if coefficients is None else np.asarray(coefficients, float)
-    lhs, rhs = 0.0, 0.0
-    for ci, g, n, w in zip(c, grams, counts, weights, strict=True):
-        g_hat = g / n
-        g_tilde = alpha * g_hat + (1.0 - alpha) * np.diag(np.diag(g_hat))
-        lhs = lhs + ci * g_tilde
-        rhs = rhs + ci * g_tilde @ (w.T if layout == "linear" else w)
-    solved = np.linalg.solve(lhs, rhs)
-    return solved.T if layout == "linear" else solved
-
-
-def reference_average(tensors, coefficients):
-    c = np.ones(len(tensors)) if coefficients is None else np.asarray(coefficients, float)
-    return sum(ci * t for ci, t in zip(c, tensors, strict=True)) / c.sum()
 
 
 def block_of(name, arch):
     """The index of the block tensor ``name`` belongs to (None: outside the blocks)."""
-    prefix = BLOCKS[arch] + "."
+    prefix = H.BLOCKS[arch] + "."
     return int(name[len(prefix) :].split(".")[0]) if name.startswith(prefix) else None
 
 
@@ -100,7 +73,7 @@ def solve_block(index, arch, models, states, grams, alpha, coefficients):
             continue
         module = name.removesuffix(".weight")
         if name.endswith(".weight") and module in linear:
-            out[name] = reference_regmean(
+            out[name] = H.reference_regmean(
                 [g[module]["gram"] for g in grams],
                 [g[module]["count"] for g in grams],
                 [s[name] for s in states],
@@ -109,7 +82,7 @@ def solve_block(index, arch, models, states, grams, alpha, coefficients):
                 linear[module][1],
             )
         else:
-            out[name] = reference_average([s[name] for s in states], coefficients)
+            out[name] = H.reference_average([s[name] for s in states], coefficients)
     return out
 
 
@@ -117,11 +90,11 @@ def reference_plusplus(models, batches, arch, alpha, coefficients):
     """RegMean++ in float64: every merged tensor but the heads, by name."""
     states = [H.state_arrays(m) for m in models]
     merged = {
-        n: reference_average([s[n] for s in states], coefficients)
+        n: H.reference_average([s[n] for s in states], coefficients)
         for n in states[0]
         if block_of(n, arch) is None and not H.is_head(n, arch)
     }
-    for index in range(len(models[0].get_submodule(BLOCKS[arch]))):
+    for index in range(len(models[0].get_submodule(H.BLOCKS[arch]))):
         grams = block_grams(models, batches, merged)
         merged.update(solve_block(index, arch, models, states, grams, alpha, coefficients))
     return merged
@@ -210,7 +183,7 @@ def test_block_0_is_plain_regmean_and_block_1_sees_the_merged_block_0(arch):
     in_front = block_grams(models, batches, prefix)
     block1 = solve_block(1, arch, models, states, in_front, alpha, None)
     assert_close({n: result.state_dict[n] for n in block1}, block1, 1e-9)
-    weight = f"{BLOCKS[arch]}.1.{'output.dense' if arch == 'bert' else 'mlp.down_proj'}.weight"
+    weight = f"{H.BLOCKS[arch]}.1.{'output.dense' if arch == 'bert' else 'mlp.down_proj'}.weight"
     assert H.rel_err(plain.state_dict[weight], block1[weight]) > 1e-4  # the cross-layer part
 
 
@@ -345,7 +318,7 @@ def test_excluded_modules_are_averaged():
     assert not any(".mlp." in n for n in result.report["layers"])
     assert "model.layers.1.self_attn.q_proj" in result.report["layers"]
     for name in ("model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.down_proj.weight"):
-        expected = reference_average([s[name] for s in states], None)
+        expected = H.reference_average([s[name] for s in states], None)
         assert H.rel_err(result.state_dict[name], expected) <= 1e-14
 
 
@@ -424,6 +397,13 @@ def test_one_line_errors(folders, tmp_path):
             "max_activation_memory: expected e.g. '4GB'",
         ),
         ({"method": "regmean_plusplus", "data": batches, "batch_size": 0}, "batch_size"),
+        (
+            {
+                "method": "regmean_plusplus",
+                "data": [[{"input_ids": b[0]["input_ids"].double()}] for b in batches],
+            },
+            "running LlamaForSequenceClassification on a batch failed: ",
+        ),
     ]
     for kwargs, message in cases:
         with pytest.raises(MergeError, match=message):

@@ -136,6 +136,13 @@ class MergePlan:
             f"memory:   ~{self.peak_memory / 1e9:.2f} GB peak estimated "
             f"({self.baseline_rss / 1e9:.2f} GB process now + largest step); largest steps:",
         ]
+        if any(s.block is not None for s in self.steps):
+            lines.insert(
+                -1,
+                "blocks:   merged in order on each model's data; the activations held between "
+                "blocks (K × tokens × hidden size) are not in the estimate "
+                "(max_activation_memory bounds them)",
+            )
         for s in biggest:
             what = s.modules[0] if s.modules else s.tensors[0]
             more = f" (+{len(s.modules) - 1} sharing its input)" if len(s.modules) > 1 else ""

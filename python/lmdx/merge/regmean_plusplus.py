@@ -542,11 +542,8 @@ class BlockMerger:
             raise _Stop
 
         handle = self.stack[0].register_forward_pre_hook(grab, with_kwargs=True)
-        self.prefix_forwards += 1
         try:
-            self.model(**batch)
-        except _Stop:
-            pass
+            self._forward(batch)
         finally:
             handle.remove()
         if "call" not in captured:
@@ -556,6 +553,22 @@ class BlockMerger:
             )
         hidden, call = captured["call"]
         return hidden, call
+
+    def _forward(self, batch: Mapping[str, Any]) -> None:
+        """The model's forward on ``batch``, until a hook stops it; a failure (e.g. a batch
+        with keys the model does not take) as a :class:`MergeError`."""
+        self.prefix_forwards += 1
+        try:
+            self.model(**batch)
+        except _Stop:
+            pass
+        except MergeError:
+            raise
+        except (RuntimeError, TypeError, ValueError, NotImplementedError) as exc:
+            raise MergeError(
+                f"regmean_plusplus: running {type(self.model).__name__} on a batch failed: "
+                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+            ) from exc
 
     def _check_wiring(self) -> None:
         """Run model 0's blocks on its first batch, loaded one at a time, and check that
@@ -587,12 +600,9 @@ class BlockMerger:
         for index, block in enumerate(self.stack):
             handles.append(block.register_forward_pre_hook(before(index), with_kwargs=True))
             handles.append(block.register_forward_hook(after(index)))
-        self.prefix_forwards += 1
         try:
             with torch.no_grad():
-                self.model(**self.batches[0][0])
-        except _Stop:
-            pass
+                self._forward(self.batches[0][0])
         finally:
             for h in handles:
                 h.remove()
