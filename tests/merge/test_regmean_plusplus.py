@@ -366,6 +366,22 @@ def test_streaming_equals_in_memory_bit_for_bit(folders, tmp_path):
     assert "regmean_plusplus" in res.plan.describe()
 
 
+def test_bfloat16_checkpoints(tmp_path):
+    """bfloat16 models run and are merged in bfloat16; streaming equals in memory."""
+    _, models, batches = H.cached_family("llama", "float32")
+    paths = []
+    for i, m in enumerate(models):
+        copy.deepcopy(m).to(torch.bfloat16).save_pretrained(tmp_path / f"m{i}")
+        paths.append(tmp_path / f"m{i}")
+    kwargs = {"data": [list(b) for b in batches], "alpha": 0.9, "heads": H.HEADS["llama"]}
+    mem = merge_models(paths, "regmean_plusplus", progress=False, **kwargs)
+    res = stream_merge(paths, tmp_path / "s", "regmean_plusplus", progress=False, **kwargs)
+    out = Checkpoint(res.out_dir)
+    assert out.dtype("model.layers.1.mlp.down_proj.weight") == "bfloat16"
+    for name in out.names():
+        assert torch.equal(out.read(name), mem.model_state(0)[name]), name
+
+
 def test_dry_run_needs_no_data(folders, tmp_path):
     res = stream_merge(folders["paths"], tmp_path / "s", "regmean_plusplus", dry_run=True)
     assert res.out_dir is None and not (tmp_path / "s").exists()
