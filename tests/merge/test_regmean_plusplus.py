@@ -414,6 +414,10 @@ def test_one_line_errors(folders, tmp_path):
         ),
         ({"method": "regmean_plusplus", "data": batches, "batch_size": 0}, "batch_size"),
         (
+            {"method": "regmean_plusplus", "data": batches, "max_texts": "ten"},
+            "max_texts: expected a whole number >= 1, got 'ten'",
+        ),
+        (
             {
                 "method": "regmean_plusplus",
                 "data": [[{"input_ids": b[0]["input_ids"].double()}] for b in batches],

@@ -199,11 +199,15 @@ def prepare_batches(
     data = list(data)
     if len(data) != len(sources):
         raise MergeError(f"data: {len(data)} entries for {len(sources)} models")
-    for key, value in (("max_texts", max_texts), ("max_length", max_length)):
-        if value is not None and (isinstance(value, bool) or int(value) != value or value < 1):
+    for key, value in (
+        ("max_texts", max_texts),
+        ("max_length", max_length),
+        ("batch_size", batch_size),
+    ):
+        if value is None and key == "max_texts":
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise MergeError(f"{key}: expected a whole number >= 1, got {value!r}")
-    if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
-        raise MergeError(f"batch_size: expected a whole number >= 1, got {batch_size!r}")
     tokenizers = list(tokenizer) if isinstance(tokenizer, (list, tuple)) else None
     if tokenizers is not None and len(tokenizers) != len(sources):
         raise MergeError(f"tokenizer: {len(tokenizers)} tokenizers for {len(sources)} models")
