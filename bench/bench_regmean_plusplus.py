@@ -14,6 +14,9 @@ Timed (models in memory, wall clock, median of ``--reps`` runs):
 * ``forward``: one forward pass of each model over its batches (what a collection
   costs at least), for scale.
 
+The three are interleaved within each of the ``--reps`` rounds. ``--threads N`` sets
+torch's and lmdx's threads (on a loaded machine one thread is steadier).
+
 Two sizes by default: the tests' tiny BERT (2 layers, hidden 32) and a small one (4 layers,
 hidden 256, 4 heads, intermediate 1024). Both merges use ``--alpha``. Prints the load
 average: record quiet runs (bench/README.md).
@@ -76,13 +79,17 @@ def models_and_data(size: str, k: int, seqs: int, seq_len: int, batch: int) -> A
     return models, data
 
 
-def timed(fn: Any, reps: int) -> tuple[float, Any]:
-    samples, result = [], None
+def timed(fns: dict[str, Any], reps: int) -> tuple[dict[str, float], dict[str, Any]]:
+    """Median wall time of each function over ``reps`` rounds, the functions interleaved
+    within each round (so that a change in the machine's load hits them alike)."""
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    results: dict[str, Any] = {}
     for _ in range(reps):
-        t0 = time.perf_counter()
-        result = fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples), result
+        for key, fn in fns.items():
+            t0 = time.perf_counter()
+            results[key] = fn()
+            samples[key].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in samples.items()}, results
 
 
 def forward(models: list[Any], data: list[Any]) -> None:
@@ -94,19 +101,24 @@ def forward(models: list[Any], data: list[Any]) -> None:
                 model(**b)
 
 
-def plain(models: list[Any], data: list[Any], alpha: float) -> Any:
+def plain(models: list[Any], data: list[Any], alpha: float, threads: int | None) -> Any:
     import lmdx
 
     stats = [
-        lmdx.collect_regmean_stats(m, b, progress=False) for m, b in zip(models, data, strict=True)
+        lmdx.collect_regmean_stats(m, b, progress=False, n_threads=threads)
+        for m, b in zip(models, data, strict=True)
     ]
-    return lmdx.merge_models(models, "regmean", stats=stats, alpha=alpha, progress=False)
+    return lmdx.merge_models(
+        models, "regmean", stats=stats, alpha=alpha, progress=False, n_threads=threads
+    )
 
 
-def plusplus(models: list[Any], data: list[Any], alpha: float) -> Any:
+def plusplus(models: list[Any], data: list[Any], alpha: float, threads: int | None) -> Any:
     import lmdx
 
-    return lmdx.merge_models(models, "regmean_plusplus", data=data, alpha=alpha, progress=False)
+    return lmdx.merge_models(
+        models, "regmean_plusplus", data=data, alpha=alpha, progress=False, n_threads=threads
+    )
 
 
 def main() -> None:
@@ -121,7 +133,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--alpha", type=float, default=0.9)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch and lmdx threads (default: theirs)"
+    )
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     print(
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch "
         f"{torch.__version__} ({torch.get_num_threads()} threads), lmdx {lmdx.__version__}, "
@@ -135,14 +152,17 @@ def main() -> None:
     for size in args.sizes:
         models, data = models_and_data(size, args.k, args.seqs, args.seq_len, args.batch)
         params = sum(p.numel() for p in models[0].parameters())
-        t_fwd, _ = timed(lambda: forward(models, data), args.reps)  # noqa: B023
-        t_plain, _ = timed(lambda: plain(models, data, args.alpha), args.reps)  # noqa: B023
-        t_pp, result = timed(lambda: plusplus(models, data, args.alpha), args.reps)  # noqa: B023
-        run = result.report["regmean_plusplus"]
+        fns = {
+            "forward": lambda: forward(models, data),  # noqa: B023
+            "regmean": lambda: plain(models, data, args.alpha, args.threads),  # noqa: B023
+            "regmean++": lambda: plusplus(models, data, args.alpha, args.threads),  # noqa: B023
+        }
+        t, results = timed(fns, args.reps)
+        run = results["regmean++"].report["regmean_plusplus"]
         print(
-            f"{size:6} {params / 1e6:7.2f}M {t_fwd:8.3f}s {t_plain:8.3f}s {t_pp:9.3f}s "
-            f"{t_pp / t_plain:5.2f}x   ({run['block_forwards']} block forwards, "
-            f"{run['prefix_forwards']} prefix runs)"
+            f"{size:6} {params / 1e6:7.2f}M {t['forward']:8.3f}s {t['regmean']:8.3f}s "
+            f"{t['regmean++']:9.3f}s {t['regmean++'] / t['regmean']:5.2f}x   "
+            f"({run['block_forwards']} block forwards, {run['prefix_forwards']} prefix runs)"
         )
 
 
