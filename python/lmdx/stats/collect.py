@@ -19,10 +19,11 @@ Diagonal Fisher statistics are :func:`lmdx.stats.fisher.collect_fisher`.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import weakref
-from collections.abc import Iterable, Mapping, Sequence, Sized
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
 from typing import Any
 
 import numpy as np
@@ -37,7 +38,7 @@ from .file import Statistics
 from .packing import pack_upper
 from .writer import StatisticsWriter
 
-__all__ = ["collect_regmean_stats", "find_linear_modules"]
+__all__ = ["GramCollector", "collect_regmean_stats", "find_linear_modules"]
 
 
 def _conv1d_type() -> type | None:
@@ -94,8 +95,24 @@ def _first_sequence(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-class _Collector:
-    """Forward pre-hooks streaming module inputs into shared float64 accumulators."""
+class GramCollector:
+    """Forward pre-hooks streaming the inputs of linear modules into float64 accumulators,
+    one :class:`Moments` per input group: the one collector of RegMean Grams.
+
+    :func:`collect_regmean_stats` runs it over a whole model; RegMean++
+    (:mod:`lmdx.merge.regmean_plusplus`) over one block at a time. Use: :meth:`probe` once
+    (which modules share an input), then per batch :meth:`start_batch` (the batch's
+    attention mask), a forward pass inside :meth:`hooks`, :meth:`end_batch`.
+
+    Parameters
+    ----------
+    modules
+        Module name -> (module, layout), as :func:`find_linear_modules` returns them.
+    include_padding, share_inputs, mask_key, precision
+        As in :func:`collect_regmean_stats`.
+    n_threads
+        Threads of the native accumulation.
+    """
 
     def __init__(
         self,
@@ -107,12 +124,15 @@ class _Collector:
         precision: str = "mixed",
     ) -> None:
         self.float64 = precision == "float64"
+        self.precision = precision
         self.modules = modules
         self.include_padding = include_padding
         self.share_inputs = share_inputs
         self.mask_key = mask_key
         self.n_threads = n_threads
         self.group_of: dict[str, str] = {}
+        self.order: list[str] = []
+        self.calls_on_probe: dict[str, int] = {}
         self.moments: dict[str, Moments] = {}
         # per batch: tensors accumulated per group (weak references) and calls per module
         self._accumulated: dict[str, list[weakref.ref[Any]]] = {}
@@ -123,7 +143,9 @@ class _Collector:
 
     # -- probe: which modules read the same tensor -----------------------------------
 
-    def probe(self, model: Any, kwargs: Mapping[str, Any]) -> None:
+    def probe(self, run: Callable[[], Any]) -> None:
+        """Find the input groups: ``run()`` makes one forward pass (e.g. of one sequence)
+        while hooks record which modules read the very same input tensor."""
         self._probe_inputs = {name: [] for name in self.modules}
         self._first_call: dict[str, int] = {}
         handles = [
@@ -131,7 +153,7 @@ class _Collector:
             for name, (module, _) in self.modules.items()
         ]
         try:
-            model(**_first_sequence(kwargs))
+            run()
         finally:
             for h in handles:
                 h.remove()
@@ -156,6 +178,71 @@ class _Collector:
             self._first_call.setdefault(name, len(self._first_call))
 
         return hook
+
+    def adopt_groups(self, other: GramCollector) -> None:
+        """Take the input groups ``other`` found by its probe (for the same modules, e.g.
+        one block loaded with another model's weights) instead of probing again."""
+        self.group_of = dict(other.group_of)
+        self.order = list(other.order)
+        self.calls_on_probe = dict(other.calls_on_probe)
+
+    def dims(self) -> dict[str, int]:
+        """Input group -> its input dimension."""
+        return {
+            self.group_of[n]: int(m.weight.shape[1 if layout == "linear" else 0])
+            for n, (m, layout) in self.modules.items()
+        }
+
+    def module_info(self) -> dict[str, dict[str, Any]]:
+        """Module name -> its group, layout, weight name and input dimension, as
+        :class:`Statistics` record them."""
+        dims = self.dims()
+        return {
+            name: {
+                "group": self.group_of[name],
+                "layout": layout,
+                "weight": f"{name}.weight",
+                "dim": dims[self.group_of[name]],
+            }
+            for name, (_m, layout) in self.modules.items()
+        }
+
+    def take_statistics(self, model: Mapping[str, Any], data: str = "") -> Statistics:
+        """The Grams accumulated so far as in-memory :class:`Statistics` of ``model`` (an
+        identity); the collector starts over with empty accumulators."""
+        dims = self.dims()
+        missing = [n for n in self.modules if self.group_of[n] not in self.moments]
+        if missing:
+            raise ValueError(
+                f"modules never called during the forward pass: {missing[:5]}"
+                f"{' ...' if len(missing) > 5 else ''}; exclude them"
+            )
+        moments, self.moments = self.moments, {}
+        return Statistics(
+            kind="regmean-gram",
+            model=model,
+            data=data,
+            padding="included" if self.include_padding else "excluded",
+            modules=self.module_info(),
+            groups={g: {"dim": d, "count": moments[g].count} for g, d in dims.items()},
+            moments=moments,
+            extra={"share_inputs": self.share_inputs, "precision": self.precision},
+        )
+
+    @contextlib.contextmanager
+    def hooks(self, names: Iterable[str] | None = None) -> Iterator[None]:
+        """Accumulating hooks on the modules ``names`` (default: all) while inside."""
+        chosen = self.modules if names is None else set(names)
+        handles = [
+            module.register_forward_pre_hook(self.hook(name))
+            for name, (module, _) in self.modules.items()
+            if name in chosen
+        ]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
 
     # -- accumulation ------------------------------------------------------------------
 
@@ -244,7 +331,7 @@ class _StopForward(Exception):
     """Raised by a hook once every module of the current pass has seen its input."""
 
 
-def _groups_in_order(collector: _Collector) -> list[str]:
+def _groups_in_order(collector: GramCollector) -> list[str]:
     """Input groups in the order their first module is called (uncalled ones last)."""
     out: list[str] = []
     for name in [*collector.order, *collector.modules]:
@@ -268,7 +355,7 @@ def _moments_bytes(d: int) -> int:
     return 8 * d * d + 8 * d
 
 
-def _stop_module(collector: _Collector, members: set[str]) -> str | None:
+def _stop_module(collector: GramCollector, members: set[str]) -> str | None:
     """The first module called after every module of ``members`` (None: run to the end).
 
     Only when every module is called exactly once per forward pass (no weight sharing
@@ -361,7 +448,7 @@ def collect_regmean_stats(
             "collect_regmean_stats: no nn.Linear / Conv1D module matches the include/exclude "
             "patterns"
         )
-    collector = _Collector(
+    collector = GramCollector(
         modules, include_padding, share_inputs, mask_key, resolve_threads(n_threads), precision
     )
     iterator = iter(batches)
@@ -375,11 +462,8 @@ def collect_regmean_stats(
         with torch.no_grad():
             first_kwargs = as_kwargs(first)
             first_kwargs.pop("labels", None)
-            collector.probe(model, first_kwargs)
-        dims = {
-            collector.group_of[n]: int(m.weight.shape[1 if layout == "linear" else 0])
-            for n, (m, layout) in modules.items()
-        }
+            collector.probe(lambda: model(**_first_sequence(first_kwargs)))
+        dims = collector.dims()
         order = _groups_in_order(collector)
         passes = _plan_passes(order, dims, budget)
         if len(passes) > 1 and iter(batches) is batches:
@@ -387,15 +471,7 @@ def collect_regmean_stats(
                 f"collect_regmean_stats: max_memory={max_memory} needs {len(passes)} passes over "
                 "the data, but batches is a one-shot iterator; pass a list"
             )
-        module_info = {
-            name: {
-                "group": collector.group_of[name],
-                "layout": layout,
-                "weight": f"{name}.weight",
-                "dim": dims[collector.group_of[name]],
-            }
-            for name, (_m, layout) in modules.items()
-        }
+        module_info = collector.module_info()
         counts: dict[str, float] = {}
         extra = {"share_inputs": share_inputs, "precision": precision, "passes": len(passes)}
 
@@ -465,7 +541,7 @@ def collect_regmean_stats(
 
 def _run_pass(
     model: Any,
-    collector: _Collector,
+    collector: GramCollector,
     modules: Mapping[str, tuple[Any, str]],
     members: set[str],
     batches: Iterable[Any],
@@ -479,16 +555,10 @@ def _run_pass(
     def stop_hook(module: Any, args: tuple[Any, ...]) -> None:
         raise _StopForward
 
-    handles = [
-        module.register_forward_pre_hook(collector.hook(name))
-        for name, (module, _) in modules.items()
-        if name in members
-    ]
-    if stop is not None:
-        handles.append(modules[stop][0].register_forward_pre_hook(stop_hook))
+    handle = None if stop is None else modules[stop][0].register_forward_pre_hook(stop_hook)
     n = 0
     try:
-        with torch.no_grad():
+        with torch.no_grad(), collector.hooks(members):
             for batch in batches:
                 kwargs = as_kwargs(batch)
                 kwargs.pop("labels", None)
@@ -501,6 +571,6 @@ def _run_pass(
                 n += 1
                 bar.update(1)
     finally:
-        for h in handles:
-            h.remove()
+        if handle is not None:
+            handle.remove()
     return n
