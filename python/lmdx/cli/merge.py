@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 import sys
 import time
@@ -94,8 +95,9 @@ def run_merge_cli(args: argparse.Namespace) -> int:
 def _merge(args: argparse.Namespace, claimed: Claimed) -> int:
     from ..files.atomic import existing_parent
     from ..merge.config import load_merge_config, plan_merge, run_merge
+    from ..merge.lora import lora_errors
     from ..merge.plan import peak_rss_bytes
-    from ..merge.sink import HEADS_DIR, MERGE_RECORD
+    from ..merge.sink import HEADS_DIR, MERGE_RECORD, TASKS_DIR
 
     out = Path(args.out)
     if out.exists():
@@ -129,6 +131,7 @@ def _merge(args: argparse.Namespace, claimed: Claimed) -> int:
             streaming=not args.in_memory,
             ray_workers=args.ray_workers,
             ray_address=args.ray_address,
+            command=shlex.join(["lmdx", *sys.argv[1:]]),
         )
     size = size_of(out)
     print(
@@ -137,6 +140,17 @@ def _merge(args: argparse.Namespace, claimed: Claimed) -> int:
         f"peak RSS {peak_rss_bytes() / 1e9:.2f} GB"
     )
     _report_poorly_determined(out / MERGE_RECORD)
+    record = json.loads((out / MERGE_RECORD).read_text())
+    if record.get("lora"):
+        print(
+            f"lmdx merge: LoRA of the merged update in {out / record['lora']['folder']}, "
+            f"{lora_errors(record['lora'])}"
+        )
+    if record.get("task_folders"):
+        print(
+            f"lmdx merge: one model folder per task: {out / TASKS_DIR}/<i> "
+            f"(i = 0..{len(cfg.models) - 1})"
+        )
     if (out / HEADS_DIR).is_dir():
         print(
             f"lmdx merge: model i's classifier (i = 0..{len(cfg.models) - 1}, in the config's "

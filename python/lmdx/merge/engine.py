@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from .._util import progress_bar
 from ..stats.file import Statistics
+from .lora import LoraExport, low_rank_inputs, solve_group_low_rank
 from .methods import (
     average_tensor,
     cast_merged,
@@ -56,7 +57,8 @@ class Executor:
     ``report["layers"]`` collects the RegMean solver's information per module,
     ``report["poorly_determined"]`` the RegMean systems that are poorly determined (too
     few statistics rows per input, ill-conditioned) with what to do, and
-    ``report["fisher_weighted"]`` the Fisher-weighted tensors.
+    ``report["fisher_weighted"]`` the Fisher-weighted tensors. With ``lora``, every merged
+    tensor is also offered to that LoRA of the merged update (in float64).
     """
 
     def __init__(
@@ -68,9 +70,11 @@ class Executor:
         options: MergeOptions,
         report: dict[str, Any],
         remote: GroupSolver | None = None,
+        lora: LoraExport | None = None,
     ) -> None:
         self.sources, self.stats, self.base = sources, stats, base
         self.options, self.report, self.remote = options, report, remote
+        self.lora = lora
         self.labels = plan.labels
         self.step_of = {t: s for s in plan.steps for t in s.tensors}
         self.ready: dict[str, Any] = {}
@@ -91,6 +95,8 @@ class Executor:
         step = self.step_of.get(name)
         if step is None:  # a head tensor (kept from the first model)
             self.ready[name] = self.sources[0].read(name)
+            if self.lora is not None:
+                self.lora.observe(name, self.ready[name])
             return
         if step.kind == "regmean":
             self._regmean(step)
@@ -108,6 +114,8 @@ class Executor:
         else:  # task arithmetic
             assert self.base is not None
             value = task_arithmetic_tensor(name, self.base.read(name), reads, self.options)
+        if self.lora is not None:
+            self.lora.observe(name, value)
         self.ready[name] = self._cast(name, value)
 
     def _regmean(self, step: Step) -> None:
@@ -118,7 +126,7 @@ class Executor:
             self.ready.update(stored)
             return
         solved, layers = solve_regmean_step(
-            step, self.sources, self.stats, self.labels, self.options
+            step, self.sources, self.stats, self.labels, self.options, self.lora
         )
         self._record(step, layers)
         self.ready.update(solved)
@@ -136,15 +144,29 @@ def solve_regmean_step(
     stats: Sequence[Statistics],
     labels: Sequence[str],
     options: MergeOptions,
+    lora: LoraExport | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """One RegMean group read from ``sources`` (its weights) and ``stats`` (its Grams as
     stored, checked against their content hashes) and solved: its merged weights (torch,
     cast to their input dtype) and the solver's report per module. Local runs and Ray
-    actors both call this."""
-    weights = [[s.read(w) for w in step.tensors] for s in sources]
-    grams = [s.gram_stored(step.modules[0]) for s in stats]
-    solved, layers = solve_group(step.modules, weights, grams, stats, labels, options)
-    del weights, grams
+    actors both call this. LoRA adapters over one base are solved on their factors
+    (:func:`lmdx.merge.lora.solve_group_low_rank`); ``lora`` receives the merged updates."""
+    factors = low_rank_inputs(step, sources)
+    if factors is not None:
+        solved, updates, layers = solve_group_low_rank(
+            step, sources, factors, stats, labels, options
+        )
+        if lora is not None:
+            for w, update in updates.items():
+                lora.add_update(w, update)
+    else:
+        weights = [[s.read(w) for w in step.tensors] for s in sources]
+        grams = [s.gram_stored(step.modules[0]) for s in stats]
+        solved, layers = solve_group(step.modules, weights, grams, stats, labels, options)
+        del weights, grams
+        if lora is not None:
+            for w, value in solved.items():
+                lora.observe(w, value)
     return {w: cast_merged(w, v, sources[0].dtype(w)) for w, v in solved.items()}, layers
 
 

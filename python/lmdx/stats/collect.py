@@ -32,6 +32,7 @@ from .._util import matches, parse_size, progress_bar, split_in_order
 from ..config import resolve_threads
 from ..data.batches import as_kwargs
 from ..files.identity import model_identity
+from ..files.peft import is_peft_model, peft_modules
 from ..moments import Moments
 from .file import Statistics
 from .packing import pack_upper
@@ -61,12 +62,20 @@ def find_linear_modules(
     their weights' names (``classifier*`` and ``classifier.*`` both select
     ``classifier``); a module is selected if it matches an include pattern (or there are
     none) and no exclude pattern.
+
+    A PEFT LoRA model's modules are named as in its base model (a LoRA layer by its base
+    layer, whose input it reads); the LoRA factors themselves are not collected.
     """
     import torch
 
     conv1d = _conv1d_type()
     found: dict[str, tuple[Any, str]] = {}
-    for name, module in model.named_modules():
+    root, rename = (model, None) if not is_peft_model(model) else peft_modules(model)
+    for name, module in root.named_modules():
+        if rename is not None:
+            if (base_name := rename(name)) is None:
+                continue
+            name = base_name
         if isinstance(module, torch.nn.Linear):
             layout = "linear"
         elif conv1d is not None and isinstance(module, conv1d):
