@@ -170,7 +170,7 @@ def test_low_rank_regmean_equals_the_dense_formula(layer):
         b, a = rng.standard_normal((d_out, r)), rng.standard_normal((r, d_in)) * 0.1
         factors.append((b, a))
         weights.append(base + b @ a)
-    given_grams = [pack_upper(g) for g in grams] if packed else grams
+    given_grams = [pack_upper(g) if packed or i == 0 else g for i, g in enumerate(grams)]
     merged, (b_all, a_all), info = regmean_low_rank(
         given_grams, counts, base, factors, alpha=alpha, coefficients=coefficients, ridge=ridge
     )

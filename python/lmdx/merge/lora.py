@@ -42,6 +42,7 @@ from .._tensors import as_float64
 from ..files.peft import PEFT_PREFIX, write_adapter
 from ..spd import spd_solve
 from ..stats.file import Statistics
+from ..stats.packing import packed_diagonal, packed_times, unpack_upper
 from .options import MergeOptions
 from .plan import Step
 from .source import AdapterSource, TensorSource
@@ -132,32 +133,28 @@ def regmean_low_rank(
         info.update(rcond_estimate=1.0, condition_estimate=1.0, rank=factors[used[0]][1].shape[0])
         return merged_mean, factors[used[0]], info
     del merged_mean
-    lhs = np.zeros((d_in, d_in))  # Σ s_i G_i: upper triangles summed, mirrored once below
+    packed = all(np.ndim(g) == 1 for g in grams)
+    lhs: Any = 0.0  # Σ s_i G_i, packed where the Grams are (one unpacking at the end)
     u_parts, a_parts, b_parts = [], [], []
     for i in used:
         n = float(counts[i])
         if not n > 0:
             raise ValueError(f"{name}: counts[{i}] must be > 0, got {n}")
-        upper, full = _gram(grams[i], d_in, f"{name}: grams[{i}]")
-        s = coef[i] / n
-        lhs += s * (np.triu(upper) if full else upper)
         b, a = factors[i]
+        g, diag, ga = _gram_parts(grams[i], d_in, a.T, f"{name}: grams[{i}]")
+        s = coef[i] / n
+        lhs = lhs + s * (g if packed or g.ndim == 2 else unpack_upper(g, d_in))
         if a.shape[0] == 0:
             continue
-        if full:
-            ga = upper @ a.T
-        else:  # G = U + Uᵀ − diag(U): two products instead of a mirrored copy of G
-            ga = upper @ a.T
-            ga += (a @ upper).T
-            ga -= np.diag(upper)[:, None] * a.T
         u = alpha * ga
         if alpha != 1.0:
-            u += (1.0 - alpha) * np.diag(upper)[:, None] * a.T
+            u += (1.0 - alpha) * diag[:, None] * a.T
         u_parts.append(s * u)
         a_parts.append((coef[i] / total) * a.T)
         b_parts.append(b)
-        del upper, ga
-    lhs += np.triu(lhs, 1).T
+        del g, ga
+    if lhs.ndim == 1:
+        lhs = unpack_upper(lhs, d_in)
     rank = sum(b.shape[1] for b in b_parts)
     rhs = np.concatenate(u_parts + a_parts, axis=1)
     x, solved = spd_solve(
@@ -184,23 +181,17 @@ def regmean_low_rank(
     return merged, (b_all, np.ascontiguousarray(f.T)), info
 
 
-def _gram(gram: Any, d: int, name: str) -> tuple[NDArray[np.float64], bool]:
-    """A Gram as a (d, d) float64 array and whether it is the full symmetric matrix (else
-    only its upper triangle is filled: a packed triangle placed row by row, no copy of it
-    mirrored)."""
+def _gram_parts(gram: Any, d: int, a_t: NDArray[np.float64], name: str) -> tuple[Any, ...]:
+    """``(G, diag G, G a_t)`` of a Gram given full or as a packed triangle (then ``G`` stays
+    packed and the product is formed block by block: :func:`packed_times`)."""
     g = as_float64(gram, name)
     if g.ndim == 2:
         if g.shape != (d, d):
             raise ValueError(f"{name}: expected shape ({d}, {d}), got {g.shape}")
-        return g, True
+        return g, np.diag(g).copy(), g @ a_t
     if g.shape != (d * (d + 1) // 2,):
         raise ValueError(f"{name}: expected a packed triangle of {d * (d + 1) // 2} values")
-    upper = np.zeros((d, d))
-    pos = 0
-    for i in range(d):
-        upper[i, i:] = g[pos : pos + d - i]
-        pos += d - i
-    return upper, False
+    return g, packed_diagonal(g, d), packed_times(g, d, a_t)
 
 
 # --------------------------------------------------------------------------- the merge step
