@@ -131,7 +131,7 @@ def _merge(args: argparse.Namespace, claimed: Claimed) -> int:
             streaming=not args.in_memory,
             ray_workers=args.ray_workers,
             ray_address=args.ray_address,
-            command=shlex.join(["lmdx", *sys.argv[1:]]),
+            command=shlex.join(["lmdx", *args.argv]),
         )
     size = size_of(out)
     print(
