@@ -30,6 +30,7 @@ Grams of 2·d_in random rows.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -118,7 +119,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     rng = np.random.default_rng(0)
-    print(f"K = {K}, alpha = {ALPHA}, threads = {args.threads} (NumPy: its BLAS default)")
+    blas = os.environ.get("OPENBLAS_NUM_THREADS", "its default")
+    print(
+        f"K = {K}, alpha = {ALPHA}, threads = {args.threads} (NumPy's BLAS: {blas}); "
+        f"load average {os.getloadavg()[0]:.1f} before"
+    )
     head = (
         f"{'layer':14s} {'r':>3s} {'dense f32':>10s} {'dense f64':>10s} {'low-rank':>9s} "
         f"{'speed-up':>8s} {'solve':>7s} {'NumPy':>7s} {'max rel diff':>12s}"
@@ -133,7 +138,8 @@ def main() -> None:
             totals["low"] += low
     print(
         f"all shapes and ranks: dense (faster of f32/f64) {totals['dense']:.3f} s, "
-        f"low-rank {totals['low']:.3f} s ({totals['dense'] / totals['low']:.1f}x)"
+        f"low-rank {totals['low']:.3f} s ({totals['dense'] / totals['low']:.1f}x); "
+        f"load average {os.getloadavg()[0]:.1f} after"
     )
 
 

@@ -510,5 +510,5 @@ def test_config_with_adapters(families, tmp_path):
         load_merge_config(tmp_path / "bad.yaml")
     no_base = "\n".join(line for line in lines if not line.startswith("base:"))
     (tmp_path / "no-base.yaml").write_text(no_base + "\n")
-    with pytest.raises(MergeError, match=r"base: is required \(models\[0\] is a LoRA adapter\)"):
+    with pytest.raises(MergeError, match=r"models\[0\] is a LoRA adapter: base: is required"):
         load_merge_config(tmp_path / "no-base.yaml")

@@ -114,6 +114,28 @@ def test_statistics_follow_the_folders_tokenizer_settings(workspace):
     assert stats.model["architecture"] == "BertModel"
 
 
+def test_statistics_of_a_loaded_sentence_transformer(workspace):
+    """collect_regmean_stats on a SentenceTransformer is collection on its encoder, whose
+    statistics the merge of its folder accepts."""
+    from lmdx import collect_regmean_stats
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(workspace / "st1"), device="cpu")
+    tok = AutoTokenizer.from_pretrained(str(workspace / "st1"))
+    texts = (workspace / "texts.txt").read_text().splitlines()
+    batches = [
+        dict(tok(texts[i : i + 8], padding=True, truncation=True, max_length=MAX_SEQ,
+                 return_tensors="pt"))
+        for i in range(0, len(texts), 8)
+    ]  # fmt: skip
+    got = collect_regmean_stats(model, batches, progress=False)
+    cli = Statistics.load(workspace / "s1.safetensors")
+    assert got.model["weights_sha256"] == cli.model["weights_sha256"]
+    for module in cli.modules:
+        assert got.count(module) == cli.count(module)
+        assert np.array_equal(got.gram(module), cli.gram(module)), module
+
+
 @pytest.mark.parametrize("streaming", [True, False])
 def test_merged_folder_loads_with_sentence_transformers(workspace, tmp_path, streaming):
     from sentence_transformers import SentenceTransformer

@@ -101,7 +101,7 @@ def add_stats_parser(sub: Any) -> None:
         type=int,
         default=None,
         help="tokens per text, longer texts are cut (truncation): match the fine-tuning "
-        "length (default: 128; a sentence-transformers folder's max_seq_length)",
+        "length (default: 128), for a sentence-transformers folder its max_seq_length",
     )
     p.add_argument(
         "--include-padding",

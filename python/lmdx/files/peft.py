@@ -501,9 +501,8 @@ def load_peft_model(adapter: str | os.PathLike[str], base: Any) -> Any:
     from peft import PeftModel
 
     checked = LoraAdapter.load(adapter)
-    names = list(base.state_dict())
     state = base.state_dict()
-    checked.bind(lambda n: tuple(state[n].shape), names)
+    checked.bind(lambda n: tuple(state[n].shape), state)
     return PeftModel.from_pretrained(base, str(adapter), is_trainable=False).eval()
 
 

@@ -193,6 +193,22 @@ def _check_base(sources: Sequence[TensorSource], base: Any, method: str) -> None
             )
 
 
+def _check_task_folders(
+    plan: MergePlan, options: MergeOptions, configs: Sequence[Mapping[str, Any]]
+) -> None:
+    """Per-task folders need kept heads of models with a configuration (checked before
+    any work)."""
+    if options.head_policy != "keep" or not plan.heads:
+        raise MergeError(
+            "per-task folders: the merge kept no task heads (give heads patterns and the head "
+            "policy keep)"
+        )
+    if not all(configs):
+        raise MergeError(
+            "per-task folders: a model without a configuration (a state dict) has no labels"
+        )
+
+
 def _tokenizer_folder(source: TensorSource) -> Path | None:
     """Where the output's tokenizer files come from: the model's folder (an adapter's,
     if it has them; else its base's)."""
@@ -424,6 +440,8 @@ def save_merged(
     plan = make_plan([merged], options, None, None, folder=True)
     _check_template(plan, model, options)
     heads = _head_sources(result)
+    if task_folders:
+        _check_task_folders(plan, options, [h.config for h in heads])
     extra = {**(record or {}), "sentence_transformers": bool(st_files)}
     with FolderSink(out, plan, task_folders=task_folders) as sink:
         run(plan, merged.read, sink, "save merged", progress)
@@ -599,6 +617,8 @@ def stream_merge(
     stat_objs = open_stats(stats, method, len(models), names)
     arithmetic_base = base_source if method == "task_arithmetic" else None
     plan = make_plan(sources, options, stat_objs, arithmetic_base, folder=True)
+    if task_folders:
+        _check_task_folders(plan, options, [src.config for src in sources])
     if dry_run:
         return StreamMergeResult(None, plan, {}, peak_rss_bytes())
     report = _report(plan, options, streaming=True)

@@ -304,12 +304,12 @@ def _resolved(checked: _ConfigFile, root: Path, where: str) -> MergeConfig:
     adapters = [i for i, m in enumerate(models) if m.adapter]
     if method == "task_arithmetic" or adapters:
         if checked.base is None:
-            why = (
-                f"models[{adapters[0]}] is a LoRA adapter"
-                if adapters
-                else "task_arithmetic needs the pre-trained model"
-            )
-            raise MergeError(f"{where}: base: is required ({why}): the base model folder")
+            if adapters:
+                raise MergeError(
+                    f"{where}: models[{adapters[0]}] is a LoRA adapter: base: is required (the "
+                    "model folder the adapters adapt)"
+                )
+            raise MergeError(f"{where}: task_arithmetic needs base: (the pre-trained model folder)")
         cfg.base = resolve(checked.base)
         if not exists(cfg.base, "base", folder=True):
             raise MergeError(f"{where}: base {cfg.base}: no such model folder")

@@ -225,23 +225,14 @@ class FolderSink:
         """``tasks/<i>/`` for every head: the written weights with model i's head instead
         of model 0's (read back shard by shard), config with its labels, the tokenizer
         and generation files, a model card. Returns the folders (relative)."""
-        names = set(self.plan.heads)
-        if not names or not heads:
-            raise MergeError(
-                "per-task folders: the merge kept no task heads (give heads patterns and "
-                "the head policy keep)"
-            )
+        names = set(self.plan.heads)  # kept heads, of models with a configuration: the
+        assert names and heads and all(h.config for h in heads)  # front doors check first
         written = {
             fname: read_safetensors_header(self.tmp / fname, "shard", MergeError)
             for fname, _ in self.plan.shards
         }
         folders = []
         for i, src in enumerate(heads):
-            if not src.config:
-                raise MergeError(
-                    f"per-task folders: model {src.label} has no configuration (a state dict), "
-                    "so its labels are unknown"
-                )
             folder = self.tmp / TASKS_DIR / str(i)
             folder.mkdir(parents=True)
             for fname, members in self.plan.shards:

@@ -33,6 +33,7 @@ from ..config import resolve_threads
 from ..data.batches import as_kwargs
 from ..files.identity import model_identity
 from ..files.peft import is_peft_model, peft_modules
+from ..files.st import hf_model_of
 from ..moments import Moments
 from .file import Statistics
 from .packing import pack_upper
@@ -312,8 +313,10 @@ def collect_regmean_stats(
     Parameters
     ----------
     model
-        A torch module (e.g. a Hugging Face model); it is run in ``eval()`` under
-        ``torch.no_grad()`` and its training flag is restored afterwards.
+        A torch module (e.g. a Hugging Face model, a PEFT LoRA model, or a
+        ``SentenceTransformer``, whose Transformer's Hugging Face model is used); it is run
+        in ``eval()`` under ``torch.no_grad()`` and its training flag is restored
+        afterwards.
     batches
         Iterable of dicts of tensors, each passed as ``model(**batch)`` (a ``labels``
         entry is dropped), or of input-id tensors. Must be re-iterable (a list) when
@@ -364,6 +367,7 @@ def collect_regmean_stats(
     if out is None and (max_memory is not None or max_shard_size is not None):
         raise ValueError("max_memory and max_shard_size need out= (a file or folder to write)")
     budget = None if max_memory is None else parse_size(max_memory)
+    model = hf_model_of(model)
     modules = find_linear_modules(model, include, exclude)
     if not modules:
         raise ValueError(
