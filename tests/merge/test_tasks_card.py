@@ -34,7 +34,10 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     _, models = H.family("bert", K)
     paths, stats = [], []
     for i, model in enumerate(models):
-        labels = [f"task{i}-label{j}" for j in range(H.NUM_LABELS)]
+        n = H.NUM_LABELS + i  # every task its own number of labels
+        model.classifier = torch.nn.Linear(H.HIDDEN, n)
+        model.num_labels = n
+        labels = [f"task{i}-label{j}" for j in range(n)]
         model.config.id2label = dict(enumerate(labels))
         model.config.label2id = {name: j for j, name in enumerate(labels)}
         model.save_pretrained(root / f"m{i}")
@@ -74,6 +77,7 @@ def test_task_folders_load_and_predict_as_load_merged(folders, tmp_path):
     for i in range(K):
         task = AutoModelForSequenceClassification.from_pretrained(str(out / "tasks" / str(i)))
         assert task.config.id2label == folders["models"][i].config.id2label
+        assert task.classifier.out_features == H.NUM_LABELS + i
         assert np.array_equal(
             _logits(task.eval(), batches), _logits(load_merged(out, task=i), batches)
         )
@@ -99,7 +103,10 @@ def test_task_folders_load_and_predict_as_load_merged(folders, tmp_path):
 
 def test_task_folders_need_kept_heads(folders, tmp_path):
     with pytest.raises(MergeError, match="per-task folders: the merge kept no task heads"):
-        stream_merge(folders["paths"], tmp_path / "o", "average", task_folders=True, progress=False)
+        stream_merge(
+            folders["paths"], tmp_path / "o", "average", heads=["classifier.*"],
+            head_policy="drop", task_folders=True, progress=False,
+        )  # fmt: skip
     assert not (tmp_path / "o").exists()
 
 
@@ -108,15 +115,17 @@ def test_model_card_names_method_inputs_hashes_and_command(folders, tmp_path):
     lines = ["method: regmean", "alpha: 0.9", "models:"]
     for p, s in zip(folders["paths"], folders["stats"], strict=True):
         lines.append(f"  - {{path: {p}, stats: {s}}}")
-    lines += ["heads: {patterns: ['classifier.*'], per_task_folders: true}"]
+    lines += ["heads: {patterns: ['classifier.*']}"]
     (tmp_path / "merge.yaml").write_text("\n".join(lines) + "\n")
     out = tmp_path / "merged"
-    argv = ["merge", str(tmp_path / "merge.yaml"), "--out", str(out), "--no-progress"]
+    argv = ["merge", str(tmp_path / "merge.yaml"), "--out", str(out), "--per-task-folders",
+            "--no-progress"]  # fmt: skip
     assert main(argv) == 0
     card = (out / "README.md").read_text()
     record = json.loads((out / "lmdx_merge.json").read_text())
     assert "**regmean** of 3 models" in card and "- `alpha`: 0.9" in card
-    assert f"lmdx merge {tmp_path / 'merge.yaml'} --out {out} --no-progress" in card
+    assert f"lmdx merge {tmp_path / 'merge.yaml'} --out {out} --per-task-folders" in card
+    assert record["config"]["per_task_folders"] is True
     assert record["command"] == "lmdx " + " ".join(argv)
     assert '"alpha": 0.9' in card  # the configuration
     for p, s in zip(folders["paths"], folders["stats"], strict=True):

@@ -77,6 +77,12 @@ def add_merge_parser(sub: Any) -> None:
         help="auto or HOST:PORT of a Ray cluster (default: start a local Ray)",
     )
     p.add_argument(
+        "--per-task-folders",
+        action="store_true",
+        help="also write one model folder per kept head, DIR/tasks/<i> (as heads.per_task_folders "
+        "in the config)",
+    )
+    p.add_argument(
         "--no-progress", action="store_true", help="no progress bars (transformers' included)"
     )
 
@@ -107,6 +113,12 @@ def _merge(args: argparse.Namespace, claimed: Claimed) -> int:
     if args.ray_workers < 0:
         raise CliError(f"--ray-workers: expected N >= 0, got {args.ray_workers}")
     cfg = load_merge_config(args.config)
+    if args.per_task_folders:
+        if cfg.head_policy != "keep" or not cfg.head_patterns:
+            raise CliError(
+                "--per-task-folders: the config keeps no heads (heads.patterns, policy keep)"
+            )
+        cfg.per_task_folders = True
     if args.dry_run:
         if args.in_memory:
             raise CliError("--dry-run plans the streaming merge; drop --in-memory")

@@ -235,9 +235,14 @@ class FolderSink:
         for i, src in enumerate(heads):
             folder = self.tmp / TASKS_DIR / str(i)
             folder.mkdir(parents=True)
+            total = 0
             for fname, members in self.plan.shards:
                 outputs = [self.plan.outputs[j] for j in members]
-                specs = [TensorSpec(o.name, o.dtype, o.shape) for o in outputs]
+                specs = [  # a head has model i's shape (its own number of labels)
+                    TensorSpec(o.name, o.dtype, src.shape(o.source) if o.name in names else o.shape)
+                    for o in outputs
+                ]
+                total += sum(spec.nbytes for spec in specs)
                 with SafetensorsWriter(folder / fname, specs, {"format": "pt"}) as w:
                     for o in outputs:
                         if o.name in names:
@@ -246,7 +251,9 @@ class FolderSink:
                         else:
                             w.write(o.name, written[fname].get_raw(o.name))
             if (self.tmp / INDEX_FILE).is_file():
-                (folder / INDEX_FILE).write_bytes((self.tmp / INDEX_FILE).read_bytes())
+                index = json.loads((self.tmp / INDEX_FILE).read_text())
+                index["metadata"] = {**index.get("metadata", {}), "total_size": total}
+                (folder / INDEX_FILE).write_text(json.dumps(index, indent=2))
             labels = head_record(i, src, self.plan.heads)["config"]
             (folder / "config.json").write_text(
                 json.dumps(task_config(config, labels), indent=2, sort_keys=True) + "\n"
