@@ -418,6 +418,8 @@ def test_adapter_inputs_are_checked(families, tmp_path):
                 [bad, *fam["adapters"][1:]], tmp_path / "o", "average", base=fam["base_dir"],
                 progress=False,
             )  # fmt: skip
+    with pytest.raises(MergeError, match="a PEFT model in memory; give its adapter folder"):
+        merge_models(fam["peft"], "average", progress=False)
     with pytest.raises(MergeError, match="base: used by LoRA adapters"):
         stream_merge(
             [fam["base_dir"]] * 2, tmp_path / "o", "average", base=fam["base_dir"], progress=False

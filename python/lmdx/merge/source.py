@@ -20,7 +20,7 @@ from .._errors import MergeError
 from .._tensors import FLOAT_DTYPES, as_float64, dtype_name
 from ..files.hf import load_model
 from ..files.identity import tensor_sha256
-from ..files.peft import LoraAdapter
+from ..files.peft import LoraAdapter, is_peft_model
 
 __all__ = ["AdapterSource", "StateDictSource", "TensorSource", "model_source"]
 
@@ -193,6 +193,11 @@ def model_source(model: Any, label: str, *, progress: bool = True) -> StateDictS
     if isinstance(model, (str, os.PathLike)):
         path = Path(model)
         return StateDictSource.of_model(load_model(path, progress=progress), label, path=path)
+    if is_peft_model(model):
+        raise MergeError(
+            f"{label}: a PEFT model in memory; give its adapter folder (save_pretrained) with "
+            "base= (the model it adapts), or merge it into its base first (merge_and_unload)"
+        )
     return StateDictSource.of_model(model, label)
 
 
