@@ -54,7 +54,8 @@ def test_help_shows_every_default(command, add, capsys):
         assert re.search(rf"\(default:? {re.escape(str(default))}[),]", shown), shown
         assert shown in text
         checked += 1
-    assert checked >= {"stats": 6, "merge": 1, "decompose": 4}[command]
+    # stats --max-length: its default depends on the model (stated in words, checked below)
+    assert checked >= {"stats": 5, "merge": 1, "decompose": 4}[command]
 
 
 def test_help_names_the_defaults_users_asked_for(capsys):

@@ -427,6 +427,7 @@ def test_save_merged_round_trip(arch, tmp_path):
     out = save_merged(result, tmp_path / "merged", models[0], record={"note": "test"})
     assert sorted(os.listdir(tmp_path)) == ["merged"]
     assert sorted(os.listdir(out)) == [
+        "README.md",
         "config.json",
         "heads",
         "lmdx_merge.json",

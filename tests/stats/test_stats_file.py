@@ -26,7 +26,7 @@ from lmdx.files.safetensors import TensorSpec, write_safetensors
 from lmdx.merge import merge_models
 from lmdx.stats import Statistics, add_statistics
 from lmdx.stats.fisher import collect_fisher
-from lmdx.stats.packing import pack_upper, unpack_upper
+from lmdx.stats.packing import pack_upper, packed_diagonal, packed_times, unpack_upper
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -464,3 +464,17 @@ def test_atomic_directory_refuses_existing_and_cleans_up(tmp_path):
         raise KeyError("interrupted")
     assert not target.exists()
     assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+@given(st.integers(1, 600), st.integers(1, 5), st.integers(0, 2**31 - 1))
+def test_packed_products_and_diagonal(d, k, seed):
+    """G @ x and diag G straight from the packed triangle, against the full matrix."""
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((d, d))
+    g = a + a.T
+    x = rng.standard_normal((d, k))
+    packed = pack_upper(g)
+    assert np.abs(packed_times(packed, d, x) - g @ x).max() <= 1e-12 * np.abs(g).sum(1).max()
+    assert np.array_equal(packed_diagonal(packed, d), np.diag(g))
+    with pytest.raises(ValueError, match="expected"):
+        packed_times(packed[:-1], d, x)

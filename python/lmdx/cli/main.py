@@ -65,6 +65,7 @@ def _command(argv: list[str]) -> int:
         else:
             sub.add_parser(name, help=module.HELP)
     args = parser.parse_args(argv)
+    args.argv = argv  # the command line, recorded by lmdx merge
     if args.command == "merge":
         return merge.run_merge_cli(args)
     if args.command == "info":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 import sys
 import time
@@ -77,6 +78,12 @@ def add_merge_parser(sub: Any) -> None:
         help="auto or HOST:PORT of a Ray cluster (default: start a local Ray)",
     )
     p.add_argument(
+        "--per-task-folders",
+        action="store_true",
+        help="also write one model folder per kept head, DIR/tasks/<i> (as heads.per_task_folders "
+        "in the config)",
+    )
+    p.add_argument(
         "--no-progress", action="store_true", help="no progress bars (transformers' included)"
     )
 
@@ -102,8 +109,9 @@ def run_merge_cli(args: argparse.Namespace) -> int:
 def _merge(args: argparse.Namespace, claimed: Claimed) -> int:
     from ..files.atomic import existing_parent
     from ..merge.config import load_merge_config, plan_merge, run_merge
+    from ..merge.lora import lora_errors
     from ..merge.plan import peak_rss_bytes
-    from ..merge.sink import HEADS_DIR, MERGE_RECORD
+    from ..merge.sink import HEADS_DIR, MERGE_RECORD, TASKS_DIR
 
     out = Path(args.out)
     if out.exists():
@@ -113,6 +121,12 @@ def _merge(args: argparse.Namespace, claimed: Claimed) -> int:
     if args.ray_workers < 0:
         raise CliError(f"--ray-workers: expected N >= 0, got {args.ray_workers}")
     cfg = load_merge_config(args.config)
+    if args.per_task_folders:
+        if cfg.head_policy != "keep" or not cfg.head_patterns:
+            raise CliError(
+                "--per-task-folders: the config keeps no heads (heads.patterns, policy keep)"
+            )
+        cfg.per_task_folders = True
     if args.dry_run:
         if args.in_memory:
             raise CliError("--dry-run plans the streaming merge; drop --in-memory")
@@ -137,9 +151,11 @@ def _merge(args: argparse.Namespace, claimed: Claimed) -> int:
             streaming=not args.in_memory,
             ray_workers=args.ray_workers,
             ray_address=args.ray_address,
+            command=shlex.join(["lmdx", *args.argv]),
         )
     size = size_of(out)
-    report = json.loads((out / MERGE_RECORD).read_text())["report"]
+    record = json.loads((out / MERGE_RECORD).read_text())
+    report = record["report"]
     settings = ", ".join(f"{k} {report[k]}" for k in ("density", "scaling", "seed") if k in report)
     print(
         f"lmdx merge: {cfg.method}{f' ({settings})' if settings else ''} of "
@@ -148,6 +164,16 @@ def _merge(args: argparse.Namespace, claimed: Claimed) -> int:
         f"peak RSS {peak_rss_bytes() / 1e9:.2f} GB"
     )
     _report_poorly_determined(out / MERGE_RECORD, report)
+    if record.get("lora"):
+        print(
+            f"lmdx merge: LoRA of the merged update in {out / record['lora']['folder']}, "
+            f"{lora_errors(record['lora'])}"
+        )
+    if record.get("task_folders"):
+        print(
+            f"lmdx merge: one model folder per task: {out / TASKS_DIR}/<i> "
+            f"(i = 0..{len(cfg.models) - 1})"
+        )
     if (out / HEADS_DIR).is_dir():
         print(
             f"lmdx merge: model i's classifier (i = 0..{len(cfg.models) - 1}, in the config's "

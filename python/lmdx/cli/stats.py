@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .._errors import CliError, DataError, MissingFileError
+from .._errors import CliError, DataError, MergeError, MissingFileError
 from .common import Claimed, HelpFormatter, printable, report_errors, size_of
 
 __all__ = ["HELP", "add_stats_parser", "run_stats_cli"]
@@ -59,7 +59,19 @@ def add_stats_parser(sub: Any) -> None:
         ),
         formatter_class=HelpFormatter,
     )
-    p.add_argument("model", metavar="MODEL", help="a save_pretrained model folder")
+    p.add_argument(
+        "model",
+        metavar="MODEL",
+        help="a save_pretrained model folder, a sentence-transformers folder (its "
+        "Transformer), or a PEFT LoRA adapter folder (with --base)",
+    )
+    p.add_argument(
+        "--base",
+        default=None,
+        metavar="FOLDER",
+        help="MODEL is a LoRA adapter: the model folder it adapts (statistics of base + "
+        "adapter, for merging the adapter over that base)",
+    )
     p.add_argument(
         "data", metavar="DATA", help="texts: FILE.txt, FILE.jsonl, FILE.csv, corpus:NAME"
     )
@@ -87,8 +99,9 @@ def add_stats_parser(sub: Any) -> None:
     p.add_argument(
         "--max-length",
         type=int,
-        default=128,
-        help="tokens per text, longer texts are cut (truncation): match the fine-tuning length",
+        default=None,
+        help="tokens per text, longer texts are cut (truncation): match the fine-tuning "
+        "length (default: 128), for a sentence-transformers folder its max_seq_length",
     )
     p.add_argument(
         "--include-padding",
@@ -243,7 +256,7 @@ def run_stats_cli(argv: list[str]) -> int:
         return _stats_collect(parser.parse_args(["stats", *argv]), claimed)
 
     return report_errors(
-        "stats", body, usage=(CliError, DataError, MissingFileError), claimed=claimed
+        "stats", body, usage=(CliError, DataError, MergeError, MissingFileError), claimed=claimed
     )
 
 
@@ -261,7 +274,9 @@ def _stats_collect(args: argparse.Namespace, claimed: Claimed) -> int:
 
     from ..data.batches import text_batches
     from ..data.files import read_data
-    from ..files.hf import load_model
+    from ..files.hf import load_model, model_files
+    from ..files.peft import is_adapter_folder, load_peft_model
+    from ..files.st import sentence_transformer
     from ..stats.collect import collect_regmean_stats
     from ..stats.fisher import collect_fisher
 
@@ -271,6 +286,18 @@ def _stats_collect(args: argparse.Namespace, claimed: Claimed) -> int:
     if args.max_memory is not None and (args.ray is not None or args.kind != "regmean"):
         raise CliError("--max-memory: only for --kind regmean without --ray")
     model_dir = Path(args.model)
+    adapter = model_dir if is_adapter_folder(model_dir) else None
+    if adapter is not None:
+        if args.base is None:
+            raise CliError(f"MODEL {model_dir}: a LoRA adapter folder; give --base FOLDER")
+        if args.ray is not None:
+            raise CliError("--ray: not for LoRA adapters; collect without --ray")
+        model_dir = Path(args.base)
+    elif args.base is not None:
+        raise CliError(f"--base: MODEL {model_dir} is not a LoRA adapter folder")
+    st = sentence_transformer(model_dir)
+    if st is not None:
+        model_dir = st.transformer
     if not (model_dir / "config.json").is_file():
         raise CliError(f"MODEL {model_dir}: not a save_pretrained folder (no config.json)")
     texts, labels, source = read_data(
@@ -279,17 +306,27 @@ def _stats_collect(args: argparse.Namespace, claimed: Claimed) -> int:
         label_field=args.label_field,
         max_texts=args.max_texts,
     )
+    max_length = args.max_length
+    if st is not None:  # as sentence-transformers prepares texts for this encoder
+        max_length = max_length or st.max_seq_length()
+        if st.do_lower_case():
+            texts = [t.lower() for t in texts]
+    elif max_length is None:
+        max_length = 128
     t0 = time.perf_counter()
     # with Ray the workers load the model; here only the tokenizer is needed
     model = None if args.ray else load_model(model_dir, progress=not args.no_progress)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if adapter is not None:
+        model = load_peft_model(adapter, model)
+    tokens = adapter if adapter is not None and model_files(adapter) else model_dir
+    tokenizer = AutoTokenizer.from_pretrained(str(tokens))
     gold = (
         _label_ids(labels, model, args.data)
         if args.kind == "fisher" and args.labels == "gold"
         else None
     )
     batches = text_batches(
-        texts, tokenizer, batch_size=args.batch_size, max_length=args.max_length, labels=gold
+        texts, tokenizer, batch_size=args.batch_size, max_length=max_length, labels=gold
     )
     common: dict[str, Any] = {
         "include": args.include,

@@ -13,10 +13,11 @@ def text_batches(
     tokenizer: Any,
     *,
     batch_size: int = 16,
-    max_length: int = 128,
+    max_length: int | None = 128,
     labels: Sequence[int] | None = None,
 ) -> list[dict[str, Any]]:
-    """Tokenize ``texts`` into padded batches (dicts of tensors for ``model(**batch)``).
+    """Tokenize ``texts`` into padded batches (dicts of tensors for ``model(**batch)``),
+    cut at ``max_length`` tokens (None: the tokenizer's ``model_max_length``).
 
     ``labels`` (integers), when given, are added to each batch as ``"labels"``.
     """

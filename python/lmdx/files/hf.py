@@ -12,6 +12,7 @@ from typing import Any
 
 from .._errors import MergeError
 from .parse import read_json
+from .st import model_folder
 
 __all__ = [
     "TOKENIZER_FILES",
@@ -41,8 +42,9 @@ TOKENIZER_FILES = (
 
 
 def load_model(path: str | os.PathLike[str], *, dtype: Any = None, progress: bool = True) -> Any:
-    """Load a Hugging Face model folder with the class named in its ``config.json``."""
-    path = Path(path)
+    """Load a Hugging Face model folder with the class named in its ``config.json`` (of a
+    sentence-transformers folder: its Transformer module's model)."""
+    path = model_folder(path)
     cls = model_class(read_config(path))
     kwargs: dict[str, Any] = {"dtype": dtype} if dtype is not None else {}
     with hf_progress(progress):

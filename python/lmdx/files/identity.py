@@ -13,7 +13,13 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["describe_mismatch", "file_sha256", "model_identity", "tensor_sha256"]
+__all__ = [
+    "describe_mismatch",
+    "file_sha256",
+    "model_identity",
+    "state_identity",
+    "tensor_sha256",
+]
 
 
 def tensor_bytes(t: Any) -> memoryview:
@@ -32,15 +38,25 @@ def model_identity(model: Any) -> dict[str, Any]:
     """Architecture and per-parameter name, shape, dtype and SHA-256 of a model.
 
     ``model`` is a torch module (its ``state_dict()``) or a mapping name -> tensor.
-    ``weights_sha256`` hashes the per-parameter hashes in name order.
+    ``weights_sha256`` hashes the per-parameter hashes in name order. A PEFT LoRA model
+    is its base model's tensors under their own names plus its adapter
+    (:func:`lmdx.files.peft.peft_model_identity`).
     """
+    from .peft import is_peft_model, peft_model_identity
+
+    if is_peft_model(model):
+        return peft_model_identity(model)
     if hasattr(model, "state_dict") and not isinstance(model, Mapping):
-        state = model.state_dict()
-        architecture = type(model).__name__
         model_type = getattr(getattr(model, "config", None), "model_type", None)
-    else:
-        state = dict(model)
-        architecture, model_type = "state_dict", None
+        return state_identity(model.state_dict(), type(model).__name__, model_type)
+    return state_identity(dict(model), "state_dict", None)
+
+
+def state_identity(
+    state: Mapping[str, Any], architecture: str, model_type: str | None
+) -> dict[str, Any]:
+    """:func:`model_identity` of the tensors ``state`` (name -> tensor) of a model of class
+    ``architecture``."""
     params: dict[str, Any] = {}
     total = hashlib.sha256()
     for name in sorted(state):
@@ -64,6 +80,13 @@ def describe_mismatch(expected: Mapping[str, Any], actual: Mapping[str, Any]) ->
             f"architecture {expected.get('architecture')} (statistics) vs "
             f"{actual.get('architecture')} (model)"
         )
+    ad_exp, ad_act = expected.get("adapter"), actual.get("adapter")
+    if ad_exp is None and ad_act is not None:
+        return "the statistics' model has no adapter; this model is a base with a LoRA adapter"
+    if ad_exp is not None and ad_act is None:
+        return "the statistics' model is a base with a LoRA adapter; this model has none"
+    if ad_exp is not None and ad_act is not None and ad_exp["sha256"] != ad_act["sha256"]:
+        return _adapter_mismatch(ad_exp, ad_act)
     p_exp, p_act = expected["parameters"], actual["parameters"]
     for name in sorted(set(p_exp) | set(p_act)):
         if name not in p_act:
@@ -81,6 +104,20 @@ def describe_mismatch(expected: Mapping[str, Any], actual: Mapping[str, Any]) ->
                 f"{b['sha256'][:12]}… here)"
             )
     return "content hashes differ"
+
+
+def _adapter_mismatch(expected: Mapping[str, Any], actual: Mapping[str, Any]) -> str:
+    """First difference between two LoRA adapter identities, in words."""
+    if expected["scaling"] != actual["scaling"]:
+        return (
+            f"the LoRA adapters differ in their scaling ({expected['scaling']} there, "
+            f"{actual['scaling']} here)"
+        )
+    t_exp, t_act = expected["tensors"], actual["tensors"]
+    for name in sorted(set(t_exp) | set(t_act)):
+        if t_exp.get(name) != t_act.get(name):
+            return f"the LoRA adapters differ in tensor {name!r}"
+    return "the LoRA adapters differ"
 
 
 def tensor_sha256(t: Any) -> str:

@@ -5,8 +5,14 @@ tensors; they differ only in where tensors come from and go to.
 
 Task heads (``heads`` patterns, e.g. ``classifier.*``) are not merged: each model keeps
 its own (:meth:`MergeResult.model_state`, ``heads/<i>.safetensors`` with its labels in
-``heads/<i>.json``) or they are dropped. :func:`load_merged` loads a merged folder as
-task ``i``'s model: the merged body, model ``i``'s head and labels.
+``heads/<i>.json``, and with ``task_folders`` a complete folder ``tasks/<i>/`` each) or
+they are dropped. :func:`load_merged` loads a merged folder as task ``i``'s model: the
+merged body, model ``i``'s head and labels.
+
+Models may be PEFT LoRA adapter folders over ``base`` (:class:`~lmdx.merge.source.
+AdapterSource`; RegMean on their factors, :mod:`lmdx.merge.lora`) and
+sentence-transformers folders (:mod:`lmdx.files.st`: the Transformer is merged, the
+other modules written unchanged beside it).
 """
 
 from __future__ import annotations
@@ -22,14 +28,17 @@ from typing import Any
 from .._errors import MergeError
 from .._tensors import to_torch
 from ..files.checkpoint import Checkpoint
-from ..files.hf import hf_config, hf_progress, load_model, model_class, read_config
+from ..files.hf import hf_config, hf_progress, load_model, model_class, model_files, read_config
 from ..files.identity import file_sha256
 from ..files.parse import read_json
+from ..files.peft import LoraAdapter, is_adapter_folder
+from ..files.st import check_same_modules, model_folder, sentence_transformer
 from ..stats.file import Statistics
 from ..stats.format import INDEX_NAME
 from .engine import Executor, run
+from .lora import LoraExport, check_lora_export
 from .options import RANDOM_METHODS, SPARSIFYING_METHODS, TASK_VECTOR_METHODS, MergeOptions
-from .plan import Block, MergePlan, make_plan, open_stats, peak_rss_bytes
+from .plan import Block, MergePlan, content_sha256, make_plan, open_stats, peak_rss_bytes
 from .ray import RayGroupSolver
 from .regmean_plusplus import BlockMerger, activation_budget, model_blocks, prepare_batches
 from .sink import (
@@ -40,8 +49,9 @@ from .sink import (
     head_files,
     merge_record,
     output_config,
+    task_config,
 )
-from .source import StateDictSource, TensorSource, model_source
+from .source import AdapterSource, StateDictSource, TensorSource, model_source
 
 __all__ = [
     "MergeResult",
@@ -74,6 +84,9 @@ class MergeResult:
     configs
         Per input model, its Hugging Face configuration (``{}`` for a state dict): where
         :func:`save_merged` finds each head's labels.
+    lora
+        With ``lora_rank``: the rank-r LoRA of the merged update, which
+        :func:`save_merged` writes to ``lora/`` (a :class:`lmdx.merge.lora.LoraExport`).
     """
 
     state_dict: dict[str, Any]
@@ -81,6 +94,7 @@ class MergeResult:
     report: dict[str, Any] = field(default_factory=dict)
     inputs: dict[str, Any] = field(default_factory=dict)
     configs: list[dict[str, Any]] = field(default_factory=list)
+    lora: LoraExport | None = None
 
     def model_state(self, i: int = 0) -> dict[str, Any]:
         """Full state dict for model ``i``: the merged body plus model ``i``'s own head."""
@@ -110,11 +124,14 @@ def _labels(models: Sequence[Any], labels: Sequence[str] | None) -> list[str]:
 
 
 def _report(plan: MergePlan, options: MergeOptions, streaming: bool) -> dict[str, Any]:
+    solves = options.method in ("regmean", "regmean_plusplus")
     report: dict[str, Any] = {
         "method": options.method,
         "streaming": streaming,
         "models": plan.labels,
-        "alpha": options.alpha if options.method in ("regmean", "regmean_plusplus") else None,
+        "alpha": options.alpha if solves else None,
+        "precision": options.precision if solves else None,
+        "ridge": options.ridge if solves else None,
         "coefficients": None if options.coefficients is None else list(options.coefficients),
         "exclude": list(options.exclude),
         "heads": list(options.heads),
@@ -133,17 +150,92 @@ def _report(plan: MergePlan, options: MergeOptions, streaming: bool) -> dict[str
 
 
 def _inputs(sources: Sequence[TensorSource], stats: Sequence[Statistics] | None) -> dict[str, Any]:
-    """Per input model: path, architecture, size, statistics file and its hash."""
-    return {
-        src.label: {
+    """Per input model: path (and, for an adapter, its base's), architecture, size,
+    content hash (:func:`lmdx.merge.plan.content_sha256`), statistics file and its hash."""
+    out = {}
+    for src, s in zip(sources, list(stats) if stats else [None] * len(sources), strict=True):
+        entry = {
             "path": None if src.path is None else os.path.abspath(src.path),
             "architecture": src.architecture(),
             "bytes": src.total_bytes(),
+            "weights_sha256": content_sha256(src),
             "stats": None if s is None else s.source,
             "stats_sha256": _stats_sha256(s),
         }
-        for src, s in zip(sources, list(stats) if stats else [None] * len(sources), strict=True)
-    }
+        if isinstance(src, AdapterSource):
+            base = src.base.path
+            entry["base"] = None if base is None else os.path.abspath(base)
+        out[src.label] = entry
+    return out
+
+
+def _open_models(
+    models: Sequence[Any],
+    labels: Sequence[str],
+    base: TensorSource | None,
+    open_model: Any,
+) -> list[TensorSource]:
+    """Every model as a tensor source: a PEFT LoRA adapter folder over ``base``
+    (:class:`AdapterSource`), anything else by ``open_model(model, label)``."""
+    sources: list[TensorSource] = []
+    for i, (m, label) in enumerate(zip(models, labels, strict=True)):
+        if isinstance(m, (str, os.PathLike)) and is_adapter_folder(m):
+            if base is None:
+                raise MergeError(
+                    f"models[{i}] {m}: a LoRA adapter folder; give base= (the model folder it "
+                    "adapts; in a merge config: base:)"
+                )
+            sources.append(AdapterSource(base, LoraAdapter.load(m, label), label))
+        else:
+            sources.append(open_model(m, label))
+    return sources
+
+
+def _check_base(sources: Sequence[TensorSource], base: Any, method: str) -> None:
+    if base is not None and method not in TASK_VECTOR_METHODS:
+        if not any(isinstance(s, AdapterSource) for s in sources):
+            raise MergeError(
+                f"base: used by LoRA adapters (models that are adapter folders) and by "
+                f"{', '.join(TASK_VECTOR_METHODS)}, not by {method} of full models"
+            )
+
+
+def _check_task_folders(
+    plan: MergePlan, options: MergeOptions, configs: Sequence[Mapping[str, Any]]
+) -> None:
+    """Per-task folders need kept heads of models with a configuration (checked before
+    any work)."""
+    if options.head_policy != "keep" or not plan.heads:
+        raise MergeError(
+            "per-task folders: the merge kept no task heads (give heads patterns and the head "
+            "policy keep)"
+        )
+    if not all(configs):
+        raise MergeError(
+            "per-task folders: a model without a configuration (a state dict) has no labels"
+        )
+
+
+def _tokenizer_folder(source: TensorSource) -> Path | None:
+    """Where the output's tokenizer files come from: the model's folder (an adapter's,
+    if it has them; else its base's)."""
+    folder = source.path
+    if isinstance(source, AdapterSource) and (folder is None or not model_files(folder)):
+        folder = source.base.path
+    if folder is None or not folder.is_dir():
+        return None
+    return model_folder(folder)
+
+
+def _st_files(folders: Sequence[Any], labels: Sequence[str]) -> dict[str, bytes]:
+    """The sentence-transformers files a merged folder gets (none for other models); the
+    models' modules must agree (:func:`lmdx.files.st.check_same_modules`)."""
+    found = [
+        sentence_transformer(f) if isinstance(f, (str, os.PathLike)) and Path(f).is_dir() else None
+        for f in folders
+    ]
+    check_same_modules(found, labels)
+    return {} if found[0] is None else found[0].output_files()
 
 
 def _stats_sha256(stats: Statistics | None) -> str | None:
@@ -228,6 +320,7 @@ def merge_models(
     allow_regularization: bool = True,
     precision: str = "auto",
     labels: Sequence[str] | None = None,
+    lora_rank: int | None = None,
     progress: bool = True,
     n_threads: int | None = None,
     data: Sequence[Any] | None = None,
@@ -242,7 +335,8 @@ def merge_models(
     Parameters
     ----------
     models
-        K torch modules, state dicts or Hugging Face model folders.
+        K torch modules, state dicts, Hugging Face model folders (sentence-transformers
+        folders: their Transformer) or PEFT LoRA adapter folders over ``base``.
     method
         ``"regmean"``, ``"average"``, ``"fisher"``, a task-vector method:
         ``"task_arithmetic"``, ``"ties"``, ``"dare"`` or ``"dare_ties"`` (see
@@ -266,8 +360,10 @@ def merge_models(
         ``fnmatch`` patterns of parameter names that are task heads: not merged; each
         model's own head is kept in :attr:`MergeResult.heads`.
     base
-        The pre-trained model the task vectors ``θ_i − θ_base`` are taken against
-        (needed by the task-vector methods, refused by the others).
+        The pre-trained model (a module or folder): the model LoRA adapters in ``models``
+        adapt (their statistics must be collected on base + adapter), and the θ_base the
+        task-vector methods take their task vectors ``θ_i − θ_base`` against (needed by
+        them; refused by the other methods of full models).
     scaling
         λ of the task-vector methods: ``θ_base + λ × (merged task vector)``. Default
         (None): 0.3 for ``task_arithmetic`` and ``dare``, 1.0 for ``ties`` and
@@ -290,7 +386,9 @@ def merge_models(
         ``"auto"`` uses float32 where the estimated error stays below 1e-6 of the
         weights. ``report["layers"]`` says per module what was used, and
         ``report["poorly_determined"]`` lists the systems with too few statistics rows
-        per input or a large condition estimate, with what to do.
+        per input or a large condition estimate, with what to do. LoRA adapters over one
+        base are solved on their factors, in float64 (``low_rank`` in the layer's report:
+        the merged update's rank).
     labels
         Names of the models for messages and the report (default: their paths or
         ``model0``...).
@@ -310,6 +408,9 @@ def merge_models(
         ``regmean_plusplus``: the most bytes of activations held between blocks (``"4GB"``
         or bytes; default: all of them); the batches beyond it are recomputed from the
         merged prefix for every block (slower: see :mod:`lmdx.merge.regmean_plusplus`).
+    lora_rank
+        Also build a rank-r LoRA of the merged update (every model a LoRA adapter over
+        ``base``): :attr:`MergeResult.lora`, written by :func:`save_merged`.
     """
     t0 = time.perf_counter()
     models = list(models)
@@ -330,33 +431,46 @@ def merge_models(
         n_threads=n_threads,
     )
     names = _labels(models, labels)
-    sources = [
-        model_source(m, lab, progress=progress) for m, lab in zip(models, names, strict=True)
-    ]
     base_source = None if base is None else model_source(base, "base", progress=progress)
+    sources = _open_models(
+        models, names, base_source, lambda m, lab: model_source(m, lab, progress=progress)
+    )
+    _check_base(sources, base, method)
+    lora = (
+        None if lora_rank is None else LoraExport(check_lora_export(sources, lora_rank), lora_rank)
+    )
     stat_objs = open_stats(stats, method, len(models), names)
+    arithmetic_base = base_source if method in TASK_VECTOR_METHODS else None
     blocks = _blocks(sources, method, data)
-    plan = make_plan(sources, options, stat_objs, base_source, folder=False, blocks=blocks)
+    plan = make_plan(sources, options, stat_objs, arithmetic_base, folder=False, blocks=blocks)
     report = _report(plan, options, streaming=False)
     sink = MemorySink(plan)
-    inputs = _PlusPlusData(
+    pp_data = _PlusPlusData(
         data, tokenizer, max_texts, max_length, batch_size, max_activation_memory
     )
-    merger = _block_merger(sources, plan, options, blocks, inputs, progress)
-    executor = Executor(sources, stat_objs, base_source, plan, options, report, blocks=merger)
+    merger = _block_merger(sources, plan, options, blocks, pp_data, progress)
+    executor = Executor(
+        sources, stat_objs, arithmetic_base, plan, options, report, blocks=merger, lora=lora
+    )
     run(plan, executor.result, sink, f"merge ({method})", progress and merger is None)
     if merger is not None:
         report["regmean_plusplus"] = merger.summary()
     ref = sources[0]
+    in_memory = ref.base if isinstance(ref, AdapterSource) else ref
+    assert isinstance(in_memory, StateDictSource)
     state = {}
-    for name in ref.state:  # every name, tied aliases as the very tensor they alias
+    for name in in_memory.state:  # every name, tied aliases as the very tensor they alias
         if name in plan.heads:
             continue
         state[name] = sink.tensors[plan.tied.get(name, name)]
     report["seconds"] = time.perf_counter() - t0
-    head_states = [{h: src.state[h] for h in plan.heads} for src in sources]
+    head_states = [{h: src.read(h) for h in plan.heads} for src in sources]
+    if lora is not None:  # the folder loads as model 0: its head
+        for h, value in head_states[0].items():
+            lora.observe(h, value)
     configs = [dict(src.config) for src in sources]
-    return MergeResult(state, head_states, report, _inputs(sources, stat_objs), configs)
+    inputs = _inputs(sources, stat_objs)
+    return MergeResult(state, head_states, report, inputs, configs, lora)
 
 
 def save_merged(
@@ -369,6 +483,7 @@ def save_merged(
     max_shard_size: int | str = "2GB",
     tokenizer_from: str | os.PathLike[str] | None = None,
     record: Mapping[str, Any] | None = None,
+    task_folders: bool = False,
     progress: bool = True,
 ) -> Path:
     """Write a merged model as a Hugging Face ``save_pretrained`` folder, atomically,
@@ -384,7 +499,8 @@ def save_merged(
     template
         A model (or model folder) of the merged architecture, e.g. the first input model:
         its configuration is written and every merged tensor must fit one of its tensors
-        (it is not modified).
+        (it is not modified). A sentence-transformers folder's modules are written
+        beside the merged encoder.
     head_policy
         ``"keep"``: the model is saved with the first model's head and every model's head
         is written to ``heads/<i>.safetensors``; ``"drop"``: the backbone is saved
@@ -393,12 +509,21 @@ def save_merged(
         ``"auto"`` (each tensor's dtype in the inputs), ``"float32"``, ``"bfloat16"`` or
         ``"float16"``.
     tokenizer_from
-        A model folder whose tokenizer and generation files are copied (default: the
+        A model folder whose tokenizer and generation files (and, for a
+        sentence-transformers folder, its other modules) are copied (default: the
         template's folder when it is one).
     record
-        Extra entries for ``lmdx_merge.json`` (e.g. the resolved config).
+        Extra entries for ``lmdx_merge.json`` (e.g. the resolved config, ``command``).
+    task_folders
+        Also write ``tasks/<i>/`` for every model's head: a complete ``save_pretrained``
+        folder (the merged body, model i's head and labels) that
+        ``AutoModelForSequenceClassification.from_pretrained`` loads directly.
     progress
         Show progress bars (transformers' own included).
+
+    The folder also gets a model card (``README.md``: method, options, inputs with their
+    content hashes, the command or configuration) and, for a result with a LoRA, the
+    adapter folder ``lora/``.
     """
     head_names = list(result.heads[0]) if result.heads else []
     options = MergeOptions.checked(
@@ -412,12 +537,13 @@ def save_merged(
     out = Path(out_dir)
     if out.exists():
         raise MergeError(f"output {out}: already exists; choose a new directory")
-    folder: Path | None
+    given = tokenizer_from
+    if given is None and isinstance(template, (str, os.PathLike)):
+        given = template
+    st_files = {} if given is None else _st_files([given], [str(given)])
+    folder = None if given is None else model_folder(given)
     if isinstance(template, (str, os.PathLike)):
-        folder = Path(tokenizer_from if tokenizer_from is not None else template)
         template = load_model(template, progress=progress)
-    else:
-        folder = None if tokenizer_from is None else Path(tokenizer_from)
     model = StateDictSource.of_model(template, "template")
     merged = StateDictSource(
         result.model_state(0),
@@ -428,14 +554,19 @@ def save_merged(
     plan = make_plan([merged], options, None, None, folder=True)
     _check_template(plan, model, options)
     heads = _head_sources(result)
-    with FolderSink(out, plan) as sink:
+    if task_folders:
+        _check_task_folders(plan, options, [h.config for h in heads])
+    extra = {**(record or {}), "sentence_transformers": bool(st_files)}
+    with FolderSink(out, plan, task_folders=task_folders) as sink:
         run(plan, merged.read, sink, "save merged", progress)
+        if result.lora is not None:
+            extra["lora"] = result.lora.write(sink.tmp)
         sink.finish(
             heads if options.head_policy == "keep" and any(result.heads) else [],
             output_config(model.config, plan, options),
             folder,
-            merge_record(result.report, options, result.inputs, record),
-            _generation_config(template),
+            merge_record(result.report, options, result.inputs, extra),
+            {**_generation_config(template), **st_files},
         )
     return out
 
@@ -525,6 +656,8 @@ def stream_merge(
     max_shard_size: int | str = "2GB",
     labels: Sequence[str] | None = None,
     record: Mapping[str, Any] | None = None,
+    lora_rank: int | None = None,
+    task_folders: bool = False,
     dry_run: bool = False,
     progress: bool = True,
     n_threads: int | None = None,
@@ -547,16 +680,20 @@ def stream_merge(
     independent of depth and of K × model size.
 
     Parameters are those of :func:`merge_models` and :func:`save_merged` (``models`` and
-    ``base`` are model folders). With ``dry_run=True`` nothing is read beyond headers
+    ``base`` are model folders: Hugging Face, sentence-transformers or, over ``base``,
+    PEFT LoRA adapters; ``lora_rank`` writes the LoRA of the merged update to ``lora/``,
+    with its errors in ``lmdx_merge.json``). With ``dry_run=True`` nothing is read beyond headers
     (and, with statistics, the weights they are checked against) and nothing is written:
     the result's ``plan`` says what would be done and how much memory and disk it needs.
 
     The output folder holds ``config.json`` (the first model's, with ``architectures``
     and the dtype updated as needed), the weights as ``model.safetensors`` or shards of
     at most ``max_shard_size`` with ``model.safetensors.index.json``, the tokenizer
-    files, ``heads/<i>.safetensors`` (``head_policy="keep"``) and ``lmdx_merge.json``
-    (configuration, per-layer solver information, input hashes, peak RSS). It appears
-    only when complete; a full disk is reported before any work.
+    files, ``heads/<i>.safetensors`` (``head_policy="keep"``), ``tasks/<i>/``
+    (``task_folders``), a sentence-transformers model's other modules, ``README.md`` (the
+    model card) and ``lmdx_merge.json`` (configuration, per-layer solver information,
+    input hashes, peak RSS). It appears only when complete; a full disk is reported
+    before any work.
 
     ``ray_workers > 0`` solves the RegMean groups on that many Ray actors (``lmdx[ray]``;
     ``ray_address`` as in :func:`lmdx.collect_regmean_stats_ray`), a few groups ahead of
@@ -600,39 +737,64 @@ def stream_merge(
     out = Path(out_dir)
     if not dry_run and out.exists():
         raise MergeError(f"output {out}: already exists; choose a new directory")
-    sources = [Checkpoint(m, lab) for m, lab in zip(models, names, strict=True)]
+    base_source = None if base is None else Checkpoint(model_folder(base), "base")
+    sources = _open_models(
+        models, names, base_source, lambda m, lab: Checkpoint(model_folder(m), lab)
+    )
+    _check_base(sources, base, method)
+    st_files = _st_files(models, names)
+    adapters = any(isinstance(s, AdapterSource) for s in sources)
+    if ray_workers and adapters:
+        raise MergeError("ray_workers: not for LoRA adapter inputs; merge them without Ray")
+    lora = (
+        None if lora_rank is None else LoraExport(check_lora_export(sources, lora_rank), lora_rank)
+    )
     stat_objs = open_stats(stats, method, len(models), names)
-    base_source = None if base is None else Checkpoint(base, "base")
+    arithmetic_base = base_source if method in TASK_VECTOR_METHODS else None
     blocks = _blocks(sources, method, data)
-    plan = make_plan(sources, options, stat_objs, base_source, folder=True, blocks=blocks)
+    plan = make_plan(sources, options, stat_objs, arithmetic_base, folder=True, blocks=blocks)
+    if task_folders:
+        _check_task_folders(plan, options, [src.config for src in sources])
     if dry_run:
         return StreamMergeResult(None, plan, {}, peak_rss_bytes())
     report = _report(plan, options, streaming=True)
-    inputs = _PlusPlusData(
+    pp_data = _PlusPlusData(
         data, tokenizer, max_texts, max_length, batch_size, max_activation_memory
     )
-    merger = _block_merger(sources, plan, options, blocks, inputs, progress)
-    with FolderSink(out, plan) as sink:
+    merger = _block_merger(sources, plan, options, blocks, pp_data, progress)
+    extra = {**(record or {}), "sentence_transformers": bool(st_files)}
+    with FolderSink(out, plan, task_folders=task_folders) as sink:
         remote = None
         if ray_workers and method == "regmean":
             remote = _ray_solver(sources, stat_objs, plan, options, ray_workers, ray_address)
             report["ray_workers"] = ray_workers
         try:
             executor = Executor(
-                sources, stat_objs, base_source, plan, options, report, remote, merger
+                sources,
+                stat_objs,
+                arithmetic_base,
+                plan,
+                options,
+                report,
+                remote,
+                blocks=merger,
+                lora=lora,
             )
             bar = progress and merger is None  # RegMean++ shows its blocks instead
             run(plan, executor.result, sink, f"merge ({method}, streaming)", bar)
             if merger is not None:
                 report["regmean_plusplus"] = merger.summary()
+            if lora is not None:
+                extra["lora"] = lora.write(sink.tmp)
             report["seconds"] = time.perf_counter() - t0
             report["peak_rss_bytes"] = peak_rss_bytes()
             report["estimated_peak_bytes"] = plan.peak_memory
             sink.finish(
                 sources if options.head_policy == "keep" else [],
                 output_config(sources[0].config, plan, options),
-                sources[0].path if sources[0].path.is_dir() else None,
-                merge_record(report, options, _inputs(sources, stat_objs), record),
+                _tokenizer_folder(sources[0]),
+                merge_record(report, options, _inputs(sources, stat_objs), extra),
+                st_files,
             )
         finally:
             if remote is not None:
@@ -641,7 +803,7 @@ def stream_merge(
 
 
 def _ray_solver(
-    sources: Sequence[Checkpoint],
+    sources: Sequence[TensorSource],
     stats: Sequence[Statistics] | None,
     plan: MergePlan,
     options: MergeOptions,
@@ -653,7 +815,7 @@ def _ray_solver(
     if any(p is None or not Path(p).exists() for p in paths):
         raise MergeError("ray_workers: the statistics must be files or folders (paths)")
     return RayGroupSolver(
-        [str(c.path.absolute()) for c in sources],
+        [str(Path(str(c.path)).absolute()) for c in sources],
         [str(Path(str(p)).absolute()) for p in paths],
         plan.labels,
         options,
@@ -721,12 +883,7 @@ def load_merged(
             f"{folder}; the head is from another merge"
         )
     state.update({n: to_torch(head.read(n)) for n in head.names()})
-    for key, value in record["config"].items():
-        if value is None:
-            config.pop(key, None)
-        else:
-            config[key] = value
-    return _from_state(folder, config, state, progress)
+    return _from_state(folder, task_config(config, record["config"]), state, progress)
 
 
 def _kept_heads(folder: Path) -> list[int]:

@@ -4,7 +4,8 @@ Example::
 
     method: regmean     # regmean | average | fisher | task_arithmetic | ties | dare | dare_ties
     models:
-      - path: finetuned/bbc    # a save_pretrained folder (relative to this file)
+      - path: finetuned/bbc    # a save_pretrained (or sentence-transformers) folder,
+                               # relative to this file
         stats: stats/bbc.safetensors     # regmean: Gram statistics; fisher: Fisher
         coefficient: 1.0       # optional per-model coefficient
       - path: finetuned/reuters
@@ -14,6 +15,7 @@ Example::
     heads:
       patterns: ["classifier.*"]
       policy: keep             # keep each model's head (heads/<i>.safetensors) | drop
+      per_task_folders: false  # also tasks/<i>/: a complete model folder per head
     output:
       dtype: auto              # auto | float32 | bfloat16 | float16
       max_shard_size: 2GB
@@ -34,6 +36,11 @@ that use them, ``scaling`` (default 0.3 for ``task_arithmetic`` and ``dare``, 1.
 ``ties`` and ``dare_ties``) with the task-vector methods. ``fisher_eps`` is for
 ``fisher``; ``ridge``, ``allow_regularization``, ``precision`` (``auto`` | ``float64``)
 and ``threads`` tune the RegMean solves.
+
+LoRA adapters: ``models: [{adapter: lora/bbc, stats: ...}, ...]`` (PEFT adapter folders)
+with ``base:`` the model folder they adapt (statistics collected on base + adapter:
+``lmdx stats ADAPTER DATA --base BASE``); ``output.lora_rank: r`` also writes a rank-r
+LoRA of the merged update to ``lora/``.
 
 ``regmean_plusplus`` (RegMean++: the blocks merged in order, each on Grams taken
 through the merged blocks before it) takes each model's data instead of statistics,
@@ -65,8 +72,10 @@ from .._tensors import OUTPUT_DTYPES
 from .._util import parse_size
 from ..data import corpora
 from ..data.files import read_data
-from ..files.hf import load_model
+from ..files.hf import load_model, model_files
 from ..files.parse import parse_json, read_text, read_yaml, schema_message
+from ..files.peft import is_adapter_folder
+from ..files.st import check_same_modules, sentence_transformer
 from .api import merge_models, save_merged, stream_merge
 from .options import (
     HEAD_POLICIES,
@@ -86,12 +95,13 @@ MAX_THREADS = 4096
 
 @dataclass
 class ModelEntry:
-    path: str
+    path: str  # the model folder, or the adapter folder for an adapter
     stats: str | None = None
     coefficient: float | None = None
     name: str | None = None
     data: str | None = None  # regmean_plusplus: a text file or corpus:NAME
     text_field: str = "text"
+    adapter: bool = False  # path is a PEFT LoRA adapter folder over the config's base
 
 
 @dataclass
@@ -112,8 +122,10 @@ class MergeConfig:
     exclude: list[str] = field(default_factory=list)
     head_patterns: list[str] = field(default_factory=list)
     head_policy: str = "keep"
+    per_task_folders: bool = False
     dtype: str = "auto"
     max_shard_size: str = "2GB"
+    lora_rank: int | None = None
     threads: int | None = None
     max_texts: int | None = None
     max_length: int = 128
@@ -158,7 +170,8 @@ _Path = Annotated[str, Field(min_length=1)]
 
 
 class _Model(_Strict):
-    path: _Path
+    path: _Path | None = None
+    adapter: _Path | None = None
     stats: _Path | None = None
     coefficient: Annotated[float, Field(ge=0.0)] | None = None
     name: str | None = None
@@ -169,11 +182,13 @@ class _Model(_Strict):
 class _Heads(_Strict):
     patterns: _Patterns | None = None
     policy: Literal[HEAD_POLICIES] = "keep"  # type: ignore[valid-type]
+    per_task_folders: bool = False
 
 
 class _Output(_Strict):
     dtype: Literal[OUTPUT_DTYPES] = "auto"  # type: ignore[valid-type]
     max_shard_size: Annotated[str, BeforeValidator(_size)] = "2GB"
+    lora_rank: Annotated[int, Field(ge=1, le=2**20)] | None = None
 
 
 class _ConfigFile(_Strict):
@@ -219,6 +234,8 @@ _LABELS = {
     "max_texts": "must be a whole number >= 1",
     "max_length": "must be a whole number of tokens >= 1",
     "batch_size": "must be a whole number >= 1",
+    "output.lora_rank": "must be a whole number >= 1",
+    "heads.per_task_folders": "must be true or false",
 }
 
 
@@ -291,9 +308,28 @@ def _resolved(checked: _ConfigFile, root: Path, where: str) -> MergeConfig:
     method = checked.method
     models = []
     for i, e in enumerate(checked.models):
-        entry = ModelEntry(path=resolve(e.path), coefficient=e.coefficient, name=e.name)
-        if not exists(entry.path, f"models[{i}].path", folder=True):
-            raise MergeError(f"{where}: models[{i}].path {entry.path}: no such model folder")
+        if (e.path is None) == (e.adapter is None):
+            raise MergeError(
+                f"{where}: models[{i}]: give path (a model folder) or adapter (a LoRA adapter "
+                "folder over base), one of the two"
+            )
+        key = "path" if e.adapter is None else "adapter"
+        given = e.path if e.adapter is None else e.adapter
+        assert given is not None
+        entry = ModelEntry(
+            path=resolve(given), coefficient=e.coefficient, name=e.name, adapter=key == "adapter"
+        )
+        if not exists(entry.path, f"models[{i}].{key}", folder=True):
+            what = "model" if key == "path" else "adapter"
+            raise MergeError(f"{where}: models[{i}].{key} {entry.path}: no such {what} folder")
+        if is_adapter_folder(entry.path) != entry.adapter:
+            raise MergeError(
+                f"{where}: models[{i}].path {entry.path} is a LoRA adapter folder: write "
+                f"adapter: instead of path:"
+                if not entry.adapter
+                else f"{where}: models[{i}].adapter {entry.path}: no adapter_config.json; "
+                "not a PEFT adapter folder"
+            )
         if e.stats is not None:
             entry.stats = resolve(e.stats)
             if not exists(entry.stats, f"models[{i}].stats", folder=False):
@@ -326,9 +362,9 @@ def _resolved(checked: _ConfigFile, root: Path, where: str) -> MergeConfig:
                 "regmean_plusplus does)"
             )
     data_keys = ("max_texts", "max_length", "batch_size", "max_activation_memory")
-    given = [k for k in data_keys if getattr(checked, k) is not None]
-    if given and not needs_data:
-        raise MergeError(f"{where}: {given[0]} is only used by method regmean_plusplus")
+    data_given = [k for k in data_keys if getattr(checked, k) is not None]
+    if data_given and not needs_data:
+        raise MergeError(f"{where}: {data_given[0]} is only used by method regmean_plusplus")
     coefs = [m.coefficient for m in models]
     if any(c is not None for c in coefs) and any(c is None for c in coefs):
         raise MergeError(f"{where}: give a coefficient for every model or for none")
@@ -350,14 +386,24 @@ def _resolved(checked: _ConfigFile, root: Path, where: str) -> MergeConfig:
         batch_size=checked.batch_size or 16,
         max_activation_memory=checked.max_activation_memory,
     )
-    if method in TASK_VECTOR_METHODS:
+    adapters = [i for i, m in enumerate(models) if m.adapter]
+    if method in TASK_VECTOR_METHODS or adapters:
         if checked.base is None:
+            if adapters:
+                raise MergeError(
+                    f"{where}: models[{adapters[0]}] is a LoRA adapter: base: is required (the "
+                    "model folder the adapters adapt)"
+                )
             raise MergeError(f"{where}: {method} needs base: (the pre-trained model folder)")
         cfg.base = resolve(checked.base)
         if not exists(cfg.base, "base", folder=True):
             raise MergeError(f"{where}: base {cfg.base}: no such model folder")
+    elif checked.base is not None:
+        raise MergeError(
+            f"{where}: base is only used by LoRA adapters (models[].adapter) and by "
+            f"{', '.join(TASK_VECTOR_METHODS)}, not by {method} of full models"
+        )
     for key, users in (
-        ("base", TASK_VECTOR_METHODS),
         ("scaling", TASK_VECTOR_METHODS),
         ("density", SPARSIFYING_METHODS),
         ("seed", RANDOM_METHODS),
@@ -367,9 +413,21 @@ def _resolved(checked: _ConfigFile, root: Path, where: str) -> MergeConfig:
     if checked.heads is not None:
         cfg.head_patterns = list(checked.heads.patterns or [])
         cfg.head_policy = checked.heads.policy
+        cfg.per_task_folders = checked.heads.per_task_folders
+    if cfg.per_task_folders and (cfg.head_policy != "keep" or not cfg.head_patterns):
+        raise MergeError(
+            f"{where}: heads.per_task_folders needs heads kept (heads.patterns given, "
+            "heads.policy keep)"
+        )
     if checked.output is not None:
         cfg.dtype = checked.output.dtype
         cfg.max_shard_size = checked.output.max_shard_size
+        cfg.lora_rank = checked.output.lora_rank
+    if cfg.lora_rank is not None and len(adapters) != len(models):
+        raise MergeError(
+            f"{where}: output.lora_rank needs every model to be a LoRA adapter "
+            "(models[].adapter) over base"
+        )
     return cfg
 
 
@@ -447,6 +505,7 @@ def _output_kwargs(cfg: MergeConfig) -> dict[str, Any]:
         "head_policy": cfg.head_policy,
         "dtype": cfg.dtype,
         "max_shard_size": cfg.max_shard_size,
+        "task_folders": cfg.per_task_folders,
     }
 
 
@@ -459,6 +518,7 @@ def plan_merge(cfg: MergeConfig) -> MergePlan:
         Path(os.devnull),
         dry_run=True,
         progress=False,
+        lora_rank=cfg.lora_rank,
         **_output_kwargs(cfg),
         **_merge_kwargs(cfg),
     )
@@ -473,6 +533,7 @@ def run_merge(
     streaming: bool = True,
     ray_workers: int = 0,
     ray_address: str | None = None,
+    command: str | None = None,
 ) -> Path:
     """Merge as ``cfg`` says and write the result to ``out_dir`` (atomically).
 
@@ -481,11 +542,14 @@ def run_merge(
     models with transformers and merge in memory (:func:`lmdx.merge_models`; also reads
     pickle ``.bin`` checkpoints that transformers accepts). ``ray_workers > 0`` solves the
     RegMean groups on Ray actors (streaming only). Both write the same folder.
+    ``command`` (the command line) is recorded in ``lmdx_merge.json`` and the model card.
     """
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise MergeError(f"output {out_dir}: already exists; choose a new directory")
-    record = {"config": cfg.to_dict()}
+    record: dict[str, Any] = {"config": cfg.to_dict()}
+    if command is not None:
+        record["command"] = command
     if streaming:
         result = stream_merge(
             [m.path for m in cfg.models],
@@ -494,6 +558,7 @@ def run_merge(
             progress=progress,
             ray_workers=ray_workers,
             ray_address=ray_address,
+            lora_rank=cfg.lora_rank,
             **_output_kwargs(cfg),
             **_merge_kwargs(cfg),
             **_data_kwargs(cfg),
@@ -502,13 +567,24 @@ def run_merge(
         return result.out_dir
     if ray_workers:
         raise MergeError("ray_workers: only for the streaming merge")
-    models = [load_model(m.path, progress=progress) for m in cfg.models]
-    merged = merge_models(models, progress=progress, **_merge_kwargs(cfg), **_data_kwargs(cfg))
+    kwargs = _merge_kwargs(cfg)
+    if cfg.base is not None:
+        kwargs["base"] = load_model(cfg.base, progress=progress)
+    check_same_modules(
+        [sentence_transformer(m.path) for m in cfg.models], [m.name or m.path for m in cfg.models]
+    )
+    models = [m.path if m.adapter else load_model(m.path, progress=progress) for m in cfg.models]
+    merged = merge_models(
+        models, progress=progress, lora_rank=cfg.lora_rank, **kwargs, **_data_kwargs(cfg)
+    )
+    first = cfg.models[0]
+    template = kwargs["base"] if first.adapter else models[0]
+    tokenizers = first.path if not first.adapter or model_files(Path(first.path)) else cfg.base
     return save_merged(
         merged,
         out_dir,
-        models[0],
-        tokenizer_from=cfg.models[0].path,
+        template,
+        tokenizer_from=tokenizers,
         record=record,
         progress=progress,
         **_output_kwargs(cfg),

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from .._util import progress_bar
 from ..config import default_threads
 from ..stats.file import Statistics
+from .lora import LoraExport, low_rank_inputs, solve_group_low_rank
 from .methods import (
     average_tensor,
     cast_merged,
@@ -73,7 +74,8 @@ class Executor:
     ``report["layers"]`` collects the RegMean solver's information per module,
     ``report["poorly_determined"]`` the RegMean systems that are poorly determined (too
     few statistics rows per input, ill-conditioned) with what to do, and
-    ``report["fisher_weighted"]`` the Fisher-weighted tensors.
+    ``report["fisher_weighted"]`` the Fisher-weighted tensors. With ``lora``, every merged
+    tensor is also offered to that LoRA of the merged update (in float64).
     """
 
     def __init__(
@@ -86,10 +88,11 @@ class Executor:
         report: dict[str, Any],
         remote: GroupSolver | None = None,
         blocks: BlockSolver | None = None,
+        lora: LoraExport | None = None,
     ) -> None:
         self.sources, self.stats, self.base = sources, stats, base
         self.options, self.report, self.remote = options, report, remote
-        self.blocks = blocks
+        self.blocks, self.lora = blocks, lora
         self.labels = plan.labels
         self.step_of = {t: s for s in plan.steps for t in s.tensors}
         self.ready: dict[str, Any] = {}
@@ -110,6 +113,8 @@ class Executor:
         step = self.step_of.get(name)
         if step is None:  # a head tensor (kept from the first model)
             self.ready[name] = self.sources[0].read(name)
+            if self.lora is not None:
+                self.lora.observe(name, self.ready[name])
             return
         if step.kind == "regmean":
             self._regmean(step)
@@ -135,6 +140,8 @@ class Executor:
         else:  # a task-vector method: task arithmetic, TIES, DARE, DARE-TIES
             assert self.base is not None
             value = task_vector_tensor(name, self.base.read(name), reads, self.options)
+        if self.lora is not None:
+            self.lora.observe(name, value)
         return self._cast(name, value)
 
     def _regmean(self, step: Step) -> None:
@@ -145,7 +152,7 @@ class Executor:
             self.ready.update(stored)
             return
         solved, layers = solve_regmean_step(
-            step, self.sources, self.stats, self.labels, self.options
+            step, self.sources, self.stats, self.labels, self.options, self.lora
         )
         self._record(step.modules[0], layers)
         self.ready.update(solved)
@@ -177,19 +184,33 @@ def solve_regmean_step(
     stats: Sequence[Statistics],
     labels: Sequence[str],
     options: MergeOptions,
+    lora: LoraExport | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """One RegMean group read from ``sources`` (its weights) and ``stats`` (its Grams as
     stored, checked against their content hashes) and solved: its merged weights (NumPy,
     cast to their input dtype) and the solver's report per module. Local runs and Ray
-    actors both call this."""
-    # The K models' weights and Grams are read, and the Grams checked against their
-    # SHA-256, on the CPUs available: reading and hashing release the GIL.
-    with ThreadPoolExecutor(min(len(stats), default_threads()), "lmdx-read") as pool:
-        grams_read = pool.map(lambda s: s.gram_stored(step.modules[0]), stats)
-        weights = [[s.read(w) for w in step.tensors] for s in sources]
-        grams = list(grams_read)
-    solved, layers = solve_group(step.modules, weights, grams, stats, labels, options)
-    del weights, grams
+    actors both call this. LoRA adapters over one base are solved on their factors
+    (:func:`lmdx.merge.lora.solve_group_low_rank`); ``lora`` receives the merged updates."""
+    factors = low_rank_inputs(step, sources)
+    if factors is not None:
+        solved, updates, layers = solve_group_low_rank(
+            step, sources, factors, stats, labels, options
+        )
+        if lora is not None:
+            for w, update in updates.items():
+                lora.add_update(w, update)
+    else:
+        # The K models' weights and Grams are read, and the Grams checked against their
+        # SHA-256, on the CPUs available: reading and hashing release the GIL.
+        with ThreadPoolExecutor(min(len(stats), default_threads()), "lmdx-read") as pool:
+            grams_read = pool.map(lambda s: s.gram_stored(step.modules[0]), stats)
+            weights = [[s.read(w) for w in step.tensors] for s in sources]
+            grams = list(grams_read)
+        solved, layers = solve_group(step.modules, weights, grams, stats, labels, options)
+        del weights, grams
+        if lora is not None:
+            for w, value in solved.items():
+                lora.observe(w, value)
     return {w: cast_merged(w, v, sources[0].dtype(w)) for w, v in solved.items()}, layers
 
 

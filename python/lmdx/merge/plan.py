@@ -8,6 +8,7 @@ sources, and the engine runs its steps.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import resource
 import sys
@@ -28,7 +29,7 @@ from ..files.identity import describe_mismatch
 from ..stats.file import Statistics
 from .methods import regmean_groups
 from .options import ELECTING_METHODS, TASK_VECTOR_METHODS, MergeOptions
-from .source import TensorSource
+from .source import AdapterSource, TensorSource
 
 __all__ = [
     "Block",
@@ -38,10 +39,12 @@ __all__ = [
     "check_same_entries",
     "check_same_layout",
     "check_stats_model",
+    "content_sha256",
     "current_rss_bytes",
     "make_plan",
     "open_stats",
     "peak_rss_bytes",
+    "tensor_hashes",
 ]
 
 
@@ -208,6 +211,10 @@ def check_stats_model(source: TensorSource, stats: Statistics) -> dict[str, str]
 
     if arch and ident.get("architecture") not in (arch, "state_dict"):
         raise fail(f"architecture {ident.get('architecture')} (statistics) vs {arch} (model)")
+    adapter = source.adapter.identity() if isinstance(source, AdapterSource) else None
+    if (adapter or {}).get("sha256") != (ident.get("adapter") or {}).get("sha256"):
+        with_adapter = {"architecture": arch, "adapter": adapter}
+        raise fail(describe_mismatch({**ident, "architecture": arch}, with_adapter))
     names = sorted(source.names())
     for name in names:
         if name not in params:
@@ -217,10 +224,7 @@ def check_stats_model(source: TensorSource, stats: Statistics) -> dict[str, str]
         if p["shape"] != here["shape"] or p["dtype"] != here["dtype"]:
             here["sha256"] = p["sha256"]
             raise fail(describe_mismatch({"parameters": {name: p}}, {"parameters": {name: here}}))
-    # SHA-256 releases the GIL: the tensors are hashed on the CPUs available (results in
-    # name order, so the first mismatch reported is the same).
-    with ThreadPoolExecutor(min(default_threads(), 8), "lmdx-hash") as pool:
-        hashes = list(pool.map(source.sha256, names))
+    hashes = tensor_hashes(source, names)
     stored = {}
     for name, h in zip(names, hashes, strict=True):
         p = params[name]
@@ -239,6 +243,27 @@ def check_stats_model(source: TensorSource, stats: Statistics) -> dict[str, str]
         elif p["dtype"] in FLOAT_DTYPES:
             raise fail(f"parameter {name!r} is in the statistics' model but not in this model")
     return tied
+
+
+def tensor_hashes(source: TensorSource, names: Sequence[str]) -> list[str]:
+    """SHA-256 of tensors ``names`` of ``source``, in that order, hashed on the CPUs
+    available (SHA-256 releases the GIL)."""
+    with ThreadPoolExecutor(min(default_threads(), 8), "lmdx-hash") as pool:
+        return list(pool.map(source.sha256, names))
+
+
+def content_sha256(source: TensorSource) -> str:
+    """A model's content hash: SHA-256 over ``name:dtype:shape:sha256;`` of every stored
+    tensor in name order (:func:`lmdx.files.identity.state_identity`'s
+    ``weights_sha256`` of the same tensors), then, for a LoRA adapter over a base, the
+    adapter's identity hash."""
+    names = sorted(source.names())
+    total = hashlib.sha256()
+    for name, h in zip(names, tensor_hashes(source, names), strict=True):
+        total.update(f"{name}:{source.dtype(name)}:{list(source.shape(name))}:{h};".encode())
+    if isinstance(source, AdapterSource):
+        total.update(f"adapter:{source.adapter.identity()['sha256']};".encode())
+    return total.hexdigest()
 
 
 def open_stats(

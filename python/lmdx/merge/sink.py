@@ -6,7 +6,10 @@ shard by shard that appears only when complete.
 reserved on disk before it is filled; then every model's head (``heads/<i>.safetensors``,
 and its task's labels in ``heads/<i>.json``: :func:`head_record`), ``config.json``
 (dtype and, for a dropped head, the backbone's class updated), the tokenizer and
-generation files of the first model's folder, and ``lmdx_merge.json``.
+generation files of the first model's folder, ``lmdx_merge.json`` and the model card
+``README.md`` (:func:`lmdx.merge.card.model_card`). With task folders, also one complete
+``save_pretrained`` folder per kept head, ``tasks/<i>/``: the merged body with model i's
+head and labels (:func:`task_config`).
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ from types import TracebackType
 from typing import Any
 
 from .._core import core
+from .._errors import MergeError
 from .._tensors import as_numpy, dtype_name, to_torch
 from ..files.atomic import atomic_directory, check_free_space
 from ..files.checkpoint import INDEX_FILE
 from ..files.hf import copy_model_files
-from ..files.safetensors import SafetensorsWriter, TensorSpec
+from ..files.safetensors import SafetensorsWriter, TensorSpec, read_safetensors_header
+from .card import MODEL_CARD, model_card, task_card
 from .methods import cast_merged
 from .options import MergeOptions
 from .plan import MergePlan
@@ -34,12 +39,14 @@ __all__ = [
     "HEADS_DIR",
     "LABEL_KEYS",
     "MERGE_RECORD",
+    "TASKS_DIR",
     "FolderSink",
     "MemorySink",
     "head_files",
     "head_record",
     "merge_record",
     "output_config",
+    "task_config",
 ]
 
 #: The folder of a merged model that holds every input model's own task head.
@@ -49,6 +56,8 @@ MERGE_RECORD = "lmdx_merge.json"  # the merge's record in its output folder
 LABEL_KEYS = ("id2label", "label2id", "num_labels", "problem_type")
 #: ``format`` of ``heads/<i>.json``.
 HEAD_FORMAT = "lmdx-head"
+#: The folder of a merged model that holds one complete model folder per kept head.
+TASKS_DIR = "tasks"
 
 
 def head_files(folder: Path, task: int) -> tuple[Path, Path]:
@@ -83,6 +92,19 @@ def head_record(task: int, source: TensorSource, tensors: Sequence[str]) -> dict
     }
 
 
+def task_config(config: Mapping[str, Any], labels: Mapping[str, Any]) -> dict[str, Any]:
+    """The merged model's configuration for one task: ``labels`` (the ``config`` of its
+    ``heads/<i>.json``) set, an entry ``None`` there removed (its class's default
+    applies, as when that model's own folder is loaded)."""
+    out = dict(config)
+    for key, value in labels.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = value
+    return out
+
+
 class MemorySink:
     """Merged tensors by output name, as torch tensors (the models' own type)."""
 
@@ -97,12 +119,17 @@ class MemorySink:
 class FolderSink:
     """A ``save_pretrained`` folder at ``out_dir``, written through a temporary folder
     beside it (renamed when :meth:`finish` succeeds; removed on any error, Ctrl-C
-    included). Use as a context manager."""
+    included). Use as a context manager.
 
-    def __init__(self, out_dir: Path, plan: MergePlan) -> None:
+    ``task_folders``: also write ``tasks/<i>/`` for every kept head (:meth:`finish`).
+    """
+
+    def __init__(self, out_dir: Path, plan: MergePlan, *, task_folders: bool = False) -> None:
         self.out_dir = out_dir
         self.plan = plan
-        check_free_space(out_dir, plan.output_bytes)  # before any work
+        self.task_folders = task_folders
+        copies = 1 + (len(plan.labels) if task_folders else 0)
+        check_free_space(out_dir, plan.output_bytes * copies)  # before any work
         self._shard_of = {i: j for j, (_, members) in enumerate(plan.shards) for i in members}
         self._writer: SafetensorsWriter | None = None
         self._left = 0
@@ -149,11 +176,12 @@ class FolderSink:
         config: Mapping[str, Any],
         model_folder: Path | None,
         record: Mapping[str, Any],
-        files: Mapping[str, str] | None = None,
+        files: Mapping[str, str | bytes] | None = None,
     ) -> None:
         """The index, heads, configuration, the tokenizer and generation files of
-        ``model_folder``, ``files`` (name -> text) that the folder does not provide, and
-        the record."""
+        ``model_folder``, ``files`` (relative path -> text or bytes) that the folder does
+        not provide, the task folders, the record and the model card (made from the
+        record)."""
         if len(self.plan.shards) > 1:
             index = {
                 out.name: fname
@@ -182,10 +210,62 @@ class FolderSink:
             )
         if model_folder is not None and model_folder.is_dir():
             copy_model_files(model_folder, self.tmp)
-        for fname, text in (files or {}).items():  # what the model folder does not provide
-            if not (self.tmp / fname).exists():
-                (self.tmp / fname).write_text(text)
+        for fname, data in (files or {}).items():  # what the model folder does not provide
+            path = self.tmp / fname
+            if path.exists():
+                continue
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if isinstance(data, bytes):
+                path.write_bytes(data)
+            else:
+                path.write_text(data)
+        if self.task_folders:
+            record = {**record, "task_folders": self._write_tasks(heads, config)}
         (self.tmp / MERGE_RECORD).write_text(json.dumps(dict(record), indent=2, default=str))
+        (self.tmp / MODEL_CARD).write_text(model_card(record, config), encoding="utf-8")
+
+    def _write_tasks(self, heads: Sequence[TensorSource], config: Mapping[str, Any]) -> list[str]:
+        """``tasks/<i>/`` for every head: the written weights with model i's head instead
+        of model 0's (read back shard by shard), config with its labels, the tokenizer
+        and generation files, a model card. Returns the folders (relative)."""
+        names = set(self.plan.heads)  # kept heads, of models with a configuration: the
+        assert names and heads and all(h.config for h in heads)  # front doors check first
+        written = {
+            fname: read_safetensors_header(self.tmp / fname, "shard", MergeError)
+            for fname, _ in self.plan.shards
+        }
+        folders = []
+        for i, src in enumerate(heads):
+            folder = self.tmp / TASKS_DIR / str(i)
+            folder.mkdir(parents=True)
+            total = 0
+            for fname, members in self.plan.shards:
+                outputs = [self.plan.outputs[j] for j in members]
+                specs = [  # a head has model i's shape (its own number of labels)
+                    TensorSpec(o.name, o.dtype, src.shape(o.source) if o.name in names else o.shape)
+                    for o in outputs
+                ]
+                total += sum(spec.nbytes for spec in specs)
+                with SafetensorsWriter(folder / fname, specs, {"format": "pt"}) as w:
+                    for o in outputs:
+                        if o.name in names:
+                            value = cast_merged(o.name, src.read(o.source), o.dtype)
+                            w.write(o.name, value)
+                        else:
+                            w.write(o.name, written[fname].get_raw(o.name))
+            if (self.tmp / INDEX_FILE).is_file():
+                index = json.loads((self.tmp / INDEX_FILE).read_text())
+                index["metadata"] = {**index.get("metadata", {}), "total_size": total}
+                (folder / INDEX_FILE).write_text(json.dumps(index, indent=2))
+            labels = head_record(i, src, self.plan.heads)["config"]
+            (folder / "config.json").write_text(
+                json.dumps(task_config(config, labels), indent=2, sort_keys=True) + "\n"
+            )
+            copy_model_files(self.tmp, folder)
+            card = task_card(i, src.label, task_config(config, labels))
+            (folder / MODEL_CARD).write_text(card, encoding="utf-8")
+            folders.append(f"{TASKS_DIR}/{i}")
+        return folders
 
 
 def output_config(

@@ -1,9 +1,10 @@
 """Where a merge reads its tensors: one interface over a model in memory and a checkpoint
 on disk, so one engine serves both.
 
-:class:`lmdx.files.Checkpoint` (a ``save_pretrained`` folder read tensor by tensor) and
-:class:`StateDictSource` (a torch module or state dict) both provide what the engine
-asks of a :class:`TensorSource`.
+:class:`lmdx.files.Checkpoint` (a ``save_pretrained`` folder read tensor by tensor),
+:class:`StateDictSource` (a torch module or state dict) and :class:`AdapterSource` (a
+PEFT LoRA adapter over either) all provide what the engine asks of a
+:class:`TensorSource`.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from typing import Any, Protocol
 import numpy as np
 
 from .._errors import MergeError
-from .._tensors import FLOAT_DTYPES, dtype_name
+from .._tensors import FLOAT_DTYPES, as_float64, dtype_name
 from ..files.hf import load_model
 from ..files.identity import tensor_sha256
+from ..files.peft import LoraAdapter, is_peft_model
 
-__all__ = ["StateDictSource", "TensorSource", "model_source"]
+__all__ = ["AdapterSource", "StateDictSource", "TensorSource", "model_source"]
 
 
 class TensorSource(Protocol):
@@ -191,4 +193,96 @@ def model_source(model: Any, label: str, *, progress: bool = True) -> StateDictS
     if isinstance(model, (str, os.PathLike)):
         path = Path(model)
         return StateDictSource.of_model(load_model(path, progress=progress), label, path=path)
+    if is_peft_model(model):
+        raise MergeError(
+            f"{label}: a PEFT model in memory; give its adapter folder (save_pretrained) with "
+            "base= (the model it adapts), or merge it into its base first (merge_and_unload)"
+        )
     return StateDictSource.of_model(model, label)
+
+
+class AdapterSource:
+    """A PEFT LoRA adapter over a base model (a :class:`TensorSource`), read as the model
+    PEFT's ``merge_and_unload`` gives: each adapted weight ``W₀ + scaling · B A`` (float64,
+    :class:`lmdx.files.peft.LoraAdapter`), each tensor the adapter replaces as the adapter
+    stores it, everything else the base's. Shapes and dtypes are the base's.
+
+    :meth:`low_rank` gives the merge the factors instead of the dense weight.
+    """
+
+    def __init__(self, base: TensorSource, adapter: LoraAdapter, label: str) -> None:
+        adapter.bind(base.shape, base.names())
+        self.base = base
+        self.adapter = adapter
+        self.label = label
+        self.config = base.config
+
+    @property
+    def path(self) -> Path | None:
+        """The adapter folder."""
+        return self.adapter.path
+
+    def names(self) -> list[str]:
+        return self.base.names()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.base
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.base.shape(name)
+
+    def dtype(self, name: str) -> str:
+        return self.base.dtype(name)
+
+    def is_float(self, name: str) -> bool:
+        return self.base.is_float(name)
+
+    def nbytes(self, name: str) -> int:
+        return self.base.nbytes(name)
+
+    def where(self, name: str) -> str:
+        if name in self.adapter.targets or name in self.adapter.overrides:
+            return f" (adapter {self.adapter.label})"
+        return self.base.where(name)
+
+    def read(self, name: str) -> Any:
+        """The adapted tensor: float64 for a LoRA-adapted weight, else as stored."""
+        replaced = name in self.adapter.overrides
+        tensor = self.adapter.read_override(name) if replaced else self.base.read(name)
+        if name in self.adapter.targets:
+            return as_float64(tensor, name) + self.adapter.delta(name)
+        return tensor
+
+    def low_rank(self, name: str, layout: str) -> tuple[Any, Any] | None:
+        """(``scaling · B``, ``A``) whose product is the update of weight ``name`` as the
+        layer computes with it, ``[out, in]`` (the stored weight for ``layout="linear"``,
+        its transpose for ``"conv1d"``); factors of rank 0 where the adapter leaves the
+        weight unchanged; None where the adapter replaces the base weight by another."""
+        if name in self.adapter.overrides and self.sha256(name) != self.base.sha256(name):
+            return None
+        target = self.adapter.targets.get(name)
+        if target is None:
+            rows, cols = self.shape(name)
+            out, inp = (rows, cols) if layout == "linear" else (cols, rows)
+            return np.zeros((out, 0)), np.zeros((0, inp))
+        if target.transposed != (layout == "conv1d"):
+            raise MergeError(
+                f"adapter {self.adapter.label}: {name!r} is a {layout} layer but the adapter's "
+                "update is oriented for the other layout (fan_in_fan_out); fix "
+                "fan_in_fan_out in its adapter_config.json"
+            )
+        return self.adapter.factors(name)
+
+    def sha256(self, name: str) -> str:
+        if name in self.adapter.overrides:
+            return str(self.adapter.tensors.sha256(self.adapter.overrides[name]))
+        return self.base.sha256(name)
+
+    def architecture(self) -> str | None:
+        return self.base.architecture()
+
+    def aliases(self) -> dict[str, str]:
+        return self.base.aliases()
+
+    def total_bytes(self) -> int:
+        return self.base.total_bytes() + self.adapter.total_bytes()

@@ -33,6 +33,8 @@ from .._util import matches, parse_size, progress_bar, split_in_order
 from ..config import resolve_threads
 from ..data.batches import as_kwargs
 from ..files.identity import model_identity
+from ..files.peft import is_peft_model, peft_modules
+from ..files.st import hf_model_of
 from ..moments import Moments
 from .file import Statistics
 from .packing import pack_upper
@@ -62,12 +64,20 @@ def find_linear_modules(
     their weights' names (``classifier*`` and ``classifier.*`` both select
     ``classifier``); a module is selected if it matches an include pattern (or there are
     none) and no exclude pattern.
+
+    A PEFT LoRA model's modules are named as in its base model (a LoRA layer by its base
+    layer, whose input it reads); the LoRA factors themselves are not collected.
     """
     import torch
 
     conv1d = _conv1d_type()
     found: dict[str, tuple[Any, str]] = {}
-    for name, module in model.named_modules():
+    root, rename = (model, None) if not is_peft_model(model) else peft_modules(model)
+    for name, module in root.named_modules():
+        if rename is not None:
+            if (base_name := rename(name)) is None:
+                continue
+            name = base_name
         if isinstance(module, torch.nn.Linear):
             layout = "linear"
         elif conv1d is not None and isinstance(module, conv1d):
@@ -390,8 +400,10 @@ def collect_regmean_stats(
     Parameters
     ----------
     model
-        A torch module (e.g. a Hugging Face model); it is run in ``eval()`` under
-        ``torch.no_grad()`` and its training flag is restored afterwards.
+        A torch module (e.g. a Hugging Face model, a PEFT LoRA model, or a
+        ``SentenceTransformer``, whose Transformer's Hugging Face model is used); it is run
+        in ``eval()`` under ``torch.no_grad()`` and its training flag is restored
+        afterwards.
     batches
         Iterable of dicts of tensors, each passed as ``model(**batch)`` (a ``labels``
         entry is dropped), or of input-id tensors. Must be re-iterable (a list) when
@@ -442,6 +454,7 @@ def collect_regmean_stats(
     if out is None and (max_memory is not None or max_shard_size is not None):
         raise ValueError("max_memory and max_shard_size need out= (a file or folder to write)")
     budget = None if max_memory is None else parse_size(max_memory)
+    model = hf_model_of(model)
     modules = find_linear_modules(model, include, exclude)
     if not modules:
         raise ValueError(

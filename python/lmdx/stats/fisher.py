@@ -34,10 +34,12 @@ from typing import Any
 
 import numpy as np
 
+from .._errors import MergeError
 from .._tensors import as_float64
 from .._util import matches, progress_bar
 from ..data.batches import as_kwargs
 from ..files.identity import model_identity
+from ..files.peft import is_peft_model
 from .file import Statistics
 
 __all__ = ["collect_fisher"]
@@ -104,6 +106,11 @@ def collect_fisher(
 
     if labels not in ("predicted", "gold"):
         raise ValueError(f"labels: expected 'predicted' or 'gold', got {labels!r}")
+    if is_peft_model(model):
+        raise MergeError(
+            "collect_fisher: a PEFT LoRA model; Fisher merging of adapters is not supported: "
+            "merge the adapter into its base first (merge_and_unload()) and collect on that"
+        )
     chosen = {
         n: p
         for n, p in model.named_parameters()

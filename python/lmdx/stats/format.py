@@ -76,11 +76,19 @@ class _Parameter(_Strict):
     sha256: _Sha
 
 
+class _Adapter(_Strict):
+    peft_type: Literal["LORA"]
+    scaling: dict[str, Any]
+    tensors: dict[str, _Parameter]
+    sha256: _Sha
+
+
 class _Identity(_Strict):
     architecture: str
     model_type: str | None = None
     weights_sha256: _Sha
     parameters: dict[str, _Parameter]
+    adapter: _Adapter | None = None  # a base model with a PEFT LoRA adapter
 
 
 class _Module(_Strict):

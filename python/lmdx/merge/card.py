@@ -1,0 +1,183 @@
+"""The model card (``README.md``) of a merged folder, written from its record
+(``lmdx_merge.json``): the method and its options, the inputs with their content hashes
+and statistics, the command or configuration that produced it, and how to load it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["MODEL_CARD", "model_card", "task_card"]
+
+MODEL_CARD = "README.md"
+
+_METHODS = {
+    "regmean": "RegMean (Jin et al., ICLR 2023, arXiv 2212.09849): every linear layer solved "
+    "in closed form from the Gram matrices of its inputs",
+    "average": "a (coefficient-weighted) average of the parameters",
+    "fisher": "Fisher-weighted averaging (Matena & Raffel, 2022)",
+    "task_arithmetic": "task arithmetic (Ilharco et al., 2023): base + λ Σ (θ_i − base)",
+}
+#: Report entries shown as the method's options, where set.
+_OPTIONS = (
+    "alpha",
+    "coefficients",
+    "scaling",
+    "exclude",
+    "heads",
+    "head_policy",
+    "dtype",
+    "precision",
+    "ridge",
+)
+
+
+def _cell(value: Any) -> str:
+    text = "—" if value in (None, "") else str(value)
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _short(sha: Any) -> str:
+    return f"`{sha[:16]}…`" if isinstance(sha, str) and sha else "—"
+
+
+def _class_name(config: Mapping[str, Any]) -> str:
+    archs = config.get("architectures") or []
+    return str(archs[0]) if archs else "AutoModel"
+
+
+def model_card(record: Mapping[str, Any], config: Mapping[str, Any] | None = None) -> str:
+    """The ``README.md`` of a merged folder, from its ``lmdx_merge.json`` record and the
+    ``config.json`` written beside it."""
+    report = record.get("report") or {}
+    inputs: Mapping[str, Any] = record.get("inputs") or {}
+    method = str(report.get("method"))
+    options = {**report, "head_policy": record.get("head_policy"), "dtype": record.get("dtype")}
+    merge_config = record.get("config") or {}
+    lines = [
+        "---",
+        "library_name: transformers",
+        "tags:",
+        "- lmdx",
+        "- merge",
+        f"- {method}",
+        "---",
+        "",
+        "# Merged model",
+        "",
+        f"Made by lmdx {record.get('lmdx_version')} on {record.get('created')}: **{method}** "
+        f"of {len(inputs)} models — {_METHODS.get(method, method)}.",
+        "",
+        "## Method and options",
+        "",
+    ]
+    for key in _OPTIONS:
+        value = options.get(key)
+        if value not in (None, [], ()):
+            lines.append(f"- `{key}`: {_cell(value)}")
+    if report.get("poorly_determined"):
+        lines.append(
+            f"- {len(report['poorly_determined'])} RegMean system(s) poorly determined "
+            f"(listed in `lmdx_merge.json`)"
+        )
+    lines += [
+        "",
+        "## Inputs",
+        "",
+        "Content hashes are SHA-256 over every tensor's SHA-256 (in name order); the "
+        "statistics' hash is that of the file (or of a sharded folder's index).",
+        "",
+        "| # | model | path | architecture | weights SHA-256 | statistics | statistics SHA-256 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for i, (label, entry) in enumerate(inputs.items()):
+        path = entry.get("path")
+        if entry.get("base"):
+            path = f"{path} (LoRA adapter over {entry['base']})"
+        lines.append(
+            f"| {i} | {_cell(label)} | {_cell(path)} | {_cell(entry.get('architecture'))} | "
+            f"{_short(entry.get('weights_sha256'))} | {_cell(entry.get('stats'))} | "
+            f"{_short(entry.get('stats_sha256'))} |"
+        )
+    lines += ["", "## How it was made", ""]
+    if record.get("command"):
+        lines += ["```bash", str(record["command"]), "```", ""]
+    if merge_config:
+        lines += [
+            "The merge configuration (paths resolved):",
+            "",
+            "```json",
+            json.dumps(merge_config, indent=2, default=str),
+            "```",
+            "",
+        ]
+    if not record.get("command") and not merge_config:
+        front = "lmdx.stream_merge" if report.get("streaming") else "lmdx.merge_models"
+        lines += [f"From Python ({front} with the options above).", ""]
+    lines += _usage(record, _class_name(config or {}), len(inputs))
+    return "\n".join(lines) + "\n"
+
+
+def _usage(record: Mapping[str, Any], cls: str, k: int) -> list[str]:
+    report = record.get("report") or {}
+    lines = ["## Using it", "", "```python"]
+    if record.get("sentence_transformers"):
+        lines += [
+            "from sentence_transformers import SentenceTransformer",
+            "",
+            'model = SentenceTransformer("PATH")  # the merged encoder with its modules',
+        ]
+    else:
+        lines += [
+            f"from transformers import {cls}",
+            "",
+            f'model = {cls}.from_pretrained("PATH")  # model 0\'s head, if kept',
+        ]
+    if report.get("head_tensors") and record.get("head_policy") == "keep":
+        lines += [
+            "",
+            "import lmdx",
+            "",
+            f"# i = 0..{k - 1}: the merged body with model i's own head and labels",
+            'task = lmdx.load_merged("PATH", task=i)',
+        ]
+    if record.get("task_folders"):
+        lines += [
+            "",
+            f'task = {cls}.from_pretrained("PATH/tasks/i")  # the same, from its own folder',
+        ]
+    if record.get("lora"):
+        lora = record["lora"]
+        lines += [
+            "",
+            "from peft import PeftModel",
+            "",
+            f'adapted = PeftModel.from_pretrained(base_model, "PATH/{lora["folder"]}")'
+            f"  # rank {lora['rank']}",
+        ]
+    lines += ["```", ""]
+    if record.get("lora"):
+        lora = record["lora"]
+        lines += [
+            f"`{lora['folder']}/` is a rank-{lora['rank']} LoRA of the merged update over the "
+            f"base model: relative Frobenius error {lora['relative_error']:.3g} over all "
+            "adapted weights (per layer in `lmdx_merge.json`).",
+            "",
+        ]
+    return lines
+
+
+def task_card(task: int, label: str, config: Mapping[str, Any]) -> str:
+    """The ``README.md`` of ``tasks/<task>/``: what the folder is and where it comes from
+    (``config``: the folder's ``config.json``)."""
+    cls = _class_name(config)
+    return (
+        "---\nlibrary_name: transformers\ntags:\n- lmdx\n- merge\n---\n\n"
+        f"# Merged model, task {task}\n\n"
+        f"The merged body of the model two folders up (`../../`, whose `README.md` and "
+        f"`lmdx_merge.json` say how it was made) with the task head and labels of input "
+        f"model {task} ({_cell(label)}):\n\n"
+        f"```python\nfrom transformers import {cls}\n\n"
+        f'model = {cls}.from_pretrained("PATH")\n```\n'
+    )
