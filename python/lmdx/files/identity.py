@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from .saved import saved_state
+
 __all__ = ["describe_mismatch", "file_sha256", "model_identity", "tensor_sha256"]
 
 
@@ -31,11 +33,12 @@ def tensor_bytes(t: Any) -> memoryview:
 def model_identity(model: Any) -> dict[str, Any]:
     """Architecture and per-parameter name, shape, dtype and SHA-256 of a model.
 
-    ``model`` is a torch module (its ``state_dict()``) or a mapping name -> tensor.
+    ``model`` is a torch module (its tensors as ``save_pretrained`` stores them:
+    :func:`lmdx.files.saved.saved_state`) or a mapping name -> tensor.
     ``weights_sha256`` hashes the per-parameter hashes in name order.
     """
     if hasattr(model, "state_dict") and not isinstance(model, Mapping):
-        state = model.state_dict()
+        state = saved_state(model)
         architecture = type(model).__name__
         model_type = getattr(getattr(model, "config", None), "model_type", None)
     else:
