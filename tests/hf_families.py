@@ -161,7 +161,9 @@ FAMILIES: dict[str, Family] = {
         Family(
             "ALBERT",
             "AlbertForSequenceClassification",
-            _bert_like(T.AlbertConfig, embedding_size=8, pad_token_id=0, bos_token_id=2, eos_token_id=3),
+            _bert_like(
+                T.AlbertConfig, embedding_size=8, pad_token_id=0, bos_token_id=2, eos_token_id=3
+            ),
             heads=("classifier.*",),
             checks=(Check("albert.encoder.albert_layer_groups.0.albert_layers.0.ffn"),),
             note="one layer's weights shared by every layer: its Gram sums all their inputs",
@@ -426,24 +428,26 @@ def _pad_rows(seqs: list[np.ndarray], pad: int) -> tuple[torch.Tensor, torch.Ten
 def batches(
     family: Family, seed: int, n_sequences: int = 24, batch_size: int = 8
 ) -> list[dict[str, Any]]:
-    """Inputs for ``family``: right-padded random token ids (never a special id) with
-    attention masks, every batch with real padding (for encoder-decoder models also the
-    decoder's, of other lengths), or random pixel values."""
+    """Inputs for ``family``: random token ids (never a special id), right-padded per
+    batch, with attention masks (for encoder-decoder models also decoder ids and masks,
+    of other lengths), or random pixel values. The sequences depend on ``seed`` only,
+    not on ``batch_size``."""
     rng = np.random.default_rng(seed)
+    if family.inputs == "image":
+        pixels = torch.from_numpy(
+            rng.standard_normal((n_sequences, 3, IMAGE, IMAGE)).astype(np.float32)
+        )
+        return [
+            {"pixel_values": pixels[i : i + batch_size]} for i in range(0, n_sequences, batch_size)
+        ]
+    seqs = [rng.integers(4, VOCAB, k) for k in rng.integers(3, 15, n_sequences)]
+    targets = [rng.integers(4, VOCAB, k) for k in rng.integers(2, 10, n_sequences)]
     out = []
-    for start in range(0, n_sequences, batch_size):
-        n = min(batch_size, n_sequences - start)
-        if family.inputs == "image":
-            pixels = rng.standard_normal((n, 3, IMAGE, IMAGE)).astype(np.float32)
-            out.append({"pixel_values": torch.from_numpy(pixels)})
-            continue
-        lengths = rng.integers(3, 15, n)
-        lengths[0] = 15  # the longest one first: the probe sequence has no padding
-        ids, mask = _pad_rows([rng.integers(4, VOCAB, k) for k in lengths], family.pad)
+    for i in range(0, n_sequences, batch_size):
+        ids, mask = _pad_rows(seqs[i : i + batch_size], family.pad)
         batch = {"input_ids": ids, "attention_mask": mask}
         if family.inputs == "seq2seq":
-            dec_lengths = rng.integers(2, 10, n)
-            dec, dec_mask = _pad_rows([rng.integers(4, VOCAB, k) for k in dec_lengths], family.pad)
+            dec, dec_mask = _pad_rows(targets[i : i + batch_size], family.pad)
             batch |= {"decoder_input_ids": dec, "decoder_attention_mask": dec_mask}
         out.append(batch)
     return out

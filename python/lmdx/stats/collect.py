@@ -286,6 +286,7 @@ def _saved_entries(
     model: Any,
     linear: Mapping[str, tuple[Any, str]],
     experts: Mapping[str, Any],
+    unknown: Mapping[str, str],
 ) -> tuple[
     dict[str, list[_Entry]],
     dict[str, tuple[str, int, str, tuple[str, str]]],
@@ -293,13 +294,19 @@ def _saved_entries(
 ]:
     """Per site (a linear module's name, or :func:`expert_site`), the saved weights its
     Gram serves; per expert site, (experts module, expert, part, in-memory names); and
-    the weights that get none (name -> why)."""
+    the saved weights that get none (name -> why), among them those of the in-memory
+    weights ``unknown`` (name -> why)."""
     params = [f"{n}.weight" for n in linear]
     for n, m in experts.items():
         params += [f"{n}.{'gate_up_proj' if m.has_gate else 'up_proj'}", f"{n}.down_proj"]
     saved = saved_state(model)
-    sources, not_solved = saved_sources(model, params, saved)
+    sources, not_solved = saved_sources(model, [*params, *unknown], saved)
     del saved
+    for n, why in unknown.items():
+        for src in sources.pop(n, []):
+            not_solved[src.saved] = f"{why} (in memory: {n})"
+        if n in not_solved:
+            not_solved[n] = why
     entries: dict[str, list[_Entry]] = {}
     parts: dict[str, tuple[str, int, str, tuple[str, str]]] = {}
 
@@ -872,7 +879,8 @@ def collect_regmean_stats(
                     n
                     for n in sorted(members)
                     if any(
-                        collector.group_of[s] not in collector.moments
+                        collector.group_of[s] in groups
+                        and collector.group_of[s] not in collector.moments
                         for s in collector.sites_of(n)
                     )
                 ]
@@ -952,8 +960,9 @@ def _find_sites(
             for name, module in model.named_modules()
             if name in linear or name in verified
         }
-    entries, expert_parts, not_solved = _saved_entries(model, linear, experts)
-    not_solved.update(_expert_like(model, set(experts)))
+    entries, expert_parts, not_solved = _saved_entries(
+        model, linear, experts, _expert_like(model, set(experts))
+    )
 
     def selected(names: Sequence[str]) -> bool:
         if include and not any(matches(n, include) for n in names):
