@@ -24,7 +24,8 @@ __all__ = [
     "read_config",
 ]
 
-#: Files copied from the first model's folder so the output loads with its tokenizer.
+#: Files copied from the first model's folder so the output loads with its tokenizer (or
+#: image processor).
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -36,6 +37,7 @@ TOKENIZER_FILES = (
     "spiece.model",
     "sentencepiece.bpe.model",
     "tokenizer.model",
+    "preprocessor_config.json",
 )
 
 
