@@ -292,3 +292,122 @@ def test_load_merged_gives_each_vision_classifier(root):
         assert torch.equal(model.classifier.weight, run.models[task].classifier.weight)
         merged_query = run.memory.state_dict["vit.encoder.layer.1.attention.attention.query.weight"]
         assert torch.equal(model.vit.layers[1].attention.q_proj.weight, merged_query)
+
+
+# --------------------------------------------------------------------------- README table
+
+TABLE_START = "<!-- support table: tests/stats/test_architectures.py -->"
+TABLE_END = "<!-- end of support table -->"
+
+
+def _by_value(run: Run) -> dict[str, tuple[str, Any, bool]]:
+    """Model 0's checkpoint tensors -> (in-memory parameter, its module, whether the
+    tensor is the whole parameter or an expert's slice of a 3-D one), matched by value:
+    independent of lmdx's naming."""
+    model = run.models[0]
+    modules = dict(model.named_modules())
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    out = {}
+    for name, t in load_file(run.folders[0] / "model.safetensors").items():
+        for p_name, p in params.items():
+            whole = p.shape == t.shape and torch.equal(p, t)
+            if whole or _expert_slice(p, t):
+                out[name] = (p_name, modules[p_name.rpartition(".")[0]], whole)
+                break
+    return out
+
+
+def _expert_slice(p: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether ``t`` is a run of consecutive rows of one expert of 3-D ``p``."""
+    if p.ndim != 3 or t.ndim != 2 or p.shape[2] != t.shape[1] or p.shape[1] < t.shape[0]:
+        return False
+    k = t.shape[0]
+    return any(
+        torch.equal(p[e, i : i + k], t)
+        for e in range(p.shape[0])
+        for i in range(0, p.shape[1] - k + 1)
+    )
+
+
+def support_row(run: Run) -> str:
+    """The README table's row for one family, from what its run measured."""
+    family, stats, report = run.family, run.stats[0], run.stream.report
+    keys = ", ".join(f"`{k}`" for k in run.data[0][0])
+    if family.inputs == "seq2seq":
+        keys = (
+            "`input_ids`, `attention_mask` (encoder, cross-attention k/v); "
+            "`decoder_input_ids`, `decoder_attention_mask` (decoder)"
+        )
+    solved_weights = {stats.modules[m]["weight"] for m in report["layers"]}
+    origin = _by_value(run)
+    tied = set(report.get("tied", {}))
+    output = run.models[0].get_output_embeddings()
+    lm_head = [n for n, (p, mod, _w) in origin.items() if mod is output and p.endswith("weight")]
+    lm_head += [n for n in tied if n.startswith("lm_head")]
+    solved = ["every linear layer"]
+    if any(stats.modules[m]["layout"] == "conv1d" for m in report["layers"]):
+        solved[0] += " (`Conv1D`)"
+    linear = (torch.nn.Linear, transformers.pytorch_utils.Conv1D)
+    if any(
+        n in solved_weights and not isinstance(mod, linear) and whole
+        for n, (_p, mod, whole) in origin.items()
+    ):
+        solved.append("the routers")
+    if stats.extra.get("experts"):
+        solved.append("each expert from the tokens routed to it")
+    if lm_head and lm_head[0] in solved_weights:
+        solved.append("the untied LM head")
+    averaged: list[str] = []
+    heads = set()
+    saved = load_file(run.folders[0] / "model.safetensors")
+    for n, (_p, mod, _w) in origin.items():
+        if n in solved_weights or n in tied:
+            continue
+        if any(fnmatch.fnmatchcase(n, h) for h in family.heads):
+            heads.add(n)
+            continue
+        if isinstance(mod, torch.nn.Embedding):
+            kind = "embeddings"
+        elif isinstance(mod, torch.nn.Conv2d):
+            kind = "patch convolution"
+        elif n.endswith("bias"):
+            kind = "biases"
+        elif saved[n].ndim == 1:
+            kind = "norms"
+        else:
+            kind = f"`{n.rpartition('.')[2]}`"
+        if kind not in averaged:
+            averaged.append(kind)
+    first, last = ["embeddings", "patch convolution"], ["biases", "norms"]
+    averaged = sorted(averaged, key=lambda k: (k in last, last.index(k) if k in last else 0, k))
+    averaged = [k for k in first if k in averaged] + [k for k in averaged if k not in first]
+    if lm_head and lm_head[0] in tied:
+        averaged.append("the LM head (tied to the embeddings)")
+    if heads:
+        averaged.append(f"task head ({', '.join(f'`{h}`' for h in family.heads)}) kept per model")
+    split = any(not whole for _p, _m, whole in origin.values())
+    renamed = any(n != p for n, (p, _m, whole) in origin.items() if whole)
+    parts = (["fused experts split per expert"] if split else []) + (["renamed"] if renamed else [])
+    form = "; ".join(parts) or "as in memory"
+    return (
+        f"| {family.name} | `{family.cls}` | {keys} | {'; '.join(solved)} | "
+        f"{', '.join(averaged)} | {form} |"
+    )
+
+
+def support_table(root: Path) -> str:
+    rows = [support_row(run_family(name, root)) for name in F.FAMILIES]
+    head = (
+        "| Family | Class tested | Batch keys | Solved by RegMean | Averaged (or kept per model) "
+        "| Saved form |\n"
+        "|---|---|---|---|---|---|"
+    )
+    return "\n".join([head, *rows])
+
+
+def test_readme_support_table_is_what_the_matrix_measures(root):
+    table = support_table(root)
+    text = README.read_text(encoding="utf-8")
+    assert TABLE_START in text and TABLE_END in text, "README lacks the support table markers"
+    written = text.split(TABLE_START, 1)[1].split(TABLE_END, 1)[0].strip()
+    assert written == table, f"README support table is out of date; it should read:\n{table}"
