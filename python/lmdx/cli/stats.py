@@ -374,7 +374,7 @@ def _image_processor(model_dir: Path) -> Any:
     from transformers import AutoImageProcessor
 
     try:
-        return AutoImageProcessor.from_pretrained(str(model_dir))
+        return AutoImageProcessor.from_pretrained(str(model_dir))  # type: ignore[no-untyped-call]
     except (OSError, ValueError) as exc:
         raise CliError(
             f"MODEL {model_dir}: its image processor (preprocessor_config.json) cannot be "

@@ -48,7 +48,11 @@ class ImageBatches:
         self._array = array
         self.batch_size = batch_size
         self.source = source
-        self.count = len(files) if files is not None else int(np.shape(array)[0])
+        if files is not None:
+            self.count = len(files)
+        else:
+            assert array is not None
+            self.count = int(array.shape[0])
 
     def __len__(self) -> int:
         return -(-self.count // self.batch_size)

@@ -353,7 +353,7 @@ def _saved_entries(
 def _length(kwargs: Mapping[str, Any], keys: Sequence[str]) -> int | None:
     """The sequence length (dim 1) of the first of ``keys`` in ``kwargs`` that has one."""
     for k in keys:
-        v = kwargs.get(k)
+        v: Any = kwargs.get(k)
         if hasattr(v, "shape") and v.dim() >= 2:
             return int(v.shape[1])
     return None
