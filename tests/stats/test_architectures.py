@@ -30,6 +30,7 @@ import transformers
 from lmdx import merge_models, save_merged
 from lmdx.files import Checkpoint
 from lmdx.merge import stream_merge
+from lmdx.stats import add_statistics
 from lmdx.stats.collect import collect_regmean_stats
 from safetensors.torch import load_file
 
@@ -245,6 +246,8 @@ def test_experts_of_an_unknown_interface_are_averaged_and_reported(root):
     assert set(missing) == experts
     assert all("not of transformers' fused-experts interface" in why for why in missing.values())
     assert not any(".experts." in m for m in stats[0].modules)
+    shard = collect(models[0], run.data[1])
+    assert add_statistics([stats[0], shard]).not_solved == missing  # adding keeps it said
     result = merge_models(models, "regmean", stats=stats, alpha=ALPHA, progress=False)
     assert set(result.report["not_solved"]) == experts
     for n in experts:

@@ -276,7 +276,7 @@ def _entry(saved_name: str, layout: str) -> _Entry:
     return _Entry(saved_name.removesuffix(".weight"), saved_name, layout)
 
 
-def expert_site(module: str, expert: int, part: str) -> str:
+def _expert_site(module: str, expert: int, part: str) -> str:
     """The site of expert ``expert`` of fused-experts module ``module``: ``part`` is
     ``"in"`` (its up projection's input) or ``"mid"`` (its down projection's input)."""
     return f"{module}[{expert}].{part}"
@@ -292,7 +292,7 @@ def _saved_entries(
     dict[str, tuple[str, int, str, tuple[str, str]]],
     dict[str, str],
 ]:
-    """Per site (a linear module's name, or :func:`expert_site`), the saved weights its
+    """Per site (a linear module's name, or :func:`_expert_site`), the saved weights its
     Gram serves; per expert site, (experts module, expert, part, in-memory names); and
     the saved weights that get none (name -> why), among them those of the in-memory
     weights ``unknown`` (name -> why)."""
@@ -343,7 +343,7 @@ def _saved_entries(
                     continue
                 traced = _traced_layout(src.index, shape, in_axis, 0)
                 expert = -1 if traced is None else int(traced[1] or 0)
-                site = expert_site(n, expert, part)
+                site = _expert_site(n, expert, part)
                 place(site, src, traced)
                 if traced is not None:
                     parts[site] = (n, expert, part, (n, f"{n}.{p_name}"))
@@ -409,7 +409,7 @@ class _Collector:
 
     ``modules``: linear modules (name -> (module, layout)), each a site; ``experts``:
     fused-experts modules (name -> (module, {expert: parts})), whose sites are
-    :func:`expert_site` names."""
+    :func:`_expert_site` names."""
 
     def __init__(
         self,
@@ -437,10 +437,11 @@ class _Collector:
         self._calls: dict[str, int] = {}
         self._masks: dict[str, tuple[Any, tuple[int, ...]] | None] = {}
         self._probe_inputs: dict[str, list[Any]] | None = None
+        self._signatures = {n: inspect.signature(m.forward) for n, (m, _) in self.experts.items()}
         for name, (_module, wanted) in self.experts.items():
             for e, parts in wanted.items():
                 for part in parts:
-                    site = expert_site(name, e, part)
+                    site = _expert_site(name, e, part)
                     self.group_of[site] = site
 
     def sites_of(self, name: str) -> list[str]:
@@ -448,7 +449,7 @@ class _Collector:
         if name in self.experts:
             wanted = self.experts[name][1]
             return [
-                expert_site(name, e, p)
+                _expert_site(name, e, p)
                 for e in sorted(wanted)
                 for p in ("in", "mid")
                 if p in wanted[e]
@@ -512,7 +513,7 @@ class _Collector:
     def _probe_hook(self, name: str, experts: bool = False) -> Any:
         def hook(module: Any, args: tuple[Any, ...], kwargs: Any = None) -> None:
             assert self._probe_inputs is not None
-            x = self._experts_input(module, args, kwargs or {})[0] if experts else args[0]
+            x = self._experts_input(name, args, kwargs or {})[0] if experts else args[0]
             self._probe_inputs[name].append(x)
             self._first_call.setdefault(name, len(self._first_call))
             self._probe_rows.setdefault(name, int(np.prod(tuple(x.shape[:-1]), dtype=np.int64)))
@@ -544,7 +545,7 @@ class _Collector:
         if name in self.experts:
 
             def experts_fn(module: Any, args: tuple[Any, ...], kwargs: Any) -> None:
-                x, index = self._experts_input(module, args, kwargs)
+                x, index = self._experts_input(name, args, kwargs)
                 self._accumulate_experts(name, x, index)
 
             return experts_fn
@@ -554,11 +555,11 @@ class _Collector:
 
         return fn
 
-    @staticmethod
     def _experts_input(
-        module: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+        self, name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]
     ) -> tuple[Any, Any]:
-        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+        """The ``hidden_states`` and ``top_k_index`` of a call of experts module ``name``."""
+        bound = self._signatures[name].bind_partial(*args, **kwargs).arguments
         return bound["hidden_states"], bound["top_k_index"]
 
     def _accumulate(self, name: str, x: Any) -> None:
@@ -626,7 +627,7 @@ class _Collector:
             if tokens.numel() == 0:
                 continue
             xe = rows.index_select(0, tokens)
-            site_in, site_mid = expert_site(name, e, "in"), expert_site(name, e, "mid")
+            site_in, site_mid = _expert_site(name, e, "in"), _expert_site(name, e, "mid")
             if site_in in sites:
                 self._update(site_in, site_in, xe, d, None)
             if site_mid in sites:
@@ -730,14 +731,19 @@ def collect_regmean_stats(
         A torch module (e.g. a Hugging Face model); it is run in ``eval()`` under
         ``torch.no_grad()`` and its training flag is restored afterwards.
     batches
-        Iterable of dicts of tensors, each passed as ``model(**batch)`` (a ``labels``
-        entry is dropped), or of input-id tensors. Must be re-iterable (a list) when
-        ``max_memory`` asks for more than one pass.
+        Iterable of dicts of tensors with any keys the model takes (``input_ids``,
+        ``pixel_values``, ``decoder_input_ids``, ...), each passed as ``model(**batch)``
+        (a ``labels`` entry is dropped), or of input-id tensors. An encoder-decoder
+        model's batches must hold ``decoder_input_ids`` (or ``decoder_inputs_embeds``).
+        Must be re-iterable (a list) when ``max_memory`` asks for more than one pass.
     include, exclude
-        ``fnmatch`` patterns over module names (see :func:`find_linear_modules`).
+        ``fnmatch`` patterns over module names (see :func:`find_linear_modules`), or the
+        names the model's ``save_pretrained`` folder gives their weights; for fused
+        experts, the experts module, its 3-D parameters or the saved per-expert weights.
     include_padding
         Count padding rows like the reference implementations (default: rows whose
-        ``attention_mask`` is 0 are left out).
+        ``attention_mask`` is 0 are left out; in an encoder-decoder model, decoder rows
+        whose ``decoder_attention_mask`` is 0, every decoder row without one).
     share_inputs
         Accumulate one Gram for modules that read the same input tensor.
     precision
