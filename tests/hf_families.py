@@ -18,7 +18,7 @@ in float64 from its weights), and the RegMean formula is written out in NumPy.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import hf_models as H
@@ -77,7 +77,8 @@ class Family:
     heads: tuple[str, ...] = ()
     checks: tuple[Check, ...] = ()
     note: str = ""
-    overrides: dict[str, Any] = field(default_factory=dict)
+    #: Saved tensors (fnmatch patterns) lmdx cannot solve: averaged and reported.
+    unsolved: tuple[str, ...] = ()
 
     @property
     def pad(self) -> int:
@@ -369,6 +370,20 @@ FAMILIES: dict[str, Family] = {
                 Check("model.layers.1.mlp.experts", kind="expert_mid", expert=2),
                 Check("model.layers.1.mlp.gate"),
             ),
+        ),
+        Family(
+            "GPT-OSS",
+            "GptOssForCausalLM",
+            _decoder(
+                T.GptOssConfig,
+                num_local_experts=4,
+                head_dim=8,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                **MOE,
+            ),
+            checks=(Check("model.layers.1.mlp.router"), Check("model.layers.0.self_attn.o_proj")),
+            note="experts saved as 3-D tensors of all experts: averaged, and reported",
+            unsolved=("*.mlp.experts.gate_up_proj", "*.mlp.experts.down_proj"),
         ),
         # ---- vision: pixel_values, no padding
         Family(

@@ -66,6 +66,8 @@ from .writer import StatisticsWriter
 
 __all__ = ["collect_regmean_stats", "find_linear_modules"]
 
+#: The argument of a fused-experts forward that says which experts each token goes to.
+ROUTING_KEYS = ("top_k_index", "router_indices")
 #: Batch keys that hold an encoder-decoder model's decoder inputs, and its mask.
 DECODER_KEYS = ("decoder_input_ids", "decoder_inputs_embeds")
 DECODER_MASK_KEY = "decoder_attention_mask"
@@ -118,7 +120,8 @@ def _fused_experts(model: Any) -> dict[str, Any]:
 
     They hold every expert's up (or gate-and-up) and down projection as one 3-D
     parameter each, flags saying how (``has_gate``, ``has_bias``, ``is_transposed``) and
-    are called as ``forward(hidden_states, top_k_index, top_k_weights)``."""
+    are called as ``forward(hidden_states, top_k_index, top_k_weights)`` (GPT-OSS:
+    ``router_indices``)."""
     found = {}
     for name, module in model.named_modules():
         if not all(hasattr(module, a) for a in ("has_gate", "has_bias", "is_transposed")):
@@ -132,7 +135,7 @@ def _fused_experts(model: Any) -> dict[str, Any]:
             wanted = inspect.signature(module.forward).parameters
         except (TypeError, ValueError):
             continue
-        if "hidden_states" in wanted and "top_k_index" in wanted:
+        if "hidden_states" in wanted and any(k in wanted for k in ROUTING_KEYS):
             found[name] = module
     return found
 
@@ -560,7 +563,7 @@ class _Collector:
     ) -> tuple[Any, Any]:
         """The ``hidden_states`` and ``top_k_index`` of a call of experts module ``name``."""
         bound = self._signatures[name].bind_partial(*args, **kwargs).arguments
-        return bound["hidden_states"], bound["top_k_index"]
+        return bound["hidden_states"], next(bound[k] for k in ROUTING_KEYS if k in bound)
 
     def _accumulate(self, name: str, x: Any) -> None:
         group = self.group_of[name]
