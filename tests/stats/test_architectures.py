@@ -422,3 +422,38 @@ def test_readme_support_table_is_what_the_matrix_measures(root):
     assert TABLE_START in text and TABLE_END in text, "README lacks the support table markers"
     written = text.split(TABLE_START, 1)[1].split(TABLE_END, 1)[0].strip()
     assert written == table, f"README support table is out of date; it should read:\n{table}"
+
+
+def test_only_modules_computing_f_linear_of_their_weight_count_as_linear(rng):
+    """A module holding just a 2-D weight is collected when its first output is
+    ``F.linear(input, weight, bias)`` on the probe (a router), not otherwise."""
+
+    class Router(torch.nn.Module):  # returns (logits, top-1 index), like MoE routers
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(4, 6, dtype=torch.float64))
+            self.bias = torch.nn.Parameter(torch.randn(4, dtype=torch.float64))
+
+        def forward(self, x):
+            logits = torch.nn.functional.linear(x, self.weight, self.bias)
+            return logits, logits.argmax(-1)
+
+    class Squashed(Router):  # a weight, but not a linear map of the input
+        def forward(self, x):
+            return torch.tanh(torch.nn.functional.linear(x, self.weight, self.bias))
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.router, self.squashed = Router(), Squashed()
+
+        def forward(self, x):
+            return self.router(x)[0] + self.squashed(x)
+
+    torch.manual_seed(0)
+    net = Net()
+    x = torch.from_numpy(rng.standard_normal((3, 5, 6)))
+    stats = collect(net, [{"x": x}])
+    assert set(stats.modules) == {"router"}
+    rows = x.reshape(-1, 6).numpy()
+    assert np.allclose(stats.gram("router"), rows.T @ rows, rtol=1e-12, atol=0)
