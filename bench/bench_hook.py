@@ -117,7 +117,7 @@ def main() -> None:
         collect.collect_regmean_stats(model, batches, progress=False, n_threads=args.threads)
 
     inside = {"seconds": 0.0, "calls": 0}
-    real_accumulate = collect._Collector._accumulate
+    real_accumulate = collect.GramCollector._accumulate
 
     def timed_accumulate(self, name, x):
         t0 = time.perf_counter()
@@ -130,12 +130,12 @@ def main() -> None:
     def hooks() -> None:
         real_moments = collect.Moments
         collect.Moments = _StubMoments  # type: ignore[misc,assignment]
-        collect._Collector._accumulate = timed_accumulate  # type: ignore[method-assign]
+        collect.GramCollector._accumulate = timed_accumulate  # type: ignore[method-assign]
         try:
             collect.collect_regmean_stats(model, batches, progress=False, n_threads=args.threads)
         finally:
             collect.Moments = real_moments  # type: ignore[misc]
-            collect._Collector._accumulate = real_accumulate  # type: ignore[method-assign]
+            collect.GramCollector._accumulate = real_accumulate  # type: ignore[method-assign]
 
     times: dict[str, list[float]] = {"forward": [], "hooks": [], "full": []}
     for _ in range(args.reps):  # interleaved, so the three see the same conditions

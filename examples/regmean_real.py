@@ -23,15 +23,27 @@ lmdx then collects, on each fine-tuned Hugging Face model (its own forward pass)
 Gram statistics of every fine-tuned linear layer's input over that task's training texts
 (padding excluded) and the diagonal Fisher (predicted labels) over the same texts, and
 merges the four models with ``average``, ``fisher`` and ``regmean`` (α = 0.9, the
-paper's value for transformers, and α = 1.0). The classifier heads (``classifier.*``)
+paper's value for transformers, and α = 1.0), with task arithmetic, TIES and DARE, and
+with RegMean++. The classifier heads (``classifier.*``)
 are not merged: every task keeps its own. Every model is scored on every task's test
 split with that task's head:
 
 * ``pretrained (head only)``: the frozen pre-trained encoder with a classifier trained on
-  it alone (logistic regression on its pooled output), the un-merged reference;
+  it alone (logistic regression on its pooler output), the un-merged reference;
+* ``pretrained mean-pooled``: logistic regression on the frozen encoder's mean-pooled
+  last hidden states (the mean over each text's real tokens, as all-MiniLM-L6-v2 is
+  meant to be used): a stronger frozen baseline;
 * ``fine-tuned <task>``: one fine-tuned encoder, with each task's own fine-tuned head
   (``*``: its own task);
-* ``average`` / ``fisher`` / ``regmean``: one merged encoder serving all four tasks.
+* ``average`` / ``fisher`` / ``regmean``: one merged encoder serving all four tasks;
+* ``task arithmetic`` / ``ties`` / ``dare``: the same from the task vectors against the
+  pre-trained encoder, with lmdx's defaults (λ 0.3; TIES density 0.2, λ 1; DARE density
+  0.5, λ 0.3, seed 0), no statistics;
+* ``regmean++ α=0.9``: RegMean++ (the blocks merged in order, each on Grams taken through
+  the merged blocks before it), run on each task's statistics texts at merge time.
+
+The ``merge s`` column is the merge's wall time (RegMean's and Fisher's statistics were
+collected before, in step 2; RegMean++ runs its forward passes inside the merge).
 
 Run:  python examples/regmean_real.py    (``bash scripts/regmean_demo.sh`` sets up first)
       First run 9-10 minutes, cached rerun 2.5 minutes, measured on the 2-core development
@@ -298,6 +310,13 @@ def pooled_features(
     for idx in length_batches([s.shape[0] for s in states], batch_size):
         out[torch.as_tensor(idx)] = top_pooled(model, [states[i] for i in idx], n_bottom)
     return out
+
+
+@torch.no_grad()
+def mean_pooled(model: Any, seqs: Sequence[Sequence[int]], pad: int) -> torch.Tensor:
+    """The mean of the last hidden states over each text's real tokens: (N, D)."""
+    states = bottom_states(model, seqs, model.config.num_hidden_layers, pad)
+    return torch.stack([h.mean(0) for h in states])
 
 
 @torch.no_grad()
@@ -748,18 +767,45 @@ def main() -> None:
         ("fisher", "fisher", {"stats": fishers}),
     ]
     runs += [(f"regmean α={a:g}", "regmean", {"stats": grams, "alpha": a}) for a in alphas]
+    # without statistics, from the task vectors against the pre-trained encoder (defaults)
+    runs += [
+        ("task arithmetic", "task_arithmetic", {"base": pretrained}),
+        ("ties", "ties", {"base": pretrained}),
+        ("dare", "dare", {"base": pretrained}),
+    ]
+    # RegMean++: each model's own texts (those of its statistics) at merge time
+    pp_texts = []
+    for task in tasks:
+        texts = task.texts["train"][: args.stats]
+        order = np.argsort([len(s) for s in task.ids["train"][: args.stats]], kind="stable")
+        pp_texts.append([texts[i] for i in order])  # similar lengths per batch: less padding
+    runs.append(
+        (
+            "regmean++ α=0.9",
+            "regmean_plusplus",
+            {
+                "data": pp_texts,
+                "tokenizer": tokenizer,
+                "alpha": 0.9,
+                "max_length": args.max_length,
+                "batch_size": 32,
+            },
+        )
+    )
+    seconds: dict[str, float] = {}
     for row, method, kw in runs:
         t = time.perf_counter()
         res = merge_models(experts, method, heads=HEADS, labels=labels, progress=False, **kw)
+        seconds[row] = time.perf_counter() - t
         solved = res.report["layers"]
         ridges = [m for m, v in solved.items() if v.get("ridge")]
         moved = [n for n in frozen if not torch.equal(res.state_dict[n], reference[n])]
         log(
-            f"{row}: {time.perf_counter() - t:.1f} s"
+            f"{row}: {seconds[row]:.1f} s"
             + (
                 f"; {len(solved)} linear weights solved in closed form "
                 f"({sum(1 for v in solved.values() if not v['shared_with'])} factorizations)"
-                if method == "regmean"
+                if method in ("regmean", "regmean_plusplus")
                 else ""
             )
             + (f"; ridge added for {ridges}" if ridges else "")
@@ -801,6 +847,17 @@ def main() -> None:
         base_states.append({**frozen_body, **head})
     table.append(("pretrained (head only)", score(base_states)))
     log(f"  pretrained: {time.perf_counter() - t:.0f} s")
+    t = time.perf_counter()
+    pooled_accs = []
+    for task in tasks:
+        feats = {s: mean_pooled(pretrained, task.ids[s], pad) for s in ("train", "val", "test")}
+        head, head_val, l2 = train_head(feats, task.labels, task.n_classes, args.seed)
+        with torch.no_grad():
+            predicted = head(feats["test"]).argmax(-1).numpy()
+        pooled_accs.append(float((predicted == task.labels["test"]).mean()))
+        log(f"  {task.name}: mean-pooled head val acc {100 * head_val:.1f} % (L2 {l2:g})")
+    table.append(("pretrained mean-pooled", pooled_accs))
+    log(f"  pretrained mean-pooled: {time.perf_counter() - t:.0f} s")
     expert_states = [m.state_dict() for m in experts]
     heads_of = [{n: v for n, v in s.items() if n.startswith("classifier.")} for s in expert_states]
     for j, task in enumerate(tasks):
@@ -822,16 +879,20 @@ def main() -> None:
         f"{args.train} texts, {args.epochs} epochs, lr {args.lr:g}, max {args.max_length} "
         f"tokens. Statistics: {args.stats} training texts per task."
     )
-    header = f"{'model':<24}" + "".join(f"{t.short:>9}" for t in tasks) + f"{'mean':>9}"
+    header = (
+        f"{'model':<24}" + "".join(f"{t.short:>9}" for t in tasks) + f"{'mean':>9}{'merge s':>9}"
+    )
     print(header)
     print("-" * len(header))
+    first = next(i for i, (row, _) in enumerate(table) if row.startswith("fine-tuned"))
     for i, (row, accs) in enumerate(table):
         cells = "".join(
-            f"{100 * a:>8.1f}" + ("*" if row.startswith("fine-tuned") and i - 1 == j else " ")
+            f"{100 * a:>8.1f}" + ("*" if row.startswith("fine-tuned") and i - first == j else " ")
             for j, a in enumerate(accs)
         )
-        print(f"{row:<24}{cells}{100 * float(np.mean(accs)):>8.1f}")
-    own = [table[1 + j][1][j] for j in range(len(tasks))]
+        took = f"{seconds[row]:>9.1f}" if row in seconds else ""
+        print(f"{row:<24}{cells}{100 * float(np.mean(accs)):>8.1f}{took}")
+    own = [table[first + j][1][j] for j in range(len(tasks))]
     print(
         f"* the model's own task; mean of those (the individual models' best): "
         f"{100 * float(np.mean(own)):.1f}"

@@ -12,7 +12,9 @@ independent of the code under test; ``collect`` is only a shorthand for calling 
 * ``random_batches``: random token ids, right-padded with the model's pad id, with the
   matching attention mask;
 * ``reference_grams``: per linear module, ``G = Σ x xᵀ``, ``s = Σ x`` and ``n`` in float64
-  from its inputs, padding rows dropped by the attention mask (or kept).
+  from its inputs, padding rows dropped by the attention mask (or kept);
+* ``reference_regmean`` / ``reference_average``: the RegMean closed form solved with
+  ``np.linalg.solve``, and the coefficient-weighted average, in float64.
 """
 
 from __future__ import annotations
@@ -42,6 +44,13 @@ HEADS = {
 }
 #: Module-name prefix of the backbone (``model.base_model_prefix``).
 PREFIX = {"bert": "bert", "roberta": "roberta", "gpt2": "transformer", "llama": "model"}
+#: Module name of each architecture's stack of repeated blocks (layers).
+BLOCKS = {
+    "bert": "bert.encoder.layer",
+    "roberta": "roberta.encoder.layer",
+    "gpt2": "transformer.h",
+    "llama": "model.layers",
+}
 
 
 def _config(arch: str) -> Any:
@@ -284,6 +293,26 @@ def reference_grams(
         for h in handles:
             h.remove()
     return acc
+
+
+def reference_regmean(grams, counts, weights, alpha, coefficients, layout):
+    """The paper's closed form in float64 (weights in their stored layout):
+    ``W_Mᵀ = (Σ c_i G̃_i)⁻¹ Σ c_i G̃_i W_iᵀ``, ``G̃_i = α G_i/n_i + (1−α) diag(G_i/n_i)``."""
+    c = np.ones(len(grams)) if coefficients is None else np.asarray(coefficients, float)
+    lhs, rhs = 0.0, 0.0
+    for ci, g, n, w in zip(c, grams, counts, weights, strict=True):
+        g_hat = g / n
+        g_tilde = alpha * g_hat + (1.0 - alpha) * np.diag(np.diag(g_hat))
+        lhs = lhs + ci * g_tilde
+        rhs = rhs + ci * g_tilde @ (w.T if layout == "linear" else w)
+    solved = np.linalg.solve(lhs, rhs)
+    return solved.T if layout == "linear" else solved
+
+
+def reference_average(tensors, coefficients):
+    """``Σ c_i θ_i / Σ c_i`` in float64."""
+    c = np.ones(len(tensors)) if coefficients is None else np.asarray(coefficients, float)
+    return sum(ci * t for ci, t in zip(c, tensors, strict=True)) / c.sum()
 
 
 def state_arrays(model_or_state: Any) -> dict[str, np.ndarray]:

@@ -1,9 +1,12 @@
 """A tiny BERT with a word-piece tokenizer built from a vocabulary written here (nothing
-is downloaded): the real Hugging Face encoder path on a model small enough for tests."""
+is downloaded): the real Hugging Face encoder path on a model small enough for tests;
+fine-tuned stand-ins of it saved as model folders, and random texts over its words."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -48,3 +51,31 @@ def build_tiny_bert(folder: Path) -> Path:
     BertModel(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def random_texts(rng: Any, n: int, max_words: int = 14) -> list[str]:
+    """``n`` texts of 2 to ``max_words - 1`` words drawn from :data:`WORDS` by ``rng``."""
+    return [" ".join(rng.choice(WORDS, size=rng.integers(2, max_words))) for _ in range(n)]
+
+
+def save_classifiers(root: Path, names: Sequence[str], *, scale: float = 0.05) -> None:
+    """A tiny BERT sequence classifier (2 labels, seeded) saved as ``root/base`` and one
+    copy per name, every parameter moved by seeded noise of ``scale``, saved as
+    ``root/<name>``; every folder with the tokenizer."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    tiny = build_tiny_bert(root / "tokenizer-source")
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny))
+    torch.manual_seed(1)
+    base = BertForSequenceClassification.from_pretrained(str(tiny), num_labels=2)
+    base.save_pretrained(root / "base")
+    tokenizer.save_pretrained(root / "base")
+    gen = torch.Generator().manual_seed(2)
+    for name in names:
+        model = BertForSequenceClassification.from_pretrained(str(root / "base"))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(scale * torch.randn(p.shape, generator=gen))
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)

@@ -16,36 +16,19 @@ from lmdx.cli import main
 from lmdx.stats import Statistics
 from safetensors.numpy import load_file
 from task_vectors import ref_merge
-from tiny_bert import WORDS, build_tiny_bert
+from tiny_bert import random_texts, save_classifiers
 from transformers import AutoTokenizer, BertForSequenceClassification
 
 K = 3
 MODULE = "bert.encoder.layer.1.intermediate.dense"
 
 
-def _texts(rng: np.random.Generator, n: int) -> list[str]:
-    return [" ".join(rng.choice(WORDS, size=rng.integers(2, 14))) for _ in range(n)]
-
-
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("merge-cli")
-    tiny = build_tiny_bert(root / "tokenizer-source")
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny))
-    torch.manual_seed(1)
-    base = BertForSequenceClassification.from_pretrained(str(tiny), num_labels=2)
-    base.save_pretrained(root / "base")
-    tokenizer.save_pretrained(root / "base")
-    gen = torch.Generator().manual_seed(2)
-    for i in range(K):
-        model = BertForSequenceClassification.from_pretrained(str(root / "base"))
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.05 * torch.randn(p.shape, generator=gen))
-        model.save_pretrained(root / f"m{i}")
-        tokenizer.save_pretrained(root / f"m{i}")
+    save_classifiers(root, [f"m{i}" for i in range(K)])
     rng = np.random.default_rng(3)
-    texts = _texts(rng, 64)
+    texts = random_texts(rng, 64)
     (root / "all.txt").write_text("\n".join(texts) + "\n")
     (root / "part1.txt").write_text("\n".join(texts[:32]) + "\n")
     (root / "part2.txt").write_text("\n".join(texts[32:]) + "\n")

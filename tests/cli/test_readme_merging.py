@@ -132,3 +132,23 @@ def test_readme_task_vector_section_runs(workspace: Path) -> None:
     assert np.abs(got - expected).max() <= 1e-6 * np.abs(expected).max()
     model = BertForSequenceClassification.from_pretrained(str(out))
     assert model.config.num_labels == len(MODELS["bbc"])
+
+
+def test_readme_regmean_plusplus_section_runs(
+    workspace: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The RegMean++ subsection's command and merge-pp.yaml, on the same stand-ins."""
+    section = _subsection("RegMean++")
+    (yaml_block,) = _blocks(section, "yaml")
+    assert yaml_block.startswith("# merge-pp.yaml")
+    (workspace / "merge-pp.yaml").write_text(yaml_block)
+    (bash,) = _blocks(section, "bash")
+    commands = [shlex.split(line, comments=True) for line in bash.splitlines()]
+    commands = [c for c in commands if c]
+    assert commands == [["lmdx", "merge", "merge-pp.yaml", "--out", "merged-pp"]]
+    for argv in commands:
+        assert main(argv[1:]) == 0, (argv, capsys.readouterr().err)
+    record = json.loads((workspace / "merged-pp" / "lmdx_merge.json").read_text())
+    assert record["report"]["method"] == "regmean_plusplus"
+    assert record["report"]["regmean_plusplus"]["blocks"] == 2
+    assert json.loads((workspace / "merged-pp" / "heads" / "1.json").read_text())["num_labels"] == 4

@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from hf_models import reference_average, reference_regmean
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from lmdx import MergeError, ModelMismatchError, merge_models, save_merged
@@ -43,24 +44,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # --------------------------------------------------------------------------- references
-
-
-def reference_regmean(grams, counts, weights, alpha, coefficients, layout):
-    """The paper's closed form in float64 (weights in their stored layout)."""
-    c = np.ones(len(grams)) if coefficients is None else np.asarray(coefficients, float)
-    lhs, rhs = 0.0, 0.0
-    for ci, g, n, w in zip(c, grams, counts, weights, strict=True):
-        g_hat = g / n
-        g_tilde = alpha * g_hat + (1.0 - alpha) * np.diag(np.diag(g_hat))
-        lhs = lhs + ci * g_tilde
-        rhs = rhs + ci * g_tilde @ (w.T if layout == "linear" else w)
-    solved = np.linalg.solve(lhs, rhs)
-    return solved.T if layout == "linear" else solved
-
-
-def reference_average(tensors, coefficients):
-    c = np.ones(len(tensors)) if coefficients is None else np.asarray(coefficients, float)
-    return sum(ci * t for ci, t in zip(c, tensors, strict=True)) / c.sum()
 
 
 def regmean_modules(model, arch):

@@ -199,12 +199,7 @@ SHARED = {
         ("mlp.gate_proj", "mlp.up_proj"),
     ],
 }
-LAYER_PREFIX = {
-    "bert": "bert.encoder.layer.{}.",
-    "roberta": "roberta.encoder.layer.{}.",
-    "gpt2": "transformer.h.{}.",
-    "llama": "model.layers.{}.",
-}
+LAYER_PREFIX = {arch: f"{blocks}.{{}}." for arch, blocks in H.BLOCKS.items()}
 
 
 def expected_groups(arch, names):

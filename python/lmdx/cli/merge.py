@@ -13,6 +13,7 @@ from typing import Any
 
 from .._errors import (
     CliError,
+    DataError,
     MergeError,
     MissingFileError,
     ModelMismatchError,
@@ -26,7 +27,7 @@ __all__ = ["HELP", "add_merge_parser", "run_merge_cli"]
 #: The command's line in ``lmdx --help``.
 HELP = (
     "merge models fine-tuned from one checkpoint (regmean, average, fisher, task_arithmetic, "
-    "ties, dare, dare_ties) as a config file says"
+    "ties, dare, dare_ties, regmean_plusplus) as a config file says"
 )
 
 
@@ -86,7 +87,14 @@ def run_merge_cli(args: argparse.Namespace) -> int:
     return report_errors(
         "merge",
         lambda: _merge(args, claimed),
-        usage=(CliError, MergeError, MissingFileError, ModelMismatchError, StatisticsFileError),
+        usage=(
+            CliError,
+            DataError,
+            MergeError,
+            MissingFileError,
+            ModelMismatchError,
+            StatisticsFileError,
+        ),
         claimed=claimed,
     )
 

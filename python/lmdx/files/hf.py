@@ -17,6 +17,7 @@ __all__ = [
     "TOKENIZER_FILES",
     "base_model_info",
     "copy_model_files",
+    "hf_config",
     "hf_progress",
     "load_model",
     "model_class",
@@ -75,6 +76,22 @@ def model_class(config: Mapping[str, Any]) -> Any:
     archs = config.get("architectures") or []
     cls = getattr(transformers, archs[0], None) if archs else None
     return transformers.AutoModel if cls is None else cls
+
+
+def hf_config(config: Mapping[str, Any], where: str) -> Any:
+    """A configuration dict (``config.json``'s contents) as the transformers configuration
+    object of its ``model_type``; :class:`MergeError` naming ``where`` for a type
+    transformers does not know."""
+    import transformers
+
+    try:
+        config_class = transformers.CONFIG_MAPPING[str(config.get("model_type"))]
+    except KeyError:
+        raise MergeError(
+            f"model configuration {where}: model_type {config.get('model_type')!r} is not one "
+            "transformers knows"
+        ) from None
+    return config_class.from_dict(dict(config))
 
 
 @contextlib.contextmanager

@@ -23,15 +23,16 @@ from .._errors import MergeError
 from .._tensors import to_torch
 from .._util import matches
 from ..files.checkpoint import Checkpoint
-from ..files.hf import hf_progress, load_model, model_class, read_config
+from ..files.hf import hf_config, hf_progress, load_model, model_class, read_config
 from ..files.identity import file_sha256
 from ..files.parse import read_json
 from ..stats.file import Statistics
 from ..stats.format import INDEX_NAME
 from .engine import Executor, run
 from .options import RANDOM_METHODS, SPARSIFYING_METHODS, TASK_VECTOR_METHODS, MergeOptions
-from .plan import MergePlan, make_plan, open_stats, peak_rss_bytes
+from .plan import Block, MergePlan, make_plan, open_stats, peak_rss_bytes
 from .ray import RayGroupSolver
+from .regmean_plusplus import BlockMerger, activation_budget, model_blocks, prepare_batches
 from .sink import (
     HEADS_DIR,
     LABEL_KEYS,
@@ -120,7 +121,7 @@ def _report(
         "method": options.method,
         "streaming": streaming,
         "models": plan.labels,
-        "alpha": options.alpha if options.method == "regmean" else None,
+        "alpha": options.alpha if options.method in ("regmean", "regmean_plusplus") else None,
         "coefficients": None if options.coefficients is None else list(options.coefficients),
         "exclude": list(options.exclude),
         "heads": list(options.heads),
@@ -169,6 +170,59 @@ def _stats_sha256(stats: Statistics | None) -> str | None:
     return file_sha256(path) if path.is_file() else None
 
 
+@dataclass
+class _PlusPlusData:
+    """What ``regmean_plusplus`` runs the models on (see :func:`merge_models`)."""
+
+    data: Sequence[Any] | None = None
+    tokenizer: Any = None
+    max_texts: int | None = None
+    max_length: int = 128
+    batch_size: int = 16
+    max_activation_memory: int | str | None = None
+
+
+def _blocks(sources: Sequence[TensorSource], method: str, data: Any) -> list[Block] | None:
+    """The blocks RegMean++ merges in order (None for the other methods, which take no
+    data)."""
+    if method != "regmean_plusplus":
+        if data is not None:
+            raise MergeError(f"data: only method regmean_plusplus takes data, not {method!r}")
+        return None
+    return model_blocks(sources[0])
+
+
+def _block_merger(
+    sources: Sequence[TensorSource],
+    plan: MergePlan,
+    options: MergeOptions,
+    blocks: list[Block] | None,
+    inputs: _PlusPlusData,
+    progress: bool,
+) -> BlockMerger | None:
+    """RegMean++'s block merger for the engine, its data tokenized into batches."""
+    if blocks is None:
+        return None
+    batches = prepare_batches(
+        sources,
+        inputs.data,
+        inputs.tokenizer,
+        max_texts=inputs.max_texts,
+        max_length=inputs.max_length,
+        batch_size=inputs.batch_size,
+    )
+    return BlockMerger(
+        sources,
+        blocks,
+        batches,
+        options,
+        plan.labels,
+        tied=set(plan.tied) | set(plan.tied.values()),
+        max_activation_memory=activation_budget(inputs.max_activation_memory),
+        progress=progress,
+    )
+
+
 def merge_models(
     models: Sequence[Any],
     method: str = "regmean",
@@ -189,6 +243,12 @@ def merge_models(
     labels: Sequence[str] | None = None,
     progress: bool = True,
     n_threads: int | None = None,
+    data: Sequence[Any] | None = None,
+    tokenizer: Any = None,
+    max_texts: int | None = None,
+    max_length: int = 128,
+    batch_size: int = 16,
+    max_activation_memory: int | str | None = None,
 ) -> MergeResult:
     """Merge K models fine-tuned from one checkpoint, in memory.
 
@@ -197,9 +257,12 @@ def merge_models(
     models
         K torch modules, state dicts or Hugging Face model folders.
     method
-        ``"regmean"``, ``"average"``, ``"fisher"``, or a task-vector method:
+        ``"regmean"``, ``"average"``, ``"fisher"``, a task-vector method:
         ``"task_arithmetic"``, ``"ties"``, ``"dare"`` or ``"dare_ties"`` (see
-        :mod:`lmdx.merge.methods` for the formulas).
+        :mod:`lmdx.merge.methods` for the formulas), or ``"regmean_plusplus"``
+        (RegMean++, :mod:`lmdx.merge.regmean_plusplus`: the blocks merged in order, each
+        on Grams taken through the merged blocks before it; needs ``data``, not
+        ``stats``).
     stats
         ``regmean``: K Gram statistics (objects, files or sharded folders), one per model,
         in order; ``fisher``: K Fisher statistics. Each is verified to belong to its model
@@ -247,6 +310,22 @@ def merge_models(
     labels
         Names of the models for messages and the report (default: their paths or
         ``model0``...).
+    data
+        ``regmean_plusplus``: per model, in order, its texts or its batches (dicts of
+        tensors for ``model(**batch)``). Each model's own data is needed at merge time:
+        RegMean++'s Grams depend on the merged blocks, so they cannot be collected and
+        shared in advance. The models must be transformers models or model folders
+        (their blocks are run).
+    tokenizer
+        For texts: one tokenizer for every model or a list with one per model (default:
+        each model folder's own).
+    max_texts, max_length, batch_size
+        For texts: the first ``max_texts`` of each model's texts (default: all), cut at
+        ``max_length`` tokens, ``batch_size`` per forward pass.
+    max_activation_memory
+        ``regmean_plusplus``: the most bytes of activations held between blocks (``"4GB"``
+        or bytes; default: all of them); the batches beyond it are recomputed from the
+        merged prefix for every block (slower: see :mod:`lmdx.merge.regmean_plusplus`).
     """
     t0 = time.perf_counter()
     models = list(models)
@@ -272,11 +351,18 @@ def merge_models(
     ]
     base_source = None if base is None else model_source(base, "base", progress=progress)
     stat_objs = open_stats(stats, method, len(models), names)
-    plan = make_plan(sources, options, stat_objs, base_source, folder=False)
+    blocks = _blocks(sources, method, data)
+    plan = make_plan(sources, options, stat_objs, base_source, folder=False, blocks=blocks)
     report = _report(plan, options, streaming=False, stats=stat_objs)
     sink = MemorySink(plan)
-    executor = Executor(sources, stat_objs, base_source, plan, options, report)
-    run(plan, executor.result, sink, f"merge ({method})", progress)
+    inputs = _PlusPlusData(
+        data, tokenizer, max_texts, max_length, batch_size, max_activation_memory
+    )
+    merger = _block_merger(sources, plan, options, blocks, inputs, progress)
+    executor = Executor(sources, stat_objs, base_source, plan, options, report, blocks=merger)
+    run(plan, executor.result, sink, f"merge ({method})", progress and merger is None)
+    if merger is not None:
+        report["regmean_plusplus"] = merger.summary()
     ref = sources[0]
     state = {}
     for name in ref.state:  # every name, tied aliases as the very tensor they alias
@@ -460,6 +546,12 @@ def stream_merge(
     n_threads: int | None = None,
     ray_workers: int = 0,
     ray_address: str | None = None,
+    data: Sequence[Any] | None = None,
+    tokenizer: Any = None,
+    max_texts: int | None = None,
+    max_length: int = 128,
+    batch_size: int = 16,
+    max_activation_memory: int | str | None = None,
 ) -> StreamMergeResult:
     """Merge K checkpoints out of core into a ``save_pretrained`` folder.
 
@@ -487,9 +579,20 @@ def stream_merge(
     the writer, each actor reading the inputs and statistics itself (on a cluster every
     node must see the same paths; statistics must be files or folders). Averages and the
     writing stay in this process. The output is bit-identical to a run without Ray.
+
+    ``regmean_plusplus`` builds the model's skeleton without weights and loads one block
+    of one model at a time from the checkpoints; the merged blocks are written as they
+    are finished (the output tensors are ordered block by block). ``data`` and the
+    arguments after it are those of :func:`merge_models`, and the output is
+    bit-identical to :func:`merge_models` followed by :func:`save_merged`.
     """
     t0 = time.perf_counter()
     models = list(models)
+    if ray_workers and method == "regmean_plusplus":
+        raise MergeError(
+            "ray_workers: regmean_plusplus merges its blocks in order in this process; drop "
+            "ray_workers"
+        )
     options = MergeOptions.checked(
         len(models),
         method=method,
@@ -516,18 +619,28 @@ def stream_merge(
     sources = [Checkpoint(m, lab) for m, lab in zip(models, names, strict=True)]
     stat_objs = open_stats(stats, method, len(models), names)
     base_source = None if base is None else Checkpoint(base, "base")
-    plan = make_plan(sources, options, stat_objs, base_source, folder=True)
+    blocks = _blocks(sources, method, data)
+    plan = make_plan(sources, options, stat_objs, base_source, folder=True, blocks=blocks)
     if dry_run:
         return StreamMergeResult(None, plan, {}, peak_rss_bytes())
     report = _report(plan, options, streaming=True, stats=stat_objs)
+    inputs = _PlusPlusData(
+        data, tokenizer, max_texts, max_length, batch_size, max_activation_memory
+    )
+    merger = _block_merger(sources, plan, options, blocks, inputs, progress)
     with FolderSink(out, plan) as sink:
         remote = None
         if ray_workers and method == "regmean":
             remote = _ray_solver(sources, stat_objs, plan, options, ray_workers, ray_address)
             report["ray_workers"] = ray_workers
         try:
-            executor = Executor(sources, stat_objs, base_source, plan, options, report, remote)
-            run(plan, executor.result, sink, f"merge ({method}, streaming)", progress)
+            executor = Executor(
+                sources, stat_objs, base_source, plan, options, report, remote, merger
+            )
+            bar = progress and merger is None  # RegMean++ shows its blocks instead
+            run(plan, executor.result, sink, f"merge ({method}, streaming)", bar)
+            if merger is not None:
+                report["regmean_plusplus"] = merger.summary()
             report["seconds"] = time.perf_counter() - t0
             report["peak_rss_bytes"] = peak_rss_bytes()
             report["estimated_peak_bytes"] = plan.peak_memory
@@ -685,20 +798,13 @@ def _head_record(path: Path) -> dict[str, Any]:
 def _from_state(folder: Path, config: dict[str, Any], state: dict[str, Any], progress: bool) -> Any:
     """The model ``config`` describes, with every parameter from ``state``; a parameter
     missing, left over or of another shape is a :class:`MergeError`."""
-    import transformers
-
     cls = model_class(config)
-    try:
-        config_class = transformers.CONFIG_MAPPING[str(config.get("model_type"))]
-    except KeyError:
-        raise MergeError(
-            f"model configuration {folder / 'config.json'}: model_type "
-            f"{config.get('model_type')!r} is not one transformers knows"
-        ) from None
-    hf_config = config_class.from_dict(config)
     with hf_progress(progress):
         model, info = cls.from_pretrained(
-            None, config=hf_config, state_dict=state, output_loading_info=True
+            None,
+            config=hf_config(config, str(folder / "config.json")),
+            state_dict=state,
+            output_loading_info=True,
         )
     problems = {k: v for k, v in info.items() if v and k != "error_msgs"} | (
         {"errors": info["error_msgs"]} if info.get("error_msgs") else {}

@@ -34,20 +34,37 @@ that use them, ``scaling`` (default 0.3 for ``task_arithmetic`` and ``dare``, 1.
 ``ties`` and ``dare_ties``) with the task-vector methods. ``fisher_eps`` is for
 ``fisher``; ``ridge``, ``allow_regularization``, ``precision`` (``auto`` | ``float64``)
 and ``threads`` tune the RegMean solves.
+
+``regmean_plusplus`` (RegMean++: the blocks merged in order, each on Grams taken
+through the merged blocks before it) takes each model's data instead of statistics,
+read as ``lmdx stats`` reads DATA::
+
+    method: regmean_plusplus
+    models:
+      - {path: finetuned/bbc, data: bbc-train.jsonl}       # .txt, .jsonl, .csv, corpus:NAME
+      - {path: finetuned/news, data: news.csv, text_field: headline}
+    alpha: 0.9
+    max_texts: 1000            # per model (default: all); then as lmdx stats:
+    max_length: 64             # tokens per text (default 128)
+    batch_size: 16             # texts per forward pass (default 16)
+    max_activation_memory: 8GB # beyond it, activations are recomputed (default: held)
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from .._errors import MergeError, MissingFileError
+from .._errors import DataError, MergeError, MissingFileError
 from .._tensors import OUTPUT_DTYPES
 from .._util import parse_size
+from ..data import corpora
+from ..data.files import read_data
 from ..files.hf import load_model
 from ..files.parse import parse_json, read_text, read_yaml, schema_message
 from .api import merge_models, save_merged, stream_merge
@@ -73,6 +90,8 @@ class ModelEntry:
     stats: str | None = None
     coefficient: float | None = None
     name: str | None = None
+    data: str | None = None  # regmean_plusplus: a text file or corpus:NAME
+    text_field: str = "text"
 
 
 @dataclass
@@ -96,6 +115,10 @@ class MergeConfig:
     dtype: str = "auto"
     max_shard_size: str = "2GB"
     threads: int | None = None
+    max_texts: int | None = None
+    max_length: int = 128
+    batch_size: int = 16
+    max_activation_memory: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -139,6 +162,8 @@ class _Model(_Strict):
     stats: _Path | None = None
     coefficient: Annotated[float, Field(ge=0.0)] | None = None
     name: str | None = None
+    data: _Path | None = None
+    text_field: Annotated[str, Field(min_length=1)] | None = None
 
 
 class _Heads(_Strict):
@@ -167,6 +192,10 @@ class _ConfigFile(_Strict):
     heads: _Heads | None = None
     output: _Output | None = None
     threads: Annotated[int, Field(ge=1, le=MAX_THREADS)] | None = None
+    max_texts: Annotated[int, Field(ge=1)] | None = None
+    max_length: Annotated[int, Field(ge=1)] | None = None
+    batch_size: Annotated[int, Field(ge=1)] | None = None
+    max_activation_memory: Annotated[str, BeforeValidator(_size)] | None = None
 
 
 _SECTIONS: dict[str, type[BaseModel]] = {
@@ -187,6 +216,9 @@ _LABELS = {
     "exclude": "must be a list of name patterns",
     "heads.patterns": "must be a list of name patterns",
     "threads": f"must be a whole number of threads in [1, {MAX_THREADS}]",
+    "max_texts": "must be a whole number >= 1",
+    "max_length": "must be a whole number of tokens >= 1",
+    "batch_size": "must be a whole number >= 1",
 }
 
 
@@ -268,15 +300,35 @@ def _resolved(checked: _ConfigFile, root: Path, where: str) -> MergeConfig:
                 raise MergeError(
                     f"{where}: models[{i}].stats {entry.stats}: no such file or statistics folder"
                 )
+        if e.data is not None:
+            entry.data = _data_spec(e.data, resolve, exists, f"{where}: models[{i}].data")
+        if e.text_field is not None:
+            entry.text_field = e.text_field
         models.append(entry)
     needs_stats = method in ("regmean", "fisher")
-    for i, entry in enumerate(models):
+    needs_data = method == "regmean_plusplus"
+    for i, (entry, e) in enumerate(zip(models, checked.models, strict=True)):
         if needs_stats and entry.stats is None:
             raise MergeError(f"{where}: models[{i}].stats is required for method {method}")
         if not needs_stats and entry.stats is not None:
             raise MergeError(
                 f"{where}: models[{i}].stats given but method {method} uses no statistics"
             )
+        if needs_data and entry.data is None:
+            raise MergeError(
+                f"{where}: models[{i}].data is required for method regmean_plusplus (the "
+                "model's texts: a .txt/.jsonl/.csv file or corpus:NAME)"
+            )
+        if not needs_data and (e.data is not None or e.text_field is not None):
+            key = "data" if e.data is not None else "text_field"
+            raise MergeError(
+                f"{where}: models[{i}].{key} given but method {method} uses no data (only "
+                "regmean_plusplus does)"
+            )
+    data_keys = ("max_texts", "max_length", "batch_size", "max_activation_memory")
+    given = [k for k in data_keys if getattr(checked, k) is not None]
+    if given and not needs_data:
+        raise MergeError(f"{where}: {given[0]} is only used by method regmean_plusplus")
     coefs = [m.coefficient for m in models]
     if any(c is not None for c in coefs) and any(c is None for c in coefs):
         raise MergeError(f"{where}: give a coefficient for every model or for none")
@@ -293,6 +345,10 @@ def _resolved(checked: _ConfigFile, root: Path, where: str) -> MergeConfig:
         precision=checked.precision,
         threads=checked.threads,
         exclude=list(checked.exclude or []),
+        max_texts=checked.max_texts,
+        max_length=checked.max_length or 128,
+        batch_size=checked.batch_size or 16,
+        max_activation_memory=checked.max_activation_memory,
     )
     if method in TASK_VECTOR_METHODS:
         if checked.base is None:
@@ -315,6 +371,48 @@ def _resolved(checked: _ConfigFile, root: Path, where: str) -> MergeConfig:
         cfg.dtype = checked.output.dtype
         cfg.max_shard_size = checked.output.max_shard_size
     return cfg
+
+
+def _data_spec(
+    spec: str, resolve: Callable[[str], str], exists: Callable[..., bool], key: str
+) -> str:
+    """``models[i].data``: ``corpus:NAME`` of a known corpus, or a file (resolved)."""
+    if spec.startswith("corpus:"):
+        name = spec.removeprefix("corpus:")
+        if name not in corpora.CORPORA:
+            raise MergeError(
+                f"{key}: unknown corpus {name!r}; known: {', '.join(sorted(corpora.CORPORA))}"
+            )
+        return spec
+    path = resolve(spec)
+    if not exists(path, key, folder=False) or Path(path).is_dir():
+        raise MergeError(f"{key} {path}: no such file (a .txt/.jsonl/.csv file or corpus:NAME)")
+    return str(path)
+
+
+def _texts(cfg: MergeConfig) -> list[list[str]]:
+    """Every model's texts (``regmean_plusplus``), read as ``lmdx stats`` reads DATA."""
+    out = []
+    for i, m in enumerate(cfg.models):
+        assert m.data is not None
+        try:
+            texts, _, _ = read_data(m.data, text_field=m.text_field, max_texts=cfg.max_texts)
+        except DataError as exc:
+            raise MergeError(f"models[{i}].data: {exc}") from None
+        out.append(texts)
+    return out
+
+
+def _data_kwargs(cfg: MergeConfig) -> dict[str, Any]:
+    """The data arguments of both front doors (``regmean_plusplus``; none otherwise)."""
+    if cfg.method != "regmean_plusplus":
+        return {}
+    return {
+        "data": _texts(cfg),
+        "max_length": cfg.max_length,
+        "batch_size": cfg.batch_size,
+        "max_activation_memory": cfg.max_activation_memory,
+    }
 
 
 def _merge_kwargs(cfg: MergeConfig) -> dict[str, Any]:
@@ -398,13 +496,14 @@ def run_merge(
             ray_address=ray_address,
             **_output_kwargs(cfg),
             **_merge_kwargs(cfg),
+            **_data_kwargs(cfg),
         )
         assert result.out_dir is not None
         return result.out_dir
     if ray_workers:
         raise MergeError("ray_workers: only for the streaming merge")
     models = [load_model(m.path, progress=progress) for m in cfg.models]
-    merged = merge_models(models, progress=progress, **_merge_kwargs(cfg))
+    merged = merge_models(models, progress=progress, **_merge_kwargs(cfg), **_data_kwargs(cfg))
     return save_merged(
         merged,
         out_dir,

@@ -10,7 +10,7 @@ and hashing compete with the solve's threads, no faster, 0.2 GB more; bench/RESU
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -30,6 +30,7 @@ from .plan import MergePlan, Step
 from .source import TensorSource
 
 __all__ = [
+    "BlockSolver",
     "Executor",
     "GroupSolver",
     "Sink",
@@ -44,6 +45,20 @@ class GroupSolver(Protocol):
     def result(self, step: Step) -> tuple[dict[str, Any], dict[str, Any]]: ...
 
     def close(self) -> None: ...
+
+
+class BlockSolver(Protocol):
+    """Merges the models' repeated blocks in order (RegMean++:
+    :class:`lmdx.merge.regmean_plusplus.BlockMerger`): it is handed every merged tensor
+    outside the blocks, solves a block's linear modules and takes the merged block."""
+
+    def record(self, name: str, tensor: Any) -> None: ...
+
+    def solve(
+        self, step: Step
+    ) -> tuple[dict[str, Any], list[tuple[list[str], dict[str, Any]]]]: ...
+
+    def finish(self, step: Step, merged: Mapping[str, Any]) -> None: ...
 
 
 class Sink(Protocol):
@@ -70,9 +85,11 @@ class Executor:
         options: MergeOptions,
         report: dict[str, Any],
         remote: GroupSolver | None = None,
+        blocks: BlockSolver | None = None,
     ) -> None:
         self.sources, self.stats, self.base = sources, stats, base
         self.options, self.report, self.remote = options, report, remote
+        self.blocks = blocks
         self.labels = plan.labels
         self.step_of = {t: s for s in plan.steps for t in s.tensors}
         self.ready: dict[str, Any] = {}
@@ -97,37 +114,59 @@ class Executor:
         if step.kind == "regmean":
             self._regmean(step)
             return
-        reads = [s.read(name) for s in self.sources]
-        if step.kind == "copy":  # e.g. integer buffers: the first model's, as a copy
-            self.ready[name] = reads[0].clone() if hasattr(reads[0], "clone") else reads[0]
+        if step.kind == "regmean_plusplus":
+            self._block(step)
             return
-        if step.kind == "average":
+        self.ready[name] = self._tensor(name, step.kind)
+        if self.blocks is not None:
+            self.blocks.record(name, self.ready[name])
+
+    def _tensor(self, name: str, kind: str) -> Any:
+        """Merged tensor ``name`` by a one-tensor method (``kind``)."""
+        reads = [s.read(name) for s in self.sources]
+        if kind == "copy":  # e.g. integer buffers: the first model's, as a copy
+            return reads[0].clone() if hasattr(reads[0], "clone") else reads[0]
+        if kind == "average":
             value = average_tensor(name, reads, self.options)
-        elif step.kind == "fisher":
+        elif kind == "fisher":
             assert self.stats is not None
             self.report.setdefault("fisher_weighted", []).append(name)
             value = fisher_tensor(name, reads, self.stats, self.options)
         else:  # a task-vector method: task arithmetic, TIES, DARE, DARE-TIES
             assert self.base is not None
             value = task_vector_tensor(name, self.base.read(name), reads, self.options)
-        self.ready[name] = self._cast(name, value)
+        return self._cast(name, value)
 
     def _regmean(self, step: Step) -> None:
         assert self.stats is not None
         if self.remote is not None:
             stored, layers = self.remote.result(step)
-            self._record(step, layers)
+            self._record(step.modules[0], layers)
             self.ready.update(stored)
             return
         solved, layers = solve_regmean_step(
             step, self.sources, self.stats, self.labels, self.options
         )
-        self._record(step, layers)
+        self._record(step.modules[0], layers)
         self.ready.update(solved)
 
-    def _record(self, step: Step, layers: dict[str, Any]) -> None:
+    def _block(self, step: Step) -> None:
+        """A whole block (RegMean++): its linear modules solved on Grams from the merged
+        prefix, the rest averaged (or copied, if not floating point)."""
+        assert self.blocks is not None
+        merged, groups = self.blocks.solve(step)
+        for members, layers in groups:
+            self._record(members[0], layers)
+        for name in step.tensors:
+            if name not in merged:
+                kind = "average" if self.sources[0].is_float(name) else "copy"
+                merged[name] = self._tensor(name, kind)
+        self.blocks.finish(step, merged)
+        self.ready.update(merged)
+
+    def _record(self, module: str, layers: dict[str, Any]) -> None:
         self.report["layers"].update(layers)
-        note = poorly_determined(step.modules[0], layers[step.modules[0]])
+        note = poorly_determined(module, layers[module])
         if note is not None:
             self.report["poorly_determined"].append(note)
 

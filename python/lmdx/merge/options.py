@@ -24,7 +24,16 @@ __all__ = [
     "MergeOptions",
 ]
 
-METHODS = ("regmean", "average", "fisher", "task_arithmetic", "ties", "dare", "dare_ties")
+METHODS = (
+    "regmean",
+    "average",
+    "fisher",
+    "task_arithmetic",
+    "ties",
+    "dare",
+    "dare_ties",
+    "regmean_plusplus",
+)
 HEAD_POLICIES = ("keep", "drop")
 PRECISIONS = ("auto", "float64")
 #: Methods that merge task vectors ``θ_i − θ_base`` against a ``base`` model, scaled by λ.
@@ -52,9 +61,10 @@ class MergeOptions:
     ----------
     method
         ``"regmean"``, ``"average"``, ``"fisher"``, ``"task_arithmetic"``, ``"ties"``,
-        ``"dare"`` or ``"dare_ties"``.
+        ``"dare"``, ``"dare_ties"`` or ``"regmean_plusplus"``
+        (:mod:`lmdx.merge.regmean_plusplus`).
     alpha
-        RegMean's off-diagonal scale in [0, 1].
+        RegMean's (and RegMean++'s) off-diagonal scale in [0, 1].
     coefficients
         Per-model non-negative coefficients (None: all equal).
     exclude

@@ -31,6 +31,7 @@ from .options import ELECTING_METHODS, TASK_VECTOR_METHODS, MergeOptions
 from .source import TensorSource
 
 __all__ = [
+    "Block",
     "MergePlan",
     "Output",
     "Step",
@@ -61,14 +62,24 @@ def current_rss_bytes() -> int:
 
 @dataclass
 class Step:
-    """One unit of work: a RegMean input group or one tensor."""
+    """One unit of work: a RegMean input group, one tensor, or (RegMean++) one block."""
 
-    kind: str  # "regmean" | "average" | "fisher" | "copy" | a task-vector method's name
-    tensors: list[str]  # input tensor names (RegMean: the members' weights)
+    # "regmean" | "average" | "fisher" | "copy" | "regmean_plusplus" | a task-vector method
+    kind: str
+    tensors: list[str]  # input tensor names (RegMean: the members' weights; a block: all its)
     modules: list[str] = field(default_factory=list)
     layout: str = "linear"
     dim: int = 0
     memory: int = 0  # estimated bytes while the step runs
+    block: int | None = None  # regmean_plusplus: the index of the block
+
+
+class Block(NamedTuple):
+    """One of the repeated blocks ``regmean_plusplus`` merges in order: the prefix of its
+    tensor names (``bert.encoder.layer.3``) and its linear modules' input dimensions."""
+
+    prefix: str
+    linear: dict[str, int]
 
 
 class Output(NamedTuple):
@@ -126,9 +137,18 @@ class MergePlan:
             f"memory:   ~{self.peak_memory / 1e9:.2f} GB peak estimated "
             f"({self.baseline_rss / 1e9:.2f} GB process now + largest step); largest steps:",
         ]
+        if any(s.block is not None for s in self.steps):
+            lines.insert(
+                -1,
+                "blocks:   merged in order on each model's data; the activations held between "
+                "blocks (K × tokens × hidden size) are not in the estimate "
+                "(max_activation_memory bounds them)",
+            )
         for s in biggest:
             what = s.modules[0] if s.modules else s.tensors[0]
             more = f" (+{len(s.modules) - 1} sharing its input)" if len(s.modules) > 1 else ""
+            if s.block is not None:
+                what, more = f"block {s.block}", f" ({len(s.modules)} linear modules)"
             lines.append(f"  {s.memory / 1e6:9.1f} MB  {s.kind} {what}{more}")
         return "\n".join(lines)
 
@@ -276,12 +296,15 @@ def make_plan(
     base: TensorSource | None,
     *,
     folder: bool,
+    blocks: Sequence[Block] | None = None,
 ) -> MergePlan:
     """Check the inputs and plan the merge of ``sources``.
 
     ``folder``: the merged model is written as a ``save_pretrained`` folder (outputs named
     and cast as ``options.head_policy`` and ``options.dtype`` say, shards planned);
     otherwise it stays in memory (every non-head tensor in its input dtype).
+    ``blocks``: for ``regmean_plusplus``, the models' repeated blocks in order; each is one
+    step, and the outputs are ordered block by block after every tensor outside them.
     """
     labels = [s.label for s in sources]
     ref = sources[0]
@@ -300,12 +323,17 @@ def make_plan(
         check_same_layout([ref, base], body, options.heads)
     elif base is not None:
         raise MergeError(f"method {options.method!r} takes no base model")
+    if options.method == "regmean_plusplus":
+        if not blocks:
+            raise MergeError("regmean_plusplus needs the models' blocks (blocks=[...])")
+        names = _block_order(names, blocks)
+        body = [n for n in names if not matches(n, options.heads)]
 
-    steps = _steps(ref, body, stats, set(tied) | set(tied.values()), options, labels)
+    steps = _steps(ref, body, stats, set(tied) | set(tied.values()), options, labels, blocks)
     out_size = 0 if options.dtype == "auto" or not folder else _itemsize(options.dtype)
     packed = stats is not None and all(s.source for s in stats)  # read from files
     for step in steps:
-        step.memory = _step_memory(step, ref, len(sources), out_size, packed)
+        step.memory = _step_memory(step, ref, len(sources), out_size, packed, blocks)
 
     base_class = None
     prefix = ""
@@ -355,9 +383,24 @@ def _steps(
     tied: set[str],
     options: MergeOptions,
     labels: Sequence[str],
+    blocks: Sequence[Block] | None,
 ) -> list[Step]:
     steps: list[Step] = []
     covered: set[str] = set()
+    if options.method == "regmean_plusplus":
+        assert blocks is not None
+        for index, block in enumerate(blocks):
+            inside = [n for n in body if n.startswith(block.prefix + ".")]
+            steps.append(
+                Step(
+                    "regmean_plusplus",
+                    inside,
+                    list(block.linear),
+                    dim=max(block.linear.values(), default=0),
+                    block=index,
+                )
+            )
+            covered.update(inside)
     if options.method == "regmean":
         assert stats is not None
         for members in regmean_groups(stats, set(body), tied, options):
@@ -393,18 +436,40 @@ def _steps(
     return steps
 
 
-def _step_memory(step: Step, ref: TensorSource, k: int, out_size: int, packed: bool) -> int:
+def _step_memory(
+    step: Step,
+    ref: TensorSource,
+    k: int,
+    out_size: int,
+    packed: bool,
+    blocks: Sequence[Block] | None = None,
+) -> int:
     """Estimated bytes while ``step`` runs: K reads (+ widened copies of 16-bit weights),
     the float64 result (+ Fisher weights) and the cast result; for RegMean also the joined
     members, K Grams (packed triangles from files, full matrices from memory) and the
     core's buffers; for the task-vector methods also the base's read, ``θ_0``, the sum and
     the float64 work arrays: one task vector at a time (task arithmetic, DARE: the vector,
     its random draws and rescaled copy) or all K sparsified vectors at once (TIES and
-    DARE-TIES: the sign election and mean need them together)."""
+    DARE-TIES: the sign election and mean need them together). A RegMean++ block: one
+    model's block (the one running), the merged block, K full Grams per linear module and
+    the solve of its largest module (the activations are not included: see
+    :mod:`lmdx.merge.regmean_plusplus`)."""
     n = sum(int(np.prod(ref.shape(t))) for t in step.tensors)
     read = sum(ref.nbytes(t) for t in step.tensors)
     widened = 4 * n if any(ref.dtype(t) in ("bfloat16", "float16") for t in step.tensors) else 0
     out = n * out_size if out_size else read  # 0: the input's dtype
+    if step.kind == "regmean_plusplus":
+        assert blocks is not None and step.block is not None
+        dims = blocks[step.block].linear
+        weights = [f"{m}.weight" for m in dims if f"{m}.weight" in step.tensors]
+        largest = max(weights, key=ref.nbytes, default=None)
+        solve = 0
+        if largest is not None:
+            module = largest.removesuffix(".weight")
+            solve = _step_memory(
+                Step("regmean", [largest], [module], dim=dims[module]), ref, k, out_size, False
+            )
+        return 2 * read + widened + k * sum(8 * d * d for d in dims.values()) + solve
     if step.kind == "regmean":
         d = step.dim
         joined = 4 * n if len(step.tensors) > 1 else 0
@@ -419,6 +484,17 @@ def _step_memory(step: Step, ref: TensorSource, k: int, out_size: int, packed: b
         return (k + 1) * (read + widened) + 8 * n * work + out
     extra = 2 * k * 8 * n if step.kind == "fisher" else 0
     return k * (read + widened) + 8 * n + extra + out
+
+
+def _block_order(names: Sequence[str], blocks: Sequence[Block]) -> list[str]:
+    """``names`` with every tensor outside the blocks first, then block by block (each
+    in its original order): the order RegMean++ produces them in."""
+    index = {}
+    for i, block in enumerate(blocks):
+        for n in names:
+            if n.startswith(block.prefix + "."):
+                index[n] = i
+    return sorted(names, key=lambda n: index.get(n, -1))
 
 
 def _shards(outputs: Sequence[Output], max_shard: int) -> list[tuple[str, list[int]]]:

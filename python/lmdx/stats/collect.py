@@ -42,11 +42,12 @@ Diagonal Fisher statistics are :func:`lmdx.stats.fisher.collect_fisher`.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import os
 import weakref
-from collections.abc import Iterable, Mapping, Sequence, Sized
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,7 +65,7 @@ from .file import Statistics
 from .packing import pack_upper
 from .writer import StatisticsWriter
 
-__all__ = ["collect_regmean_stats", "find_linear_modules"]
+__all__ = ["GramCollector", "collect_regmean_stats", "find_linear_modules"]
 
 #: The argument of a fused-experts forward that says which experts each token goes to.
 ROUTING_KEYS = ("top_k_index", "router_indices")
@@ -407,12 +408,32 @@ def _expert_mid(module: Any, x: Any, expert: int) -> Any:
     return module._apply_gate(h) if module.has_gate else module.act_fn(h)
 
 
-class _Collector:
-    """Forward pre-hooks streaming module inputs into shared float64 accumulators.
+class GramCollector:
+    """Forward pre-hooks streaming the inputs of linear modules into float64 accumulators,
+    one :class:`Moments` per input group: the one collector of RegMean Grams.
 
-    ``modules``: linear modules (name -> (module, layout)), each a site; ``experts``:
-    fused-experts modules (name -> (module, {expert: parts})), whose sites are
-    :func:`_expert_site` names."""
+    :func:`collect_regmean_stats` runs it over a whole model; RegMean++
+    (:mod:`lmdx.merge.regmean_plusplus`) over one block at a time. Use: :meth:`probe` once
+    (which modules share an input, which stack's tokens each reads), then per batch
+    :meth:`start_batch` (the batch's masks), a forward pass inside :meth:`hooks`,
+    :meth:`end_batch`.
+
+    Parameters
+    ----------
+    modules
+        Module name -> (module, layout), as :func:`find_linear_modules` returns them: each
+        a site (one input).
+    include_padding, share_inputs, mask_key, precision
+        As in :func:`collect_regmean_stats`.
+    n_threads
+        Threads of the native accumulation.
+    experts
+        Fused-experts modules: name -> (module, {expert: parts}), whose sites are each
+        expert's ``"in"`` and ``"mid"`` inputs (:func:`_expert_site`).
+    entries
+        Per site, the saved weights its Gram serves (default: a linear module's own
+        weight, ``{name}.weight``); they name the statistics' modules and groups.
+    """
 
     def __init__(
         self,
@@ -423,9 +444,16 @@ class _Collector:
         n_threads: int,
         precision: str = "mixed",
         experts: Mapping[str, tuple[Any, Mapping[int, set[str]]]] | None = None,
+        entries: Mapping[str, Sequence[_Entry]] | None = None,
     ) -> None:
         self.float64 = precision == "float64"
+        self.precision = precision
         self.modules = modules
+        self.entries = dict(entries or {})
+        for name, (_m, layout) in modules.items():
+            self.entries.setdefault(name, [_entry(f"{name}.weight", layout)])
+        self.order: list[str] = []
+        self.calls_on_probe: dict[str, int] = {}
         self.experts = dict(experts or {})
         self.include_padding = include_padding
         self.share_inputs = share_inputs
@@ -474,7 +502,10 @@ class _Collector:
 
     # -- probe: which modules read the same tensor -----------------------------------
 
-    def probe(self, model: Any, kwargs: Mapping[str, Any]) -> None:
+    def probe(self, run: Callable[[], Any], decoder_rows: int | None = None) -> None:
+        """Find the input groups: ``run()`` makes one forward pass (e.g. of one sequence)
+        while hooks record which modules read the very same input tensor; a module whose
+        rows number ``decoder_rows`` (the probe's decoder tokens) reads the decoder's."""
         hooked = [*self.modules, *self.experts]
         self._probe_inputs = {name: [] for name in hooked}
         self._first_call: dict[str, int] = {}
@@ -487,10 +518,8 @@ class _Collector:
             module.register_forward_pre_hook(self._probe_hook(name, experts=True), with_kwargs=True)
             for name, (module, _) in self.experts.items()
         ]
-        probe = _first_sequence(kwargs, self.mask_key)
-        decoder_rows = _decoder_rows(probe)
         try:
-            model(**probe)
+            run()
         finally:
             for h in handles:
                 h.remove()
@@ -522,6 +551,86 @@ class _Collector:
             self._probe_rows.setdefault(name, int(np.prod(tuple(x.shape[:-1]), dtype=np.int64)))
 
         return hook
+
+    def adopt_groups(self, other: GramCollector) -> None:
+        """Take the input groups (and stacks) ``other`` found by its probe (for the same
+        modules, e.g. one block loaded with another model's weights) instead of probing
+        again."""
+        self.group_of = dict(other.group_of)
+        self.order = list(other.order)
+        self.calls_on_probe = dict(other.calls_on_probe)
+        self.stack_of = dict(other.stack_of)
+
+    def sites(self) -> list[str]:
+        """Every site, in the order of the hooked modules."""
+        return [s for n in [*self.modules, *self.experts] for s in self.sites_of(n)]
+
+    def dims(self) -> dict[str, int]:
+        """Input group -> its input dimension."""
+        return {self.group_of[s]: self.dim_of(s) for s in self.sites()}
+
+    def group_name(self, group: str) -> str:
+        """The name statistics give input group ``group`` (its first saved module's)."""
+        return self.entries[group][0].module
+
+    def module_info(self) -> dict[str, dict[str, Any]]:
+        """Saved module name -> its group, layout, weight name and input dimension, as
+        :class:`Statistics` record them."""
+        dims = self.dims()
+        return {
+            e.module: {
+                "group": self.group_name(self.group_of[s]),
+                "layout": e.layout,
+                "weight": e.weight,
+                "dim": dims[self.group_of[s]],
+            }
+            for s in self.sites()
+            for e in self.entries[s]
+        }
+
+    def take_statistics(self, model: Mapping[str, Any], data: str = "") -> Statistics:
+        """The Grams accumulated so far as in-memory :class:`Statistics` of ``model`` (an
+        identity); the collector starts over with empty accumulators."""
+        dims = self.dims()
+        missing = [n for n in self.modules if self.group_of[n] not in self.moments]
+        if missing:
+            raise ValueError(
+                f"modules never called during the forward pass: {missing[:5]}"
+                f"{' ...' if len(missing) > 5 else ''}; exclude them"
+            )
+        moments, self.moments = self.moments, {}
+        return Statistics(
+            kind="regmean-gram",
+            model=model,
+            data=data,
+            padding="included" if self.include_padding else "excluded",
+            modules=self.module_info(),
+            groups={
+                self.group_name(g): {"dim": d, "count": moments[g].count} for g, d in dims.items()
+            },
+            moments={self.group_name(g): m for g, m in moments.items()},
+            extra={"share_inputs": self.share_inputs, "precision": self.precision},
+        )
+
+    @contextlib.contextmanager
+    def hooks(self, names: Iterable[str] | None = None) -> Iterator[None]:
+        """Accumulating hooks on the hooked modules ``names`` (default: all) while inside."""
+        chosen = set(self.modules) | set(self.experts) if names is None else set(names)
+        handles = [
+            module.register_forward_pre_hook(self.hook(name))
+            for name, (module, _) in self.modules.items()
+            if name in chosen
+        ]
+        handles += [
+            module.register_forward_pre_hook(self.hook(name), with_kwargs=True)
+            for name, (module, _) in self.experts.items()
+            if name in chosen
+        ]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
 
     # -- accumulation ------------------------------------------------------------------
 
@@ -671,7 +780,7 @@ class _StopForward(Exception):
     """Raised by a hook once every module of the current pass has seen its input."""
 
 
-def _groups_in_order(collector: _Collector) -> list[str]:
+def _groups_in_order(collector: GramCollector) -> list[str]:
     """Input groups in the order their first module is called (uncalled ones last)."""
     out: list[str] = []
     for name in [*collector.order, *collector.modules, *collector.experts]:
@@ -696,7 +805,7 @@ def _moments_bytes(d: int) -> int:
     return 8 * d * d + 8 * d
 
 
-def _stop_module(collector: _Collector, members: set[str]) -> str | None:
+def _stop_module(collector: GramCollector, members: set[str]) -> str | None:
     """The first module called after every module of ``members`` (None: run to the end).
 
     Only when every module is called exactly once per forward pass (no weight sharing
@@ -801,7 +910,7 @@ def collect_regmean_stats(
     try:
         with torch.no_grad():
             sites = _find_sites(model, first_kwargs, mask_key, include, exclude)
-            collector = _Collector(
+            collector = GramCollector(
                 sites.linear,
                 include_padding,
                 share_inputs,
@@ -809,13 +918,12 @@ def collect_regmean_stats(
                 resolve_threads(n_threads),
                 precision,
                 sites.experts,
+                sites.entries,
             )
-            collector.probe(model, first_kwargs)
-        site_names = [s for n in [*sites.linear, *sites.experts] for s in collector.sites_of(n)]
-        dims = {collector.group_of[s]: collector.dim_of(s) for s in site_names}
-        saved_group = {
-            g: sites.entries[g][0].module for g in {collector.group_of[s] for s in site_names}
-        }
+            first_row = _first_sequence(first_kwargs, mask_key)
+            collector.probe(lambda: model(**first_row), _decoder_rows(first_row))
+        dims = collector.dims()
+        saved_group = {g: collector.group_name(g) for g in dims}
         order = _groups_in_order(collector)
         passes = _plan_passes(order, dims, budget)
         if len(passes) > 1 and iter(batches) is batches:
@@ -823,16 +931,7 @@ def collect_regmean_stats(
                 f"collect_regmean_stats: max_memory={max_memory} needs {len(passes)} passes over "
                 "the data, but batches is a one-shot iterator; pass a list"
             )
-        module_info = {
-            e.module: {
-                "group": saved_group[collector.group_of[s]],
-                "layout": e.layout,
-                "weight": e.weight,
-                "dim": dims[collector.group_of[s]],
-            }
-            for s in site_names
-            for e in sites.entries[s]
-        }
+        module_info = collector.module_info()
         counts: dict[str, float] = {}
         extra: dict[str, Any] = {
             "share_inputs": share_inputs,
@@ -1011,7 +1110,7 @@ def _find_sites(
 
 def _run_pass(
     model: Any,
-    collector: _Collector,
+    collector: GramCollector,
     members: set[str],
     batches: Iterable[Any],
     bar: Any,
@@ -1025,22 +1124,11 @@ def _run_pass(
     def stop_hook(module: Any, args: tuple[Any, ...]) -> None:
         raise _StopForward
 
-    handles = [
-        module.register_forward_pre_hook(collector.hook(name))
-        for name, (module, _) in collector.modules.items()
-        if name in members
-    ]
-    handles += [
-        module.register_forward_pre_hook(collector.hook(name), with_kwargs=True)
-        for name, (module, _) in collector.experts.items()
-        if name in members
-    ]
-    if stop is not None:
-        hooked = collector.modules.get(stop) or collector.experts[stop]
-        handles.append(hooked[0].register_forward_pre_hook(stop_hook))
+    hooked = None if stop is None else (collector.modules.get(stop) or collector.experts[stop])
+    handle = None if hooked is None else hooked[0].register_forward_pre_hook(stop_hook)
     n = 0
     try:
-        with torch.no_grad():
+        with torch.no_grad(), collector.hooks(members):
             for batch in batches:
                 kwargs = as_kwargs(batch)
                 kwargs.pop("labels", None)
@@ -1053,6 +1141,6 @@ def _run_pass(
                 n += 1
                 bar.update(1)
     finally:
-        for h in handles:
-            h.remove()
+        if handle is not None:
+            handle.remove()
     return n

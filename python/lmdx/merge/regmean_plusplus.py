@@ -1,0 +1,739 @@
+"""RegMean++ (Nguyen et al., 2025, arXiv 2508.03121): RegMean merged block by block, each
+block's Grams taken on the activations the already-merged blocks in front of it produce.
+
+The conventions are those of the paper's code (FusionBench's ``regmean_plusplus``):
+
+* Every tensor outside the repeated blocks — embeddings and their norm, final norms, a
+  pooler, an untied ``lm_head`` — is averaged with the coefficients; task heads follow
+  the ``heads`` policy (kept per model or dropped). Nothing after the last block is
+  solved. (FusionBench's CLIP version starts its merged model from the pre-trained
+  one and so keeps the pre-trained final norm and projection; without a pre-trained
+  model here they are averaged like every other parameter outside the blocks.)
+* Block ``l``, in order: every model ``i``'s own block ``l`` runs on model ``i``'s data,
+  whose activations are those of the merged prefix (the averaged embeddings and the
+  merged blocks ``< l``); forward pre-hooks on the block's linear modules collect the
+  Grams of their inputs (:class:`lmdx.stats.collect.GramCollector`), so the sub-layers
+  after the first see model ``i``'s own sub-layer outputs. Padding rows are left out by
+  the attention mask, as in every lmdx collection (FusionBench's images have none).
+* The block's linear weights are merged by RegMean with those Grams — ``Ĝ_i = G_i/n_i``,
+  ``G̃_i = α Ĝ_i + (1−α) diag Ĝ_i``, solved for the deviation from the average
+  (:func:`lmdx.merge.engine.solve_regmean_step`, the plain RegMean solve) — and its
+  other parameters averaged. The merged block (cast to the output dtype, as written)
+  runs on every model's activations: its outputs are block ``l+1``'s inputs.
+
+Blocks are found as the model's one ``ModuleList`` of identical modules that hold linear
+layers: BERT/RoBERTa ``encoder.layer``, GPT-2 ``h``, Llama/Mistral/Qwen ``layers``. The
+arguments the model passes its blocks (attention mask, rotary position embeddings, ...)
+are captured once per batch by a pre-hook on block 0 and reused for every block; one
+forward of model 0 on its first batch checks that every block gets the same arguments
+and the previous block's output (models that pass per-block arguments, such as
+alternating sliding-window masks, are refused rather than merged differently).
+
+Cost: each block runs about twice per model and batch — model ``i``'s own block
+(collecting its Grams) and the merged block (the next inputs) — plus one batch of model
+0 per block to find which linear modules share an input, and one forward of model 0's
+blocks on its first batch (the check above). Memory: the model skeleton holds no weights
+(parameters on PyTorch's meta device); one block is loaded at a time from each model's
+checkpoint (or state dict), the K models' Grams of one block are held, and the
+activations: K × (tokens, padded) × hidden size in the models' dtype (plus each batch's
+mask and position tensors). With ``max_activation_memory`` the batches whose
+activations do not fit are recomputed from the merged prefix for every block instead:
+block ``l`` then costs ``l`` more block forwards per recomputed batch, and the merged
+blocks (one model's blocks) are kept in memory to recompute with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .._errors import MergeError
+from .._tensors import is_tensor, to_torch
+from .._util import matches, parse_size, progress_bar
+from ..config import resolve_threads
+from ..data.batches import as_kwargs, text_batches
+from ..files.hf import hf_config, model_class
+from ..stats.collect import GramCollector, find_linear_modules
+from ..stats.file import Statistics
+from .engine import solve_regmean_step
+from .methods import regmean_groups
+from .options import MergeOptions
+from .plan import Block, Step
+from .source import TensorSource
+
+__all__ = [
+    "BlockMerger",
+    "build_skeleton",
+    "find_blocks",
+    "model_blocks",
+    "prepare_batches",
+]
+
+
+# --------------------------------------------------------------------------- the model
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device (no memory) and their
+    buffers as usual: non-persistent buffers such as rotary frequencies are computed at
+    construction and are in no checkpoint (accelerate's ``init_empty_weights`` with
+    ``include_buffers=False`` does the same)."""
+    import torch
+
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module: Any, name: str, param: Any) -> None:
+        register(module, name, param)
+        if param is not None:
+            module._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=False)
+
+    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def build_skeleton(config: Mapping[str, Any], label: str) -> Any:
+    """The model ``config`` describes (the class its ``architectures`` names), with every
+    parameter on the meta device, in evaluation mode, with caching off."""
+    import transformers
+
+    if not config:
+        raise MergeError(
+            f"{label}: regmean_plusplus runs the models' blocks, so it needs their Hugging Face "
+            "configuration: pass model folders or transformers models, not state dicts"
+        )
+    cfg = hf_config(config, f"of {label}")
+    cfg.use_cache = False
+    cls = model_class(config)
+    with _parameters_on_meta():
+        model = cls.from_config(cfg) if cls is transformers.AutoModel else cls(cfg)  # type: ignore[no-untyped-call]
+    return model.eval()
+
+
+def find_blocks(model: Any) -> tuple[str, Any]:
+    """The model's repeated blocks: its one ``torch.nn.ModuleList`` of modules of one class
+    that hold linear layers (BERT ``encoder.layer``, GPT-2 ``h``, Llama ``layers``), as
+    (name, module list). :class:`MergeError` naming the model's class if it has none or
+    several (e.g. an encoder and a decoder)."""
+    import torch
+
+    found: list[tuple[str, Any]] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.ModuleList) or len(module) == 0:
+            continue
+        if any(name.startswith(f"{outer}.") for outer, _ in found):
+            continue  # inside a block (e.g. a mixture of experts)
+        if len({type(m) for m in module}) != 1:
+            continue
+        if any(n for n in find_linear_modules(module[0])):
+            found.append((name, module))
+    cls = type(model).__name__
+    if not found:
+        raise MergeError(
+            f"regmean_plusplus: found no repeated blocks in {cls} (a ModuleList of identical "
+            "layers holding linear modules, like BERT's encoder.layer, GPT-2's h or Llama's "
+            "layers); merge it with method regmean instead"
+        )
+    if len(found) > 1:
+        raise MergeError(
+            f"regmean_plusplus: {cls} has {len(found)} stacks of blocks "
+            f"({', '.join(n for n, _ in found)}); it merges models with one stack (an encoder "
+            "or a decoder); merge this one with method regmean"
+        )
+    return found[0]
+
+
+def model_blocks(source: TensorSource) -> list[Block]:
+    """The repeated blocks of ``source``'s model, in order, each with its linear modules'
+    input dimensions; checked to be stored in ``source`` under those names."""
+    model = build_skeleton(source.config, source.label)
+    prefix, stack = find_blocks(model)
+    blocks = []
+    for i, block in enumerate(stack):
+        name = f"{prefix}.{i}"
+        for key in block.state_dict():
+            if f"{name}.{key}" not in source:
+                raise MergeError(
+                    f"{source.label} has no tensor {name}.{key!r} that its class "
+                    f"{type(model).__name__} has; re-save the model with save_pretrained"
+                )
+        linear = {
+            f"{name}.{n}": int(m.weight.shape[1 if layout == "linear" else 0])
+            for n, (m, layout) in find_linear_modules(block).items()
+        }
+        blocks.append(Block(name, linear))
+    return blocks
+
+
+# --------------------------------------------------------------------------- data
+
+
+def prepare_batches(
+    sources: Sequence[TensorSource],
+    data: Sequence[Any] | None,
+    tokenizer: Any = None,
+    *,
+    max_texts: int | None = None,
+    max_length: int = 128,
+    batch_size: int = 16,
+) -> list[list[dict[str, Any]]]:
+    """Each model's data as batches for ``model(**batch)``.
+
+    ``data[i]`` is model ``i``'s texts (tokenized with ``tokenizer`` — one for all, or a
+    list with one per model — or else the tokenizer in model ``i``'s folder: at most
+    ``max_texts`` texts, cut at ``max_length`` tokens, ``batch_size`` per batch, padded)
+    or its batches (dicts of tensors, or input-id tensors; used as they are, ``labels``
+    dropped).
+    """
+    if data is None:
+        raise MergeError(
+            "regmean_plusplus needs data=[...]: each model's texts (or batches), in the order "
+            "of the models; their activations are needed at merge time"
+        )
+    data = list(data)
+    if len(data) != len(sources):
+        raise MergeError(f"data: {len(data)} entries for {len(sources)} models")
+    for key, value in (
+        ("max_texts", max_texts),
+        ("max_length", max_length),
+        ("batch_size", batch_size),
+    ):
+        if value is None and key == "max_texts":
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise MergeError(f"{key}: expected a whole number >= 1, got {value!r}")
+    tokenizers = list(tokenizer) if isinstance(tokenizer, (list, tuple)) else None
+    if tokenizers is not None and len(tokenizers) != len(sources):
+        raise MergeError(f"tokenizer: {len(tokenizers)} tokenizers for {len(sources)} models")
+    out = []
+    for i, (source, items) in enumerate(zip(sources, data, strict=True)):
+        if isinstance(items, (str, bytes, os.PathLike)) or not isinstance(items, Sequence):
+            raise MergeError(
+                f"data[{i}] (of {source.label}): expected a list of texts or of batches, got "
+                f"{type(items).__name__}"
+            )
+        if not items:
+            raise MergeError(f"data[{i}] (of {source.label}): no texts or batches")
+        if all(isinstance(x, str) for x in items):
+            tok = tokenizers[i] if tokenizers is not None else tokenizer
+            texts = list(items)[:max_texts] if max_texts else list(items)
+            out.append(
+                text_batches(
+                    texts,
+                    tok if tok is not None else _folder_tokenizer(source, i),
+                    batch_size=int(batch_size),
+                    max_length=int(max_length),
+                )
+            )
+            continue
+        batches = []
+        for item in items:
+            try:
+                kwargs = as_kwargs(item)
+            except TypeError as exc:
+                raise MergeError(f"data[{i}] (of {source.label}): {exc}") from None
+            kwargs.pop("labels", None)
+            batches.append(kwargs)
+        out.append(batches)
+    return out
+
+
+def _folder_tokenizer(source: TensorSource, i: int) -> Any:
+    from transformers import AutoTokenizer
+
+    if source.path is None or not source.path.is_dir():
+        raise MergeError(
+            f"data[{i}] (of {source.label}) holds texts but the model has no folder to load a "
+            "tokenizer from; pass tokenizer=... or batches"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(str(source.path))
+    except (OSError, ValueError) as exc:
+        raise MergeError(
+            f"model {source.path}: no tokenizer to tokenize data[{i}] with ({exc}); pass "
+            "tokenizer=... or batches"
+        ) from None
+
+
+def activation_budget(max_activation_memory: int | str | None) -> int | None:
+    """``max_activation_memory`` in bytes (None: hold every activation)."""
+    if max_activation_memory is None:
+        return None
+    try:
+        return parse_size(max_activation_memory)
+    except ValueError:
+        raise MergeError(
+            f"max_activation_memory: expected e.g. '4GB' or bytes, got {max_activation_memory!r}"
+        ) from None
+
+
+# --------------------------------------------------------------------------- block calls
+
+
+class _Stop(Exception):
+    """Raised by a hook to end a forward pass once it has what it needs."""
+
+
+@dataclass
+class _BlockCall:
+    """How the model calls its blocks for one batch: the arguments besides the hidden
+    states (attention mask, position embeddings, ...), captured at block 0."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    keyword: bool  # the hidden states are passed as hidden_states=
+
+    @classmethod
+    def capture(cls, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, _BlockCall]:
+        """(hidden states, the rest of the call) from a block's pre-hook arguments."""
+        if args:
+            return args[0], cls(tuple(args[1:]), dict(kwargs), False)
+        rest = dict(kwargs)
+        if "hidden_states" not in rest:
+            raise MergeError(
+                "regmean_plusplus: the model calls its blocks without hidden states (neither "
+                "a first argument nor hidden_states=); this architecture is not supported"
+            )
+        return rest.pop("hidden_states"), cls((), rest, True)
+
+    def run(self, block: Any, hidden: Any) -> Any:
+        """``block``'s output hidden states for input ``hidden``."""
+        if self.keyword:
+            out = block(*self.args, hidden_states=hidden, **self.kwargs)
+        else:
+            out = block(hidden, *self.args, **self.kwargs)
+        return _hidden_of(out)
+
+    def nbytes(self) -> int:
+        return _nbytes(self.args) + _nbytes(self.kwargs)
+
+
+def _hidden_of(out: Any) -> Any:
+    """The hidden states of a block's output (a tensor, or a tuple starting with them)."""
+    if is_tensor(out):
+        return out
+    if hasattr(out, "to_tuple"):
+        out = out.to_tuple()
+    if isinstance(out, (tuple, list)) and out and is_tensor(out[0]):
+        return out[0]
+    raise MergeError(
+        f"regmean_plusplus: a block returned {type(out).__name__}, not hidden states (a tensor "
+        "or a tuple starting with one); this architecture is not supported"
+    )
+
+
+def _nbytes(obj: Any) -> int:
+    if is_tensor(obj):
+        return int(obj.nelement() * obj.element_size())
+    if isinstance(obj, (tuple, list)):
+        return sum(_nbytes(x) for x in obj)
+    if isinstance(obj, Mapping):
+        return sum(_nbytes(x) for x in obj.values())
+    return 0
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two block arguments are the same object or equal values."""
+    import torch
+
+    if a is b:
+        return True
+    if is_tensor(a) and is_tensor(b):
+        return bool(a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (bool, int, float, str)) and isinstance(b, (bool, int, float, str)):
+        return a == b
+    return False
+
+
+def _difference(call: _BlockCall, first: _BlockCall) -> str | None:
+    """The first argument in which ``call`` differs from ``first`` (None: none does)."""
+    if len(call.args) != len(first.args) or call.kwargs.keys() != first.kwargs.keys():
+        return "set of arguments"
+    for i, (a, b) in enumerate(zip(call.args, first.args, strict=True)):
+        if not _same(a, b):
+            return f"positional argument {i + 2}"
+    for key, value in call.kwargs.items():
+        if not _same(value, first.kwargs[key]):
+            return f"{key}="
+    return None
+
+
+# --------------------------------------------------------------------------- the merger
+
+
+class BlockMerger:
+    """RegMean++ for the merge engine: Grams and merged blocks, one block at a time.
+
+    The engine hands it every merged tensor outside the blocks (:meth:`record`), then
+    asks for the blocks in order: :meth:`solve` collects the K models' Grams of block
+    ``l`` on activations from the merged prefix and RegMean-solves its linear modules;
+    :meth:`finish` takes the whole merged block (the engine averages the rest) and runs
+    it on the activations, which become block ``l+1``'s inputs.
+
+    Parameters
+    ----------
+    sources
+        The K models' tensors (checkpoints on disk or state dicts in memory), each with its
+        Hugging Face configuration.
+    blocks
+        :func:`model_blocks` of the first model.
+    batches
+        Per model, its batches (:func:`prepare_batches`).
+    options, labels
+        The merge's options and model names.
+    tied
+        Names of tied weights (never solved).
+    max_activation_memory
+        Bytes of activations held between blocks; the batches beyond it are recomputed
+        from the merged prefix for every block (None: hold them all).
+    progress
+        Show a progress bar over the blocks.
+    """
+
+    def __init__(
+        self,
+        sources: Sequence[TensorSource],
+        blocks: Sequence[Block],
+        batches: Sequence[Sequence[Mapping[str, Any]]],
+        options: MergeOptions,
+        labels: Sequence[str],
+        *,
+        tied: set[str] | None = None,
+        max_activation_memory: int | None = None,
+        progress: bool = True,
+    ) -> None:
+        self.sources, self.blocks, self.options = sources, list(blocks), options
+        self.labels, self.tied = list(labels), set(tied or ())
+        self.batches = [[dict(b) for b in model_batches] for model_batches in batches]
+        self.budget = max_activation_memory
+        self.progress = progress
+        self.model = build_skeleton(sources[0].config, labels[0])
+        self.prefix, self.stack = find_blocks(self.model)
+        self.n_threads = resolve_threads(options.n_threads)
+        self.outside: dict[str, Any] = {}  # merged tensors outside the blocks
+        self.held: dict[tuple[int, int], tuple[Any, _BlockCall]] = {}
+        self.recomputed: list[tuple[int, int]] = []
+        self.next = 0  # the block to merge next
+        self.forwards = 0  # block forwards run
+        self.prefix_forwards = 0  # runs of the model up to block 0
+        self.held_bytes = 0
+        self.held_batches = 0
+        self._probe: GramCollector | None = None  # the groups found on this block
+        self._probe_block = -1
+        self._bar: Any = None
+
+    # -- the engine's side ------------------------------------------------------------
+
+    def record(self, name: str, tensor: Any) -> None:
+        """A merged tensor outside the blocks (the prefix needs some of them)."""
+        if self.next == 0:
+            self.outside[name] = tensor
+
+    def solve(self, step: Step) -> tuple[dict[str, Any], list[tuple[list[str], dict[str, Any]]]]:
+        """Block ``step.block``'s merged linear weights (cast to their input dtype) and,
+        per group of modules sharing an input, the members and the solver's report."""
+        index = step.block
+        if index != self.next:
+            raise MergeError(
+                f"regmean_plusplus: block {index} asked for before block {self.next}; blocks "
+                "are merged in order"
+            )
+        if index == 0:
+            self._start()
+        modules = self._modules(index)
+        if not modules:  # every linear module of the block is excluded
+            return {}, []
+        ready = [self._grams(i, index, modules) for i in range(len(self.sources))]
+        merged: dict[str, Any] = {}
+        groups = []
+        for members in regmean_groups(ready, set(step.tensors), self.tied, self.options):
+            info = ready[0].modules[members[0]]
+            group = Step(
+                "regmean",
+                [ready[0].modules[m]["weight"] for m in members],
+                members,
+                info["layout"],
+                int(info["dim"]),
+            )
+            solved, layers = solve_regmean_step(
+                group, self.sources, ready, self.labels, self.options
+            )
+            merged.update(solved)
+            groups.append((members, layers))
+        return merged, groups
+
+    def finish(self, step: Step, merged: Mapping[str, Any]) -> None:
+        """Take merged block ``step.block`` (every tensor of it) and run it on the
+        activations: they become the next block's inputs."""
+        index = step.block
+        assert index == self.next
+        block = self.stack[index]
+        names = list(merged)
+        self._assign(names, [merged[n] for n in names])
+        if index + 1 < len(self.stack):
+            import torch
+
+            with torch.no_grad():
+                for key, (hidden, call) in self.held.items():
+                    self.held[key] = (call.run(block, hidden), call)
+                    self.forwards += 1
+        if not self.recomputed:  # nothing recomputes through this block later
+            self._unassign(self._block_names(index))
+        self.next += 1
+        self._bar.update(1)
+        if self.next == len(self.stack):
+            self._bar.close()
+            self.held.clear()
+            self._unassign(list(self.outside))
+            self.outside.clear()
+
+    def summary(self) -> dict[str, Any]:
+        """What the merge ran: blocks, batches held or recomputed, block forwards and runs
+        of the model up to its first block."""
+        return {
+            "blocks": len(self.stack),
+            "block_prefix": self.prefix,
+            "batches": [len(b) for b in self.batches],
+            "held_batches": self.held_batches,
+            "recomputed_batches": len(self.recomputed),
+            "activation_bytes_held": self.held_bytes,
+            "block_forwards": self.forwards,
+            "prefix_forwards": self.prefix_forwards,
+        }
+
+    # -- block 0's inputs -------------------------------------------------------------
+
+    def _start(self) -> None:
+        """Load the merged tensors outside the blocks, check how the model calls its
+        blocks, and compute (or plan to recompute) every batch's input to block 0."""
+        import torch
+
+        names = [n for n in self.outside if not self._in_block(n)]
+        self._assign(names, [self.outside[n] for n in names])
+        self._check_wiring()
+        with torch.no_grad():
+            for i, model_batches in enumerate(self.batches):
+                for j, batch in enumerate(model_batches):
+                    hidden, call = self._prefix(batch)
+                    size = _nbytes(hidden) + call.nbytes()
+                    if self.budget is None or self.held_bytes + size <= self.budget:
+                        self.held[(i, j)] = (hidden, call)
+                        self.held_bytes += size
+                        self.held_batches += 1
+                    else:
+                        self.recomputed.append((i, j))
+        if not self.recomputed:  # the prefix is not needed again
+            self._unassign(names)
+            self.outside.clear()
+        self._bar = progress_bar(len(self.stack), "RegMean++ blocks", self.progress, unit="block")
+
+    def _prefix(self, batch: Mapping[str, Any]) -> tuple[Any, _BlockCall]:
+        """Run the merged prefix on ``batch``: block 0's input and call."""
+        captured: dict[str, Any] = {}
+
+        def grab(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            captured["call"] = _BlockCall.capture(args, kwargs)
+            raise _Stop
+
+        handle = self.stack[0].register_forward_pre_hook(grab, with_kwargs=True)
+        try:
+            self._forward(batch)
+        finally:
+            handle.remove()
+        if "call" not in captured:
+            raise MergeError(
+                f"regmean_plusplus: {type(self.model).__name__}'s forward did not reach its "
+                f"first block ({self.prefix}.0)"
+            )
+        hidden, call = captured["call"]
+        return hidden, call
+
+    def _forward(self, batch: Mapping[str, Any]) -> None:
+        """The model's forward on ``batch``, until a hook stops it; a failure (e.g. a batch
+        with keys the model does not take) as a :class:`MergeError`."""
+        self.prefix_forwards += 1
+        try:
+            self.model(**batch)
+        except _Stop:
+            pass
+        except MergeError:
+            raise
+        except (RuntimeError, TypeError, ValueError, NotImplementedError) as exc:
+            raise MergeError(
+                f"regmean_plusplus: running {type(self.model).__name__} on a batch failed: "
+                f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+            ) from exc
+
+    def _check_wiring(self) -> None:
+        """Run model 0's blocks on its first batch, loaded one at a time, and check that
+        every block gets block 0's arguments and the previous block's output."""
+        import torch
+
+        calls: list[tuple[Any, _BlockCall]] = []
+        outputs: list[Any] = []
+        last = len(self.stack) - 1
+
+        def before(index: int) -> Callable[..., None]:
+            def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+                self._assign_from(0, index)
+                calls.append(_BlockCall.capture(args, kwargs))
+
+            return hook
+
+        def after(index: int) -> Callable[..., None]:
+            def hook(module: Any, args: tuple[Any, ...], output: Any) -> None:
+                outputs.append(_hidden_of(output))
+                self._unassign(self._block_names(index))
+                self.forwards += 1
+                if index == last:
+                    raise _Stop
+
+            return hook
+
+        handles = []
+        for index, block in enumerate(self.stack):
+            handles.append(block.register_forward_pre_hook(before(index), with_kwargs=True))
+            handles.append(block.register_forward_hook(after(index)))
+        try:
+            with torch.no_grad():
+                self._forward(self.batches[0][0])
+        finally:
+            for h in handles:
+                h.remove()
+            for index in range(len(self.stack)):
+                self._unassign(self._block_names(index))
+        cls = type(self.model).__name__
+        if len(outputs) != len(self.stack):
+            raise MergeError(
+                f"regmean_plusplus: {cls} ran {len(outputs)} of its {len(self.stack)} blocks "
+                f"({self.prefix}) once each on a batch; it merges models that run each block once"
+            )
+        for index in range(1, len(calls)):
+            hidden, call = calls[index]
+            if not _same(hidden, outputs[index - 1]):
+                raise MergeError(
+                    f"regmean_plusplus: in {cls}, block {index}'s input is not block "
+                    f"{index - 1}'s output; this architecture is not supported"
+                )
+            differs = _difference(call, calls[0][1])
+            if differs is not None:
+                raise MergeError(
+                    f"regmean_plusplus: {cls} passes block {index} a different {differs} than "
+                    "block 0 (a per-block argument, e.g. a sliding-window mask); merging it "
+                    "block by block would run the blocks unlike the model, so it is not "
+                    "supported"
+                )
+
+    # -- Grams ------------------------------------------------------------------------
+
+    def _modules(self, index: int) -> dict[str, tuple[Any, str]]:
+        """Block ``index``'s linear modules RegMean solves (full names): all but the
+        excluded ones."""
+        name = self.blocks[index].prefix
+        return {
+            f"{name}.{n}": v
+            for n, v in find_linear_modules(self.stack[index]).items()
+            if not matches(f"{name}.{n}", self.options.exclude)
+        }
+
+    def _grams(self, i: int, index: int, modules: Mapping[str, tuple[Any, str]]) -> Statistics:
+        """Model ``i``'s Grams of ``modules`` (of block ``index``) on its activations from
+        the merged prefix."""
+        import torch
+
+        name = self.blocks[index].prefix
+        block = self.stack[index]
+        self._assign_from(i, index)
+        collector = GramCollector(modules, False, True, "attention_mask", self.n_threads)
+        label = self.labels[i]
+        try:
+            with torch.no_grad():
+                if self._probe is None or self._probe_block != index:
+                    hidden, call = self._input(i, 0, index)
+                    collector.probe(lambda: call.run(block, hidden))
+                    self.forwards += 1
+                    self._probe, self._probe_block = collector, index
+                else:
+                    collector.adopt_groups(self._probe)
+                with collector.hooks():
+                    for j, batch in enumerate(self.batches[i]):
+                        hidden, call = self._input(i, j, index)
+                        collector.start_batch(batch)
+                        call.run(block, hidden)
+                        self.forwards += 1
+                        collector.end_batch()
+            return collector.take_statistics(
+                {"architecture": type(self.model).__name__, "parameters": {}},
+                data=f"{label}: block {name} on the merged prefix",
+            )
+        except (ValueError, RuntimeError) as exc:
+            raise MergeError(f"{label}, block {name}: {exc}") from None
+        finally:
+            self._unassign(self._block_names(index))
+
+    def _input(self, i: int, j: int, index: int) -> tuple[Any, _BlockCall]:
+        """Model ``i``'s batch ``j`` at block ``index``'s input: held, or recomputed from
+        the merged prefix and the merged blocks before ``index``."""
+        held = self.held.get((i, j))
+        if held is not None:
+            return held
+        hidden, call = self._prefix(self.batches[i][j])
+        for m in range(index):
+            hidden = call.run(self.stack[m], hidden)
+            self.forwards += 1
+        return hidden, call
+
+    # -- tensors in and out of the skeleton -------------------------------------------
+
+    def _in_block(self, name: str) -> bool:
+        return name.startswith(f"{self.prefix}.")
+
+    def _block_names(self, index: int) -> list[str]:
+        prefix = self.blocks[index].prefix
+        return [f"{prefix}.{k}" for k in self.stack[index].state_dict()]
+
+    def _assign_from(self, i: int, index: int) -> None:
+        """Model ``i``'s block ``index`` into the skeleton."""
+        source = self.sources[i]
+        names = self._block_names(index)
+        self._assign(names, [_as_torch(source, n) for n in names])
+
+    def _assign(self, names: Sequence[str], tensors: Sequence[Any]) -> None:
+        import torch
+
+        for name, value in zip(names, tensors, strict=True):
+            tensor = to_torch(value)  # merged tensors are NumPy arrays
+            module_name, _, attr = name.rpartition(".")
+            try:
+                module = self.model.get_submodule(module_name)
+            except AttributeError:
+                continue  # not part of this class (e.g. a tensor of another head class)
+            if attr in module._parameters:
+                setattr(module, attr, torch.nn.Parameter(tensor.detach(), requires_grad=False))
+            elif attr in module._buffers:
+                setattr(module, attr, tensor.detach())
+
+    def _unassign(self, names: Sequence[str]) -> None:
+        """Put tensors ``names`` of the skeleton back on the meta device (no memory)."""
+        import torch
+
+        state = self.model.state_dict(keep_vars=True)
+        self._assign(
+            [n for n in names if n in state],
+            [torch.empty_like(state[n], device="meta") for n in names if n in state],
+        )
+
+
+def _as_torch(source: TensorSource, name: str) -> Any:
+    """Tensor ``name`` of ``source`` as a torch tensor in its stored dtype."""
+    return to_torch(source.read(name))
