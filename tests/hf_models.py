@@ -135,14 +135,18 @@ def build_base(arch: str, seed: int = 0, **overrides: Any) -> Any:
         setattr(config, key, value)
     torch.manual_seed(seed)
     model = getattr(transformers, _CLASSES[arch])(config).eval()
+    spread_init(model, seed)
+    return model
+
+
+def spread_init(model: Any, seed: int) -> None:
+    """Move every parameter initialized to all 0 or all 1 (norm scales, biases) by seeded
+    noise of 0.1, in place."""
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for p in model.parameters():
-            if bool((p == 0).all()):
-                p.add_(0.1 * torch.randn(p.shape, generator=gen))
-            elif bool((p == 1).all()):
-                p.add_(0.1 * torch.randn(p.shape, generator=gen))
-    return model
+            if bool((p == 0).all()) or bool((p == 1).all()):
+                p.add_(0.1 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
 
 
 def finetuned(base: Any, seed: int, scale: float = 0.1) -> Any:

@@ -164,6 +164,7 @@ def _merge(args: argparse.Namespace, claimed: Claimed) -> int:
         f"peak RSS {peak_rss_bytes() / 1e9:.2f} GB"
     )
     _report_poorly_determined(out / MERGE_RECORD, report)
+    _report_not_solved(out / MERGE_RECORD, report)
     if record.get("lora"):
         print(
             f"lmdx merge: LoRA of the merged update in {out / record['lora']['folder']}, "
@@ -196,4 +197,17 @@ def _report_poorly_determined(record: Path, report: dict[str, Any]) -> None:
         f"{record}), fewest rows per input first: {shown}{more}. "
         f"{notes[0]['advice'][0].upper()}"
         f"{notes[0]['advice'][1:]}."
+    )
+
+
+def _report_not_solved(record: Path, report: dict[str, Any]) -> None:
+    """The linear weights the statistics could not cover, which were averaged (from the
+    merge's ``record``, whose ``report`` has been read)."""
+    missing = report.get("not_solved") or {}
+    if not missing:
+        return
+    name, why = next(iter(missing.items()))
+    print(
+        f"lmdx merge: {len(missing)} linear weight(s) averaged, not solved: their statistics "
+        f"could not be collected (all in {record}, not_solved); e.g. {name}: {why}"
     )

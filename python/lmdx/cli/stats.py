@@ -32,7 +32,10 @@ def add_stats_parser(sub: Any) -> None:
             "  lmdx stats add FILE FILE... --out FILE   add statistics of disjoint data shards\n"
             "  lmdx stats show FILE   print a file's metadata\n\n"
             "DATA is a text file (one text per line), a .jsonl file (field --text-field), a "
-            ".csv file (column --text-field) or corpus:NAME (a corpus of lmdx.corpora).\n\n"
+            ".csv file (column --text-field) or corpus:NAME (a corpus of lmdx.corpora); for "
+            "vision models a folder of images (read with Pillow, turned into pixel values by "
+            "the image processor saved in MODEL, preprocessor_config.json) or a .npy file of "
+            "pixel values (images, channels, height, width), used as they are.\n\n"
             "Texts are cut at --max-length tokens: use the length the model was fine-tuned "
             "with.\n\n"
             "--include/--exclude are shell-style patterns (* and ?, case-sensitive). What they "
@@ -55,6 +58,7 @@ def add_stats_parser(sub: Any) -> None:
             "  lmdx stats finetuned/bbc train.jsonl --kind fisher --exclude 'classifier.*' "
             "'bert.embeddings.*' --out bbc-fisher.safetensors\n"
             "  lmdx stats finetuned/bbc corpus:bbc_news --out bbc.safetensors --ray --workers 4\n"
+            "  lmdx stats finetuned/vit photos/ --batch-size 32 --out vit.safetensors\n"
             "  lmdx stats add part1.safetensors part2.safetensors --out all.safetensors"
         ),
         formatter_class=HelpFormatter,
@@ -73,7 +77,9 @@ def add_stats_parser(sub: Any) -> None:
         "adapter, for merging the adapter over that base)",
     )
     p.add_argument(
-        "data", metavar="DATA", help="texts: FILE.txt, FILE.jsonl, FILE.csv, corpus:NAME"
+        "data",
+        metavar="DATA",
+        help="texts: FILE.txt, FILE.jsonl, FILE.csv, corpus:NAME; images: FOLDER, FILE.npy",
     )
     p.add_argument("--out", required=True, metavar="FILE", help="statistics file to write")
     p.add_argument(
@@ -93,7 +99,11 @@ def add_stats_parser(sub: Any) -> None:
         "--label-field", default="label", help="field/column of gold labels (--labels gold)"
     )
     p.add_argument(
-        "--max-texts", type=int, default=None, metavar="N", help="use the first N (default: all)"
+        "--max-texts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="use the first N texts or images (default: all)",
     )
     p.add_argument("--batch-size", type=int, default=16, help="texts per forward pass")
     p.add_argument(
@@ -274,6 +284,7 @@ def _stats_collect(args: argparse.Namespace, claimed: Claimed) -> int:
 
     from ..data.batches import text_batches
     from ..data.files import read_data
+    from ..data.images import is_image_data, read_images
     from ..files.hf import load_model, model_files
     from ..files.peft import is_adapter_folder, load_peft_model
     from ..files.st import sentence_transformer
@@ -300,38 +311,57 @@ def _stats_collect(args: argparse.Namespace, claimed: Claimed) -> int:
         model_dir = st.transformer
     if not (model_dir / "config.json").is_file():
         raise CliError(f"MODEL {model_dir}: not a save_pretrained folder (no config.json)")
-    texts, labels, source = read_data(
-        args.data,
-        text_field=args.text_field,
-        label_field=args.label_field,
-        max_texts=args.max_texts,
-    )
-    max_length = args.max_length
-    if st is not None:  # as sentence-transformers prepares texts for this encoder
-        max_length = max_length or st.max_seq_length()
-        if st.do_lower_case():
-            texts = [t.lower() for t in texts]
-    elif max_length is None:
-        max_length = 128
-    t0 = time.perf_counter()
-    # with Ray the workers load the model; here only the tokenizer is needed
-    model = None if args.ray else load_model(model_dir, progress=not args.no_progress)
-    if adapter is not None:
-        model = load_peft_model(adapter, model)
-    tokens = adapter if adapter is not None and model_files(adapter) else model_dir
-    tokenizer = AutoTokenizer.from_pretrained(str(tokens))
-    gold = (
-        _label_ids(labels, model, args.data)
-        if args.kind == "fisher" and args.labels == "gold"
-        else None
-    )
-    batches = text_batches(
-        texts, tokenizer, batch_size=args.batch_size, max_length=max_length, labels=gold
-    )
+    batches: Any
+    if is_image_data(args.data):
+        if args.kind == "fisher" and args.labels == "gold":
+            raise CliError("--labels gold: image DATA has no labels; use --labels predicted")
+        images = read_images(
+            args.data,
+            processor=_image_processor(model_dir),
+            batch_size=args.batch_size,
+            max_images=args.max_texts,
+        )
+        t0 = time.perf_counter()
+        model = None if args.ray else load_model(model_dir, progress=not args.no_progress)
+        if adapter is not None:
+            model = load_peft_model(adapter, model)
+        batches = list(images) if args.ray else images  # Ray ships the batches to workers
+        items = f"{images.count} images"
+        source = images.source
+    else:
+        texts, labels, source = read_data(
+            args.data,
+            text_field=args.text_field,
+            label_field=args.label_field,
+            max_texts=args.max_texts,
+        )
+        max_length = args.max_length
+        if st is not None:  # as sentence-transformers prepares texts for this encoder
+            max_length = max_length or st.max_seq_length()
+            if st.do_lower_case():
+                texts = [t.lower() for t in texts]
+        elif max_length is None:
+            max_length = 128
+        t0 = time.perf_counter()
+        # with Ray the workers load the model; here only the tokenizer is needed
+        model = None if args.ray else load_model(model_dir, progress=not args.no_progress)
+        if adapter is not None:
+            model = load_peft_model(adapter, model)
+        tokens = adapter if adapter is not None and model_files(adapter) else model_dir
+        tokenizer = AutoTokenizer.from_pretrained(str(tokens))
+        gold = (
+            _label_ids(labels, model, args.data)
+            if args.kind == "fisher" and args.labels == "gold"
+            else None
+        )
+        batches = text_batches(
+            texts, tokenizer, batch_size=args.batch_size, max_length=max_length, labels=gold
+        )
+        items = f"{len(texts)} texts"
     common: dict[str, Any] = {
         "include": args.include,
         "exclude": args.exclude,
-        "description": args.description or f"{len(texts)} texts from {source}",
+        "description": args.description or f"{items} from {source}",
         "progress": not args.no_progress,
     }
     regmean_options: dict[str, Any] = {
@@ -370,10 +400,25 @@ def _stats_collect(args: argparse.Namespace, claimed: Claimed) -> int:
     if not out.exists():
         stats.save(out, max_shard_size=args.max_shard_size)
     print(
-        f"lmdx stats: {stats!r} from {len(texts)} texts{where} in "
+        f"lmdx stats: {stats!r} from {items}{where} in "
         f"{time.perf_counter() - t0:.1f} s; wrote {out} ({size_of(out) / 1e6:.1f} MB)"
     )
     return 0
+
+
+def _image_processor(model_dir: Path) -> Any:
+    """The image processor saved in a model folder (None where it has none)."""
+    if not (model_dir / "preprocessor_config.json").is_file():
+        return None
+    from transformers import AutoImageProcessor
+
+    try:
+        return AutoImageProcessor.from_pretrained(str(model_dir))  # type: ignore[no-untyped-call]
+    except (OSError, ValueError) as exc:
+        raise CliError(
+            f"MODEL {model_dir}: its image processor (preprocessor_config.json) cannot be "
+            f"loaded ({exc})"
+        ) from None
 
 
 def _ray_options(args: argparse.Namespace) -> str | None:

@@ -26,7 +26,8 @@ __all__ = [
     "read_config",
 ]
 
-#: Files copied from the first model's folder so the output loads with its tokenizer.
+#: Files copied from the first model's folder so the output loads with its tokenizer (or
+#: image processor).
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -38,6 +39,7 @@ TOKENIZER_FILES = (
     "spiece.model",
     "sentencepiece.bpe.model",
     "tokenizer.model",
+    "preprocessor_config.json",
 )
 
 

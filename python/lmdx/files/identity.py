@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from .saved import saved_state
+
 __all__ = [
     "describe_mismatch",
     "file_sha256",
@@ -37,7 +39,8 @@ def tensor_bytes(t: Any) -> memoryview:
 def model_identity(model: Any) -> dict[str, Any]:
     """Architecture and per-parameter name, shape, dtype and SHA-256 of a model.
 
-    ``model`` is a torch module (its ``state_dict()``) or a mapping name -> tensor.
+    ``model`` is a torch module (its tensors as ``save_pretrained`` stores them:
+    :func:`lmdx.files.saved.saved_state`) or a mapping name -> tensor.
     ``weights_sha256`` hashes the per-parameter hashes in name order. A PEFT LoRA model
     is its base model's tensors under their own names plus its adapter
     (:func:`lmdx.files.peft.peft_model_identity`).
@@ -48,7 +51,7 @@ def model_identity(model: Any) -> dict[str, Any]:
         return peft_model_identity(model)
     if hasattr(model, "state_dict") and not isinstance(model, Mapping):
         model_type = getattr(getattr(model, "config", None), "model_type", None)
-        return state_identity(model.state_dict(), type(model).__name__, model_type)
+        return state_identity(saved_state(model), type(model).__name__, model_type)
     return state_identity(dict(model), "state_dict", None)
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 from .._errors import MergeError
 from .._tensors import to_torch
+from .._util import matches
 from ..files.checkpoint import Checkpoint
 from ..files.hf import hf_config, hf_progress, load_model, model_class, model_files, read_config
 from ..files.identity import file_sha256
@@ -73,7 +74,11 @@ class MergeResult:
     ----------
     state_dict
         Merged parameters (torch tensors in each parameter's input dtype), without the
-        task heads; tied weights are one tensor under each of their names.
+        task heads; tied weights are one tensor under each of their names. Names and
+        shapes are those of the models' ``save_pretrained`` folders, which differ from
+        ``model.state_dict()`` where transformers converts weights on saving (e.g. ViT,
+        GPT-NeoX, MoE experts saved per expert): load it with :func:`save_merged` and
+        ``from_pretrained``, or ``cls.from_pretrained(None, config=..., state_dict=...)``.
     heads
         Per input model, its own head tensors (empty dicts when there are no heads).
     report
@@ -123,7 +128,9 @@ def _labels(models: Sequence[Any], labels: Sequence[str] | None) -> list[str]:
     return list(labels)
 
 
-def _report(plan: MergePlan, options: MergeOptions, streaming: bool) -> dict[str, Any]:
+def _report(
+    plan: MergePlan, options: MergeOptions, streaming: bool, stats: Sequence[Statistics] | None
+) -> dict[str, Any]:
     solves = options.method in ("regmean", "regmean_plusplus")
     report: dict[str, Any] = {
         "method": options.method,
@@ -146,6 +153,12 @@ def _report(plan: MergePlan, options: MergeOptions, streaming: bool) -> dict[str
         report["density"] = options.density
     if options.method in RANDOM_METHODS:
         report["seed"] = options.seed
+    if options.method == "regmean" and stats:
+        # linear weights the statistics could not cover: averaged, and said so
+        missing = {n: why for s in stats for n, why in s.not_solved.items()}
+        missing = {n: why for n, why in sorted(missing.items()) if not matches(n, options.heads)}
+        if missing:
+            report["not_solved"] = missing
     return report
 
 
@@ -386,9 +399,11 @@ def merge_models(
         ``"auto"`` uses float32 where the estimated error stays below 1e-6 of the
         weights. ``report["layers"]`` says per module what was used, and
         ``report["poorly_determined"]`` lists the systems with too few statistics rows
-        per input or a large condition estimate, with what to do. LoRA adapters over one
-        base are solved on their factors, in float64 (``low_rank`` in the layer's report:
-        the merged update's rank).
+        per input or a large condition estimate, with what to do;
+        ``report["not_solved"]`` the linear weights the statistics could not cover (e.g.
+        mixture-of-experts tensors of an interface lmdx does not know), which were
+        averaged, with why. LoRA adapters over one base are solved on their factors, in
+        float64 (``low_rank`` in the layer's report: the merged update's rank).
     labels
         Names of the models for messages and the report (default: their paths or
         ``model0``...).
@@ -443,7 +458,7 @@ def merge_models(
     arithmetic_base = base_source if method in TASK_VECTOR_METHODS else None
     blocks = _blocks(sources, method, data)
     plan = make_plan(sources, options, stat_objs, arithmetic_base, folder=False, blocks=blocks)
-    report = _report(plan, options, streaming=False)
+    report = _report(plan, options, streaming=False, stats=stat_objs)
     sink = MemorySink(plan)
     pp_data = _PlusPlusData(
         data, tokenizer, max_texts, max_length, batch_size, max_activation_memory
@@ -757,7 +772,7 @@ def stream_merge(
         _check_task_folders(plan, options, [src.config for src in sources])
     if dry_run:
         return StreamMergeResult(None, plan, {}, peak_rss_bytes())
-    report = _report(plan, options, streaming=True)
+    report = _report(plan, options, streaming=True, stats=stat_objs)
     pp_data = _PlusPlusData(
         data, tokenizer, max_texts, max_length, batch_size, max_activation_memory
     )

@@ -21,6 +21,7 @@ from .._tensors import FLOAT_DTYPES, as_float64, dtype_name
 from ..files.hf import load_model
 from ..files.identity import tensor_sha256
 from ..files.peft import LoraAdapter, is_peft_model
+from ..files.saved import saved_state
 
 __all__ = ["AdapterSource", "StateDictSource", "TensorSource", "model_source"]
 
@@ -100,8 +101,8 @@ class StateDictSource:
 
     @classmethod
     def of_model(cls, model: Any, label: str, *, path: Path | None = None) -> StateDictSource:
-        """A torch module (its ``state_dict()``, class name and Hugging Face config) or a
-        state dict."""
+        """A torch module (its tensors as ``save_pretrained`` stores them, its class name and
+        Hugging Face config) or a state dict."""
         if isinstance(model, Mapping):
             return cls(model, label, path=path)
         if not hasattr(model, "state_dict"):
@@ -110,7 +111,7 @@ class StateDictSource:
             loaded_from = Path(str(getattr(model, "name_or_path", "") or "."))
             path = loaded_from if str(loaded_from) != "." and loaded_from.is_dir() else None
         return cls(
-            model.state_dict(),
+            saved_state(model),
             label,
             architecture=type(model).__name__,
             config=config_of(model),

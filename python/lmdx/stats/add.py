@@ -69,11 +69,17 @@ def add_statistics(parts: Iterable[Statistics], *, data: str | None = None) -> S
         _same("parameter set", [p.parameters for p in parts], names)
         kwargs["parameters"] = first.parameters
         kwargs["count"] = sum(p.count() for p in parts)
+    extra: dict[str, Any] = {"added_from": names}
+    not_solved = {n: why for p in parts for n, why in p.not_solved.items()}
+    if not_solved:  # what no part could collect stays said
+        extra["not_solved"] = not_solved
+    if "experts" in first.extra:
+        extra["experts"] = first.extra["experts"]
     return Statistics(
         kind=first.kind,
         model=first.model,
         data=data if data is not None else " + ".join(p.data for p in parts),
         tensors={spec.name: summed(spec.name) for spec in first.specs()},
-        extra={"added_from": names},
+        extra=extra,
         **kwargs,
     )

@@ -1,18 +1,41 @@
 """RegMean statistics collected from torch / Hugging Face models by forward hooks.
 
-RegMean needs, for every linear module, the Gram ``Σ x xᵀ`` of its inputs over the
-user's data. :func:`collect_regmean_stats` puts a forward pre-hook on every selected
-``nn.Linear`` and Hugging Face ``Conv1D``, runs the model in ``eval()`` under
-``torch.no_grad()`` and streams each input into a float64 :class:`lmdx.Moments`:
+RegMean needs, for every linear map, the Gram ``Σ x xᵀ`` of its inputs over the user's
+data. :func:`collect_regmean_stats` puts a forward pre-hook on every selected
+``nn.Linear`` and Hugging Face ``Conv1D`` (and on what else acts as one, below), runs the
+model in ``eval()`` under ``torch.no_grad()`` and streams each input into a float64
+:class:`lmdx.Moments`:
 
 * padding rows are left out using the batch's attention mask (the reference
   implementations count them, which makes a Gram depend on how texts were batched);
-  ``include_padding=True`` counts them like the reference code;
+  ``include_padding=True`` counts them like the reference code. An encoder-decoder model
+  has one mask per stack: modules whose rows are the encoder's tokens (the encoder, and
+  the cross-attention keys and values, which read the encoder's output) use
+  ``attention_mask``; modules whose rows are the decoder's tokens use
+  ``decoder_attention_mask`` when the batch has one, else count every decoder row.
+  Which stack a module's rows belong to is found on the one-sequence probe, where the
+  decoder inputs are made longer than the encoder's when they are not already;
 * modules that read the very same input tensor (attention q/k/v, MLP gate/up, ...)
   share one Gram: it is accumulated once and stored once. Sharing is detected on a
   one-sequence probe and verified on every batch;
+* a module that is not an ``nn.Linear`` but holds only a 2-D ``weight`` (and a bias) and
+  whose first output is ``F.linear(input, weight, bias)`` on the probe (the routers of
+  Mixtral, Qwen2-MoE and OLMoE in transformers 5) is collected like one;
+* mixture-of-experts layers whose experts are fused 3-D tensors (transformers' experts
+  interface: ``gate_up_proj``/``up_proj`` and ``down_proj`` of experts × out × in, or
+  transposed) get one Gram per expert and projection: of the tokens routed to that
+  expert (the experts module's ``hidden_states`` rows whose ``top_k_index`` names it),
+  and of the same tokens' inputs to its down projection, computed from its own weights
+  as transformers' experts forward does (up projection, bias, gate or activation);
 * fp32/bf16/fp16 activations are handed to the core as they are (16-bit floats are
   widened exactly while the kernel packs them) and accumulated in float64.
+
+The statistics are keyed by the names the model's ``save_pretrained`` folder stores its
+weights under (:mod:`lmdx.files.saved`), the names a merge reads: a file collected on a
+model in memory matches its saved checkpoint even where transformers renames or splits
+weights on saving. Linear weights that cannot be given statistics (a conversion lmdx
+cannot trace, experts of another interface) are listed with the reason in
+``extra["not_solved"]``; a merge averages them and says so.
 
 Diagonal Fisher statistics are :func:`lmdx.stats.fisher.collect_fisher`.
 """
@@ -20,13 +43,16 @@ Diagonal Fisher statistics are :func:`lmdx.stats.fisher.collect_fisher`.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from .._tensors import as_float64, as_rows
 from .._util import matches, parse_size, progress_bar, split_in_order
@@ -34,6 +60,7 @@ from ..config import resolve_threads
 from ..data.batches import as_kwargs
 from ..files.identity import model_identity
 from ..files.peft import is_peft_model, peft_modules
+from ..files.saved import SavedSource, saved_sources, saved_state
 from ..files.st import hf_model_of
 from ..moments import Moments
 from .file import Statistics
@@ -41,6 +68,12 @@ from .packing import pack_upper
 from .writer import StatisticsWriter
 
 __all__ = ["GramCollector", "collect_regmean_stats", "find_linear_modules"]
+
+#: The argument of a fused-experts forward that says which experts each token goes to.
+ROUTING_KEYS = ("top_k_index", "router_indices")
+#: Batch keys that hold an encoder-decoder model's decoder inputs, and its mask.
+DECODER_KEYS = ("decoder_input_ids", "decoder_inputs_embeds")
+DECODER_MASK_KEY = "decoder_attention_mask"
 
 
 def _conv1d_type() -> type | None:
@@ -93,16 +126,296 @@ def find_linear_modules(
     return found
 
 
-def _first_sequence(kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """The first row of every batched tensor (a cheap probe of the model's wiring)."""
+def _fused_experts(model: Any) -> dict[str, Any]:
+    """Mixture-of-experts modules of transformers' fused-experts interface: name -> module.
+
+    They hold every expert's up (or gate-and-up) and down projection as one 3-D
+    parameter each, flags saying how (``has_gate``, ``has_bias``, ``is_transposed``) and
+    are called as ``forward(hidden_states, top_k_index, top_k_weights)`` (GPT-OSS:
+    ``router_indices``)."""
+    found = {}
+    for name, module in model.named_modules():
+        if not all(hasattr(module, a) for a in ("has_gate", "has_bias", "is_transposed")):
+            continue
+        params = dict(module.named_parameters(recurse=False))
+        up = params.get("gate_up_proj" if module.has_gate else "up_proj")
+        down = params.get("down_proj")
+        if up is None or down is None or up.ndim != 3 or down.ndim != 3:
+            continue
+        try:
+            wanted = inspect.signature(module.forward).parameters
+        except (TypeError, ValueError):
+            continue
+        if "hidden_states" in wanted and any(k in wanted for k in ROUTING_KEYS):
+            found[name] = module
+    return found
+
+
+def _expert_like(model: Any, known: set[str]) -> dict[str, str]:
+    """3-D floating-point parameters of modules that look like mixtures of experts but
+    are not of the fused-experts interface (parameter -> why it gets no statistics)."""
+    out = {}
+    for name, module in model.named_modules():
+        if name in known:
+            continue
+        looks_moe = "expert" in type(module).__name__.lower() or hasattr(module, "num_experts")
+        for p_name, p in module.named_parameters(recurse=False):
+            if looks_moe and p.ndim == 3 and p.is_floating_point():
+                full = f"{name}.{p_name}" if name else p_name
+                out[full] = (
+                    f"a 3-D expert tensor of {type(module).__name__}, which is not of "
+                    "transformers' fused-experts interface (no per-expert routing found)"
+                )
+    return out
+
+
+def _linear_like_candidates(model: Any, skip: set[str]) -> dict[str, Any]:
+    """Modules outside ``skip`` whose only parameters are a 2-D floating-point ``weight``
+    and possibly a matching bias (e.g. MoE routers): candidates for
+    :func:`_verified_linear_like`."""
+    import torch
+
+    found = {}
+    for name, module in model.named_modules():
+        if name in skip or isinstance(module, torch.nn.Embedding):
+            continue
+        params = dict(module.named_parameters(recurse=False))
+        w = params.get("weight")
+        if (
+            w is None
+            or w.ndim != 2
+            or not w.is_floating_point()
+            or set(params) - {"weight", "bias"}
+        ):
+            continue
+        b = params.get("bias")
+        if b is not None and tuple(b.shape) != (w.shape[0],):
+            continue
+        found[name] = module
+    return found
+
+
+def _verified_linear_like(
+    model: Any, candidates: Mapping[str, Any], probe: Mapping[str, Any]
+) -> set[str]:
+    """The candidates whose first output on the probe is ``F.linear(input, weight, bias)``
+    (compared in float64 to 1e-5 of the output's scale)."""
+    import torch
+
+    ok: set[str] = set()
+    checked: set[str] = set()
+
+    def hook_for(name: str) -> Any:
+        def hook(module: Any, args: tuple[Any, ...], output: Any) -> None:
+            if name in checked:
+                return
+            checked.add(name)
+            x = args[0] if args else None
+            y = output[0] if isinstance(output, (tuple, list)) and output else output
+            w = module.weight
+            if not (
+                isinstance(x, torch.Tensor)
+                and isinstance(y, torch.Tensor)
+                and x.is_floating_point()
+                and x.ndim >= 1
+                and x.shape[-1] == w.shape[1]
+                and y.ndim >= 1
+                and y.shape[-1] == w.shape[0]
+                and y.numel() // w.shape[0] == x.numel() // w.shape[1]
+            ):
+                return
+            b = getattr(module, "bias", None)
+            ref = torch.nn.functional.linear(
+                x.reshape(-1, w.shape[1]).double(),
+                w.double(),
+                None if b is None else b.double(),
+            )
+            got = y.reshape(-1, w.shape[0]).double()
+            scale = float(ref.abs().max()) if ref.numel() else 0.0
+            if torch.allclose(got, ref, rtol=1e-5, atol=1e-5 * scale):
+                ok.add(name)
+
+        return hook
+
+    handles = [m.register_forward_hook(hook_for(n)) for n, m in candidates.items()]
+    try:
+        model(**probe)
+    finally:
+        for h in handles:
+            h.remove()
+    return ok
+
+
+def _traced_layout(
+    index: NDArray[np.int64], shape: tuple[int, ...], in_axis: int, expert_axis: int | None
+) -> tuple[str, int | None] | None:
+    """(layout, expert) of a saved 2-D tensor whose elements are the in-memory elements
+    ``index`` (flat) of a weight of ``shape`` whose axis ``in_axis`` is its input: every
+    saved row (``"linear"``) or column (``"conv1d"``) must be one output over the whole
+    input in order, and all of one expert. None otherwise."""
+    if index.ndim != 2:
+        return None
+    coords = np.unravel_index(index, shape)
+    expert = None
+    if expert_axis is not None:
+        ex = coords[expert_axis]
+        if not (ex == ex.flat[0]).all():
+            return None
+        expert = int(ex.flat[0])
+    out_axes = [a for a in range(len(shape)) if a not in (in_axis, expert_axis)]
+    if len(out_axes) != 1:
+        return None
+    inn, out = coords[in_axis], coords[out_axes[0]]
+    ramp = np.arange(shape[in_axis])
+    if index.shape[1] == shape[in_axis] and (inn == ramp[None, :]).all():
+        if (out == out[:, :1]).all():
+            return "linear", expert
+    if index.shape[0] == shape[in_axis] and (inn == ramp[:, None]).all():
+        if (out == out[:1, :]).all():
+            return "conv1d", expert
+    return None
+
+
+@dataclass
+class _Entry:
+    """One saved weight fed by a site: its module name (the saved weight's name less
+    ``.weight``), the saved weight's name, its layout."""
+
+    module: str
+    weight: str
+    layout: str
+
+
+def _entry(saved_name: str, layout: str) -> _Entry:
+    return _Entry(saved_name.removesuffix(".weight"), saved_name, layout)
+
+
+def _expert_site(module: str, expert: int, part: str) -> str:
+    """The site of expert ``expert`` of fused-experts module ``module``: ``part`` is
+    ``"in"`` (its up projection's input) or ``"mid"`` (its down projection's input)."""
+    return f"{module}[{expert}].{part}"
+
+
+def _saved_entries(
+    model: Any,
+    linear: Mapping[str, tuple[Any, str]],
+    experts: Mapping[str, Any],
+    unknown: Mapping[str, str],
+) -> tuple[
+    dict[str, list[_Entry]],
+    dict[str, tuple[str, int, str, tuple[str, str]]],
+    dict[str, str],
+]:
+    """Per site (a linear module's name, or :func:`_expert_site`), the saved weights its
+    Gram serves; per expert site, (experts module, expert, part, in-memory names); and
+    the saved weights that get none (name -> why), among them those of the in-memory
+    weights ``unknown`` (name -> why)."""
+    params = [f"{n}.weight" for n in linear]
+    for n, m in experts.items():
+        params += [f"{n}.{'gate_up_proj' if m.has_gate else 'up_proj'}", f"{n}.down_proj"]
+    saved = saved_state(model)
+    sources, not_solved = saved_sources(model, [*params, *unknown], saved)
+    del saved
+    for n, why in unknown.items():
+        for src in sources.pop(n, []):
+            not_solved[src.saved] = f"{why} (in memory: {n})"
+        if n in not_solved:
+            not_solved[n] = why
+    entries: dict[str, list[_Entry]] = {}
+    parts: dict[str, tuple[str, int, str, tuple[str, str]]] = {}
+
+    def place(site: str, src: SavedSource, layout: tuple[str, int | None] | None) -> None:
+        if layout is None:
+            not_solved[src.saved] = (
+                f"saved in a layout lmdx cannot map onto the input of {src.memory!r} "
+                "(neither [out, in] nor [in, out] rows over the whole input)"
+            )
+        else:
+            entries.setdefault(site, []).append(_entry(src.saved, layout[0]))
+
+    for n, (module, layout) in linear.items():
+        shape = tuple(module.weight.shape)
+        in_axis = 1 if layout == "linear" else 0
+        for src in sources.get(f"{n}.weight", []):
+            if src.index is None:
+                place(n, src, (layout, None))
+            else:
+                place(n, src, _traced_layout(src.index, shape, in_axis, None))
+    for n, m in experts.items():
+        in_axis = 1 if m.is_transposed else 2
+        for part, p_name in (
+            ("in", "gate_up_proj" if m.has_gate else "up_proj"),
+            ("mid", "down_proj"),
+        ):
+            shape = tuple(getattr(m, p_name).shape)
+            for src in sources.get(f"{n}.{p_name}", []):
+                if src.index is None:
+                    not_solved[src.saved] = (
+                        "saved as one 3-D tensor of all experts (RegMean solves 2-D weights); "
+                        "averaged"
+                    )
+                    continue
+                traced = _traced_layout(src.index, shape, in_axis, 0)
+                expert = -1 if traced is None else int(traced[1] or 0)
+                site = _expert_site(n, expert, part)
+                place(site, src, traced)
+                if traced is not None:
+                    parts[site] = (n, expert, part, (n, f"{n}.{p_name}"))
+    return entries, parts, not_solved
+
+
+def _length(kwargs: Mapping[str, Any], keys: Sequence[str]) -> int | None:
+    """The sequence length (dim 1) of the first of ``keys`` in ``kwargs`` that has one."""
+    for k in keys:
+        v: Any = kwargs.get(k)
+        if hasattr(v, "shape") and v.dim() >= 2:
+            return int(v.shape[1])
+    return None
+
+
+def _first_sequence(kwargs: Mapping[str, Any], mask_key: str = "attention_mask") -> dict[str, Any]:
+    """The first row of every batched tensor (a cheap probe of the model's wiring).
+
+    With decoder inputs, the probe's decoder sequence is made longer than its encoder
+    sequence (and than 1) if it is not already, by repeating its last position, so that
+    a module's row count on the probe tells which stack's tokens it reads."""
+    import torch
+
     ref = next((v for v in kwargs.values() if hasattr(v, "shape") and v.dim() > 0), None)
     if ref is None:
         return dict(kwargs)
     b = ref.shape[0]
-    return {
+    probe = {
         k: (v[:1] if hasattr(v, "shape") and v.dim() > 0 and v.shape[0] == b else v)
         for k, v in kwargs.items()
     }
+    t_dec = _length(probe, (*DECODER_KEYS, DECODER_MASK_KEY))
+    t_enc = _length(probe, (mask_key, "input_ids", "inputs_embeds")) or 0
+    if t_dec is not None and t_dec in (t_enc, 1):
+        idx = torch.tensor([*range(t_dec), *[t_dec - 1] * (t_enc + 1 - t_dec)])
+        for k, v in probe.items():
+            if k.startswith("decoder_") and hasattr(v, "shape") and v.dim() >= 2:
+                if v.shape[1] == t_dec:
+                    probe[k] = v.index_select(1, idx)
+    return probe
+
+
+def _decoder_rows(probe: Mapping[str, Any]) -> int | None:
+    """Decoder tokens in the (one-sequence) probe; None without decoder inputs."""
+    return _length(probe, (*DECODER_KEYS, DECODER_MASK_KEY))
+
+
+def _expert_mid(module: Any, x: Any, expert: int) -> Any:
+    """The input of expert ``expert``'s down projection for its routed rows ``x``, as
+    transformers' experts forward computes it: up (or gate-and-up) projection, its bias,
+    then the module's gate (``_apply_gate``) or activation."""
+    import torch
+
+    w = (module.gate_up_proj if module.has_gate else module.up_proj)[expert]
+    h = x @ w if module.is_transposed else torch.nn.functional.linear(x, w)
+    if module.has_bias:
+        h = h + (module.gate_up_proj_bias if module.has_gate else module.up_proj_bias)[expert]
+    return module._apply_gate(h) if module.has_gate else module.act_fn(h)
 
 
 class GramCollector:
@@ -111,17 +424,25 @@ class GramCollector:
 
     :func:`collect_regmean_stats` runs it over a whole model; RegMean++
     (:mod:`lmdx.merge.regmean_plusplus`) over one block at a time. Use: :meth:`probe` once
-    (which modules share an input), then per batch :meth:`start_batch` (the batch's
-    attention mask), a forward pass inside :meth:`hooks`, :meth:`end_batch`.
+    (which modules share an input, which stack's tokens each reads), then per batch
+    :meth:`start_batch` (the batch's masks), a forward pass inside :meth:`hooks`,
+    :meth:`end_batch`.
 
     Parameters
     ----------
     modules
-        Module name -> (module, layout), as :func:`find_linear_modules` returns them.
+        Module name -> (module, layout), as :func:`find_linear_modules` returns them: each
+        a site (one input).
     include_padding, share_inputs, mask_key, precision
         As in :func:`collect_regmean_stats`.
     n_threads
         Threads of the native accumulation.
+    experts
+        Fused-experts modules: name -> (module, {expert: parts}), whose sites are each
+        expert's ``"in"`` and ``"mid"`` inputs (:func:`_expert_site`).
+    entries
+        Per site, the saved weights its Gram serves (default: a linear module's own
+        weight, ``{name}.weight``); they name the statistics' modules and groups.
     """
 
     def __init__(
@@ -132,35 +453,80 @@ class GramCollector:
         mask_key: str,
         n_threads: int,
         precision: str = "mixed",
+        experts: Mapping[str, tuple[Any, Mapping[int, set[str]]]] | None = None,
+        entries: Mapping[str, Sequence[_Entry]] | None = None,
     ) -> None:
         self.float64 = precision == "float64"
         self.precision = precision
         self.modules = modules
+        self.entries = dict(entries or {})
+        for name, (_m, layout) in modules.items():
+            self.entries.setdefault(name, [_entry(f"{name}.weight", layout)])
+        self.order: list[str] = []
+        self.calls_on_probe: dict[str, int] = {}
+        self.experts = dict(experts or {})
         self.include_padding = include_padding
         self.share_inputs = share_inputs
         self.mask_key = mask_key
         self.n_threads = n_threads
         self.group_of: dict[str, str] = {}
-        self.order: list[str] = []
-        self.calls_on_probe: dict[str, int] = {}
         self.moments: dict[str, Moments] = {}
+        self.active: set[str] | None = None  # groups of the current pass (None: all)
+        self.stack_of: dict[str, str] = {}  # hooked module -> "encoder" | "decoder"
         # per batch: tensors accumulated per group (weak references) and calls per module
         self._accumulated: dict[str, list[weakref.ref[Any]]] = {}
         self._calls: dict[str, int] = {}
-        self._mask: Any = None
-        self._mask_shape: tuple[int, ...] | None = None
+        self._masks: dict[str, tuple[Any, tuple[int, ...]] | None] = {}
         self._probe_inputs: dict[str, list[Any]] | None = None
+        self._signatures = {n: inspect.signature(m.forward) for n, (m, _) in self.experts.items()}
+        for name, (_module, wanted) in self.experts.items():
+            for e, parts in wanted.items():
+                for part in parts:
+                    site = _expert_site(name, e, part)
+                    self.group_of[site] = site
+
+    def sites_of(self, name: str) -> list[str]:
+        """The sites a hooked module feeds: itself, or its experts' sites."""
+        if name in self.experts:
+            wanted = self.experts[name][1]
+            return [
+                _expert_site(name, e, p)
+                for e in sorted(wanted)
+                for p in ("in", "mid")
+                if p in wanted[e]
+            ]
+        return [name]
+
+    def dim_of(self, site: str) -> int:
+        """The input dimension of a site."""
+        if site in self.modules:
+            module, layout = self.modules[site]
+            return int(module.weight.shape[1 if layout == "linear" else 0])
+        name, _, part = site.rpartition(".")
+        module = self.experts[name.rpartition("[")[0]][0]
+        up = module.gate_up_proj if module.has_gate else module.up_proj
+        down = module.down_proj
+        if part == "in":
+            return int(up.shape[1] if module.is_transposed else up.shape[2])
+        return int(down.shape[1] if module.is_transposed else down.shape[2])
 
     # -- probe: which modules read the same tensor -----------------------------------
 
-    def probe(self, run: Callable[[], Any]) -> None:
+    def probe(self, run: Callable[[], Any], decoder_rows: int | None = None) -> None:
         """Find the input groups: ``run()`` makes one forward pass (e.g. of one sequence)
-        while hooks record which modules read the very same input tensor."""
-        self._probe_inputs = {name: [] for name in self.modules}
+        while hooks record which modules read the very same input tensor; a module whose
+        rows number ``decoder_rows`` (the probe's decoder tokens) reads the decoder's."""
+        hooked = [*self.modules, *self.experts]
+        self._probe_inputs = {name: [] for name in hooked}
         self._first_call: dict[str, int] = {}
+        self._probe_rows: dict[str, int] = {}
         handles = [
             module.register_forward_pre_hook(self._probe_hook(name))
             for name, (module, _) in self.modules.items()
+        ]
+        handles += [
+            module.register_forward_pre_hook(self._probe_hook(name, experts=True), with_kwargs=True)
+            for name, (module, _) in self.experts.items()
         ]
         try:
             run()
@@ -169,8 +535,13 @@ class GramCollector:
                 h.remove()
         seen = self._probe_inputs
         self._probe_inputs = None
-        self.order = sorted((n for n in self.modules if seen[n]), key=self._first_call.__getitem__)
-        self.calls_on_probe = {n: len(seen[n]) for n in self.modules}
+        self.order = sorted((n for n in hooked if seen[n]), key=self._first_call.__getitem__)
+        self.calls_on_probe = {n: len(seen[n]) for n in hooked}
+        for n in hooked:
+            rows = self._probe_rows.get(n)
+            self.stack_of[n] = (
+                "decoder" if decoder_rows is not None and rows == decoder_rows else "encoder"
+            )
         leader_of: dict[tuple[int, ...], str] = {}
         for name in self.modules:
             key = tuple(id(t) for t in seen[name])
@@ -181,40 +552,50 @@ class GramCollector:
             self.group_of[name] = leader
         del seen  # release the probe's activations
 
-    def _probe_hook(self, name: str) -> Any:
-        def hook(module: Any, args: tuple[Any, ...]) -> None:
+    def _probe_hook(self, name: str, experts: bool = False) -> Any:
+        def hook(module: Any, args: tuple[Any, ...], kwargs: Any = None) -> None:
             assert self._probe_inputs is not None
-            self._probe_inputs[name].append(args[0])
+            x = self._experts_input(name, args, kwargs or {})[0] if experts else args[0]
+            self._probe_inputs[name].append(x)
             self._first_call.setdefault(name, len(self._first_call))
+            self._probe_rows.setdefault(name, int(np.prod(tuple(x.shape[:-1]), dtype=np.int64)))
 
         return hook
 
     def adopt_groups(self, other: GramCollector) -> None:
-        """Take the input groups ``other`` found by its probe (for the same modules, e.g.
-        one block loaded with another model's weights) instead of probing again."""
+        """Take the input groups (and stacks) ``other`` found by its probe (for the same
+        modules, e.g. one block loaded with another model's weights) instead of probing
+        again."""
         self.group_of = dict(other.group_of)
         self.order = list(other.order)
         self.calls_on_probe = dict(other.calls_on_probe)
+        self.stack_of = dict(other.stack_of)
+
+    def sites(self) -> list[str]:
+        """Every site, in the order of the hooked modules."""
+        return [s for n in [*self.modules, *self.experts] for s in self.sites_of(n)]
 
     def dims(self) -> dict[str, int]:
         """Input group -> its input dimension."""
-        return {
-            self.group_of[n]: int(m.weight.shape[1 if layout == "linear" else 0])
-            for n, (m, layout) in self.modules.items()
-        }
+        return {self.group_of[s]: self.dim_of(s) for s in self.sites()}
+
+    def group_name(self, group: str) -> str:
+        """The name statistics give input group ``group`` (its first saved module's)."""
+        return self.entries[group][0].module
 
     def module_info(self) -> dict[str, dict[str, Any]]:
-        """Module name -> its group, layout, weight name and input dimension, as
+        """Saved module name -> its group, layout, weight name and input dimension, as
         :class:`Statistics` record them."""
         dims = self.dims()
         return {
-            name: {
-                "group": self.group_of[name],
-                "layout": layout,
-                "weight": f"{name}.weight",
-                "dim": dims[self.group_of[name]],
+            e.module: {
+                "group": self.group_name(self.group_of[s]),
+                "layout": e.layout,
+                "weight": e.weight,
+                "dim": dims[self.group_of[s]],
             }
-            for name, (_m, layout) in self.modules.items()
+            for s in self.sites()
+            for e in self.entries[s]
         }
 
     def take_statistics(self, model: Mapping[str, Any], data: str = "") -> Statistics:
@@ -234,18 +615,25 @@ class GramCollector:
             data=data,
             padding="included" if self.include_padding else "excluded",
             modules=self.module_info(),
-            groups={g: {"dim": d, "count": moments[g].count} for g, d in dims.items()},
-            moments=moments,
+            groups={
+                self.group_name(g): {"dim": d, "count": moments[g].count} for g, d in dims.items()
+            },
+            moments={self.group_name(g): m for g, m in moments.items()},
             extra={"share_inputs": self.share_inputs, "precision": self.precision},
         )
 
     @contextlib.contextmanager
     def hooks(self, names: Iterable[str] | None = None) -> Iterator[None]:
-        """Accumulating hooks on the modules ``names`` (default: all) while inside."""
-        chosen = self.modules if names is None else set(names)
+        """Accumulating hooks on the hooked modules ``names`` (default: all) while inside."""
+        chosen = set(self.modules) | set(self.experts) if names is None else set(names)
         handles = [
             module.register_forward_pre_hook(self.hook(name))
             for name, (module, _) in self.modules.items()
+            if name in chosen
+        ]
+        handles += [
+            module.register_forward_pre_hook(self.hook(name), with_kwargs=True)
+            for name, (module, _) in self.experts.items()
             if name in chosen
         ]
         try:
@@ -259,22 +647,42 @@ class GramCollector:
     def start_batch(self, kwargs: Mapping[str, Any]) -> None:
         self._accumulated = {}
         self._calls = {}
-        mask = None if self.include_padding else kwargs.get(self.mask_key)
+        self._masks = {
+            "encoder": self._mask(kwargs, self.mask_key),
+            "decoder": self._mask(kwargs, DECODER_MASK_KEY),
+        }
+
+    def _mask(self, kwargs: Mapping[str, Any], key: str) -> tuple[Any, tuple[int, ...]] | None:
+        mask = None if self.include_padding else kwargs.get(key)
         if mask is None:
-            self._mask, self._mask_shape = None, None
-            return
-        arr = as_float64(mask, self.mask_key)
-        self._mask_shape = tuple(arr.shape)
+            return None
+        arr = as_float64(mask, key)
+        shape = tuple(arr.shape)
         arr = arr.reshape(-1)
         if not np.isin(arr, (0.0, 1.0)).all():
-            raise ValueError(f"batches: {self.mask_key} must hold 0/1 values")
-        self._mask = np.ascontiguousarray(arr)
+            raise ValueError(f"batches: {key} must hold 0/1 values")
+        return np.ascontiguousarray(arr), shape
 
     def hook(self, name: str) -> Any:
+        if name in self.experts:
+
+            def experts_fn(module: Any, args: tuple[Any, ...], kwargs: Any) -> None:
+                x, index = self._experts_input(name, args, kwargs)
+                self._accumulate_experts(name, x, index)
+
+            return experts_fn
+
         def fn(module: Any, args: tuple[Any, ...]) -> None:
             self._accumulate(name, args[0])
 
         return fn
+
+    def _experts_input(
+        self, name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> tuple[Any, Any]:
+        """The ``hidden_states`` and ``top_k_index`` of a call of experts module ``name``."""
+        bound = self._signatures[name].bind_partial(*args, **kwargs).arguments
+        return bound["hidden_states"], next(bound[k] for k in ROUTING_KEYS if k in bound)
 
     def _accumulate(self, name: str, x: Any) -> None:
         group = self.group_of[name]
@@ -289,13 +697,17 @@ class GramCollector:
                     "share_inputs=False"
                 )
             return
-        d = self.modules[name][0].weight.shape[1 if self.modules[name][1] == "linear" else 0]
+        d = self.dim_of(name)
         if x.ndim == 0 or x.shape[-1] != d:
             raise ValueError(
                 f"module {name!r} input: expected shape (..., {d}), got {tuple(x.shape)}"
             )
         leading = tuple(x.shape[:-1])
         weights = self._row_weights(name, leading, int(np.prod(leading, dtype=np.int64)))
+        self._update(group, name, x, d, weights)
+        done.append(weakref.ref(x))
+
+    def _update(self, group: str, name: str, x: Any, d: int, weights: Any) -> None:
         # float16/bfloat16 activations stay 16-bit: widened exactly inside the kernel
         rows = as_rows(x, d, f"module {name!r} input")[0].astype(np.float64) if self.float64 else x
         acc = self.moments.get(group)
@@ -310,23 +722,60 @@ class GramCollector:
                     "and the data"
                 ) from None
             raise ValueError(f"module {name!r}: {exc}") from None
-        done.append(weakref.ref(x))
+
+    def _accumulate_experts(self, name: str, x: Any, index: Any) -> None:
+        """Each selected expert's routed rows (padding left out), and their inputs to
+        its down projection."""
+        import torch
+
+        module, wanted = self.experts[name]
+        self._calls[name] = self._calls.get(name, 0) + 1
+        sites = [s for s in self.sites_of(name) if self.active is None or s in self.active]
+        if not sites:
+            return
+        for site in sites:  # an expert no token reaches still has (empty) statistics
+            if site not in self.moments:
+                self.moments[site] = Moments(self.dim_of(site))
+        d = x.shape[-1]
+        rows = x.reshape(-1, d)
+        weights = self._row_weights(name, tuple(x.shape[:-1]), int(rows.shape[0]))
+        routes = index.reshape(rows.shape[0], -1)
+        real = None if weights is None else torch.from_numpy(weights > 0)
+        for e in sorted(wanted):
+            hit = (routes == e).any(dim=1)
+            if real is not None:
+                hit &= real
+            tokens = hit.nonzero().squeeze(1)
+            if tokens.numel() == 0:
+                continue
+            xe = rows.index_select(0, tokens)
+            site_in, site_mid = _expert_site(name, e, "in"), _expert_site(name, e, "mid")
+            if site_in in sites:
+                self._update(site_in, site_in, xe, d, None)
+            if site_mid in sites:
+                mid = _expert_mid(module, xe, e)
+                self._update(site_mid, site_mid, mid, int(mid.shape[-1]), None)
 
     def _row_weights(self, name: str, leading: tuple[int, ...], rows: int) -> Any:
-        if self._mask is None:
+        stack = self.stack_of.get(name, "encoder")
+        found = self._masks.get(stack)
+        if found is None:
             return None
-        assert self._mask_shape is not None
-        if leading == self._mask_shape or rows == self._mask.size:
-            return self._mask
-        if len(leading) == 1 and leading[0] == self._mask_shape[0]:
+        mask, mask_shape = found
+        if leading == mask_shape or rows == mask.size:
+            return mask
+        if len(leading) == 1 and leading[0] == mask_shape[0]:
             return None  # one row per sequence (a pooled input): no padding in it
+        key = self.mask_key if stack == "encoder" else DECODER_MASK_KEY
         raise ValueError(
-            f"module {name!r}: input rows {leading} do not line up with the attention mask "
-            f"{self._mask_shape}; pass include_padding=True or exclude this module"
+            f"module {name!r}: input rows {leading} do not line up with the {key} "
+            f"{mask_shape}; pass include_padding=True or exclude this module"
         )
 
     def end_batch(self) -> None:
         for name, calls in self._calls.items():
+            if name in self.experts:
+                continue
             group = self.group_of[name]
             if calls != len(self._accumulated.get(group, ())):
                 raise RuntimeError(
@@ -344,10 +793,11 @@ class _StopForward(Exception):
 def _groups_in_order(collector: GramCollector) -> list[str]:
     """Input groups in the order their first module is called (uncalled ones last)."""
     out: list[str] = []
-    for name in [*collector.order, *collector.modules]:
-        g = collector.group_of[name]
-        if g not in out:
-            out.append(g)
+    for name in [*collector.order, *collector.modules, *collector.experts]:
+        for site in collector.sites_of(name):
+            g = collector.group_of[site]
+            if g not in out:
+                out.append(g)
     return out
 
 
@@ -405,14 +855,19 @@ def collect_regmean_stats(
         in ``eval()`` under ``torch.no_grad()`` and its training flag is restored
         afterwards.
     batches
-        Iterable of dicts of tensors, each passed as ``model(**batch)`` (a ``labels``
-        entry is dropped), or of input-id tensors. Must be re-iterable (a list) when
-        ``max_memory`` asks for more than one pass.
+        Iterable of dicts of tensors with any keys the model takes (``input_ids``,
+        ``pixel_values``, ``decoder_input_ids``, ...), each passed as ``model(**batch)``
+        (a ``labels`` entry is dropped), or of input-id tensors. An encoder-decoder
+        model's batches must hold ``decoder_input_ids`` (or ``decoder_inputs_embeds``).
+        Must be re-iterable (a list) when ``max_memory`` asks for more than one pass.
     include, exclude
-        ``fnmatch`` patterns over module names (see :func:`find_linear_modules`).
+        ``fnmatch`` patterns over module names (see :func:`find_linear_modules`), or the
+        names the model's ``save_pretrained`` folder gives their weights; for fused
+        experts, the experts module, its 3-D parameters or the saved per-expert weights.
     include_padding
         Count padding rows like the reference implementations (default: rows whose
-        ``attention_mask`` is 0 are left out).
+        ``attention_mask`` is 0 are left out; in an encoder-decoder model, decoder rows
+        whose ``decoder_attention_mask`` is 0, every decoder row without one).
     share_inputs
         Accumulate one Gram for modules that read the same input tensor.
     precision
@@ -454,29 +909,34 @@ def collect_regmean_stats(
     if out is None and (max_memory is not None or max_shard_size is not None):
         raise ValueError("max_memory and max_shard_size need out= (a file or folder to write)")
     budget = None if max_memory is None else parse_size(max_memory)
-    model = hf_model_of(model)
-    modules = find_linear_modules(model, include, exclude)
-    if not modules:
-        raise ValueError(
-            "collect_regmean_stats: no nn.Linear / Conv1D module matches the include/exclude "
-            "patterns"
-        )
-    collector = GramCollector(
-        modules, include_padding, share_inputs, mask_key, resolve_threads(n_threads), precision
-    )
+    model = hf_model_of(model)  # a SentenceTransformer: its Hugging Face encoder
     iterator = iter(batches)
     first = next(iterator, None)
     if first is None:
         raise ValueError("collect_regmean_stats: batches is empty")
+    first_kwargs = as_kwargs(first)
+    first_kwargs.pop("labels", None)
+    _check_decoder_inputs(model, first_kwargs)
     was_training = model.training
     model.eval()
     writer: Any = None
     try:
         with torch.no_grad():
-            first_kwargs = as_kwargs(first)
-            first_kwargs.pop("labels", None)
-            collector.probe(lambda: model(**_first_sequence(first_kwargs)))
+            sites = _find_sites(model, first_kwargs, mask_key, include, exclude)
+            collector = GramCollector(
+                sites.linear,
+                include_padding,
+                share_inputs,
+                mask_key,
+                resolve_threads(n_threads),
+                precision,
+                sites.experts,
+                sites.entries,
+            )
+            first_row = _first_sequence(first_kwargs, mask_key)
+            collector.probe(lambda: model(**first_row), _decoder_rows(first_row))
         dims = collector.dims()
+        saved_group = {g: collector.group_name(g) for g in dims}
         order = _groups_in_order(collector)
         passes = _plan_passes(order, dims, budget)
         if len(passes) > 1 and iter(batches) is batches:
@@ -486,7 +946,15 @@ def collect_regmean_stats(
             )
         module_info = collector.module_info()
         counts: dict[str, float] = {}
-        extra = {"share_inputs": share_inputs, "precision": precision, "passes": len(passes)}
+        extra: dict[str, Any] = {
+            "share_inputs": share_inputs,
+            "precision": precision,
+            "passes": len(passes),
+        }
+        if sites.routed:
+            extra["experts"] = {saved_group[s]: v for s, v in sites.routed.items() if s in dims}
+        if sites.not_solved:
+            extra["not_solved"] = sites.not_solved
 
         identity = model_identity(model)
 
@@ -502,7 +970,9 @@ def collect_regmean_stats(
             )
 
         if out is not None:
-            skeleton = make_stats(groups={g: {"dim": dims[g], "count": 0.0} for g in order})
+            skeleton = make_stats(
+                groups={saved_group[g]: {"dim": dims[g], "count": 0.0} for g in order}
+            )
             writer = StatisticsWriter(
                 out, skeleton.specs(), skeleton.metadata(), max_shard_size=max_shard_size
             )
@@ -512,8 +982,13 @@ def collect_regmean_stats(
         try:
             for p, groups in enumerate(passes):
                 source = itertools.chain([first], iterator) if p == 0 else iter(batches)
-                members = {n for n in modules if collector.group_of[n] in groups}
-                seen = _run_pass(model, collector, modules, members, source, bar)
+                members = {
+                    n
+                    for n in [*sites.linear, *sites.experts]
+                    if any(collector.group_of[s] in groups for s in collector.sites_of(n))
+                }
+                collector.active = set(groups)
+                seen = _run_pass(model, collector, members, source, bar)
                 if p == 0:
                     n_batches = seen
                 elif seen != n_batches:
@@ -521,7 +996,15 @@ def collect_regmean_stats(
                         f"collect_regmean_stats: pass {p + 1} saw {seen} batches, pass 1 saw "
                         f"{n_batches}; batches must yield the same data every time"
                     )
-                missing = [n for n in members if collector.group_of[n] not in collector.moments]
+                missing = [
+                    n
+                    for n in sorted(members)
+                    if any(
+                        collector.group_of[s] in groups
+                        and collector.group_of[s] not in collector.moments
+                        for s in collector.sites_of(n)
+                    )
+                ]
                 if missing:
                     raise ValueError(
                         f"collect_regmean_stats: modules never called during the forward "
@@ -532,18 +1015,19 @@ def collect_regmean_stats(
                 if writer is not None:
                     for g in groups:
                         m = collector.moments.pop(g)
-                        writer.write(f"sum/{g}", m.sum)
-                        writer.write(f"gram/{g}", pack_upper(m.gram()))
+                        writer.write(f"sum/{saved_group[g]}", m.sum)
+                        writer.write(f"gram/{saved_group[g]}", pack_upper(m.gram()))
                         del m
         finally:
             bar.close()
         extra["batches"] = n_batches
-        groups_meta = {g: {"dim": dims[g], "count": counts[g]} for g in order}
+        groups_meta = {saved_group[g]: {"dim": dims[g], "count": counts[g]} for g in order}
         if writer is not None:
             writer.close(make_stats(groups=groups_meta).metadata())
             writer = None
             return Statistics.load(out)  # type: ignore[arg-type]
-        return make_stats(groups=groups_meta, moments=collector.moments)
+        moments = {saved_group[g]: m for g, m in collector.moments.items()}
+        return make_stats(groups=groups_meta, moments=moments)
     except BaseException as exc:
         if writer is not None:
             writer.abort(exc)
@@ -552,15 +1036,107 @@ def collect_regmean_stats(
         model.train(was_training)
 
 
+def _check_decoder_inputs(model: Any, kwargs: Mapping[str, Any]) -> None:
+    """An encoder-decoder model's batches must hold its decoder inputs."""
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False) and not any(k in kwargs for k in DECODER_KEYS):
+        raise ValueError(
+            f"batches: {type(model).__name__} is an encoder-decoder model; every batch needs "
+            "decoder_input_ids (or decoder_inputs_embeds), and decoder_attention_mask where the "
+            "decoder inputs are padded"
+        )
+
+
+@dataclass
+class _Sites:
+    """What a collection hooks: linear modules (name -> (module, layout)), fused-experts
+    modules (name -> (module, {expert: parts})), the saved weights each site serves, what
+    expert sites read, and the weights that get no statistics (name -> why)."""
+
+    linear: dict[str, tuple[Any, str]]
+    experts: dict[str, tuple[Any, dict[int, set[str]]]]
+    entries: dict[str, list[_Entry]]
+    routed: dict[str, dict[str, Any]]
+    not_solved: dict[str, str]
+
+
+def _find_sites(
+    model: Any,
+    kwargs: Mapping[str, Any],
+    mask_key: str,
+    include: Sequence[str] | None,
+    exclude: Sequence[str] | None,
+) -> _Sites:
+    """The sites to hook, selected by ``include``/``exclude`` over the in-memory module
+    and weight names and the saved ones (:class:`ValueError` when none is left)."""
+    linear = find_linear_modules(model)
+    experts: dict[str, Any] = {}
+    expert_parts: dict[str, tuple[str, int, str, tuple[str, str]]] = {}
+    not_solved: dict[str, str] = {}
+    if is_peft_model(model):
+        # named as in the base model (find_linear_modules), as its checkpoint stores them
+        entries = {n: [_entry(f"{n}.weight", layout)] for n, (_, layout) in linear.items()}
+    else:
+        experts = _fused_experts(model)
+        inside = {n for n in linear if any(n.startswith(f"{x}.") for x in experts)}
+        candidates = _linear_like_candidates(model, set(linear) | set(experts) | inside)
+        if candidates:
+            probe = _first_sequence(kwargs, mask_key)
+            verified = _verified_linear_like(model, candidates, probe)
+            linear = {
+                name: linear.get(name) or (module, "linear")
+                for name, module in model.named_modules()
+                if name in linear or name in verified
+            }
+        entries, expert_parts, not_solved = _saved_entries(
+            model, linear, experts, _expert_like(model, set(experts))
+        )
+
+    def selected(names: Sequence[str]) -> bool:
+        if include and not any(matches(n, include) for n in names):
+            return False
+        return not any(matches(n, exclude) for n in names)
+
+    kept = {}
+    for site, found in entries.items():
+        memory = expert_parts[site][3] if site in expert_parts else (site, f"{site}.weight")
+        chosen = [e for e in found if selected((*memory, e.module, e.weight))]
+        if chosen:
+            kept[site] = chosen
+    if not kept:
+        raise ValueError(
+            "collect_regmean_stats: no nn.Linear / Conv1D module matches the include/exclude "
+            "patterns"
+        )
+    chosen_experts: dict[str, tuple[Any, dict[int, set[str]]]] = {}
+    routed = {}
+    for site, (name, expert, part, _memory) in expert_parts.items():
+        if site not in kept:
+            continue
+        chosen_experts.setdefault(name, (experts[name], {}))[1].setdefault(expert, set()).add(part)
+        routed[site] = {
+            "module": name,
+            "expert": expert,
+            "input": "routed tokens" if part == "in" else "down projection input of routed tokens",
+        }
+    return _Sites(
+        {n: v for n, v in linear.items() if n in kept},
+        chosen_experts,
+        kept,
+        routed,
+        {n: why for n, why in not_solved.items() if selected((n,))},
+    )
+
+
 def _run_pass(
     model: Any,
     collector: GramCollector,
-    modules: Mapping[str, tuple[Any, str]],
     members: set[str],
     batches: Iterable[Any],
     bar: Any,
 ) -> int:
-    """One pass over the data accumulating the groups of ``members``; returns batches."""
+    """One pass over the data accumulating the groups of ``members`` (hooked modules);
+    returns the number of batches."""
     import torch
 
     stop = _stop_module(collector, members)
@@ -568,7 +1144,8 @@ def _run_pass(
     def stop_hook(module: Any, args: tuple[Any, ...]) -> None:
         raise _StopForward
 
-    handle = None if stop is None else modules[stop][0].register_forward_pre_hook(stop_hook)
+    hooked = None if stop is None else (collector.modules.get(stop) or collector.experts[stop])
+    handle = None if hooked is None else hooked[0].register_forward_pre_hook(stop_hook)
     n = 0
     try:
         with torch.no_grad(), collector.hooks(members):

@@ -115,6 +115,16 @@ class Statistics:
 
     # ------------------------------------------------------------------ accessors
 
+    @property
+    def not_solved(self) -> dict[str, str]:
+        """Grams: linear weights of the model that got no statistics, with why (e.g. MoE
+        experts of an interface lmdx does not know): a merge averages them. Entries of
+        ``extra["not_solved"]`` that are not text are left out."""
+        found = self.extra.get("not_solved")
+        if not isinstance(found, Mapping):
+            return {}
+        return {str(k): v for k, v in found.items() if isinstance(v, str)}
+
     def group_of(self, module: str) -> str:
         try:
             return str(self.modules[module]["group"])

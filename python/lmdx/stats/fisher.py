@@ -40,6 +40,7 @@ from .._util import matches, progress_bar
 from ..data.batches import as_kwargs
 from ..files.identity import model_identity
 from ..files.peft import is_peft_model
+from ..files.saved import saved_form
 from .file import Statistics
 
 __all__ = ["collect_fisher"]
@@ -100,7 +101,10 @@ def collect_fisher(
     Returns
     -------
     Statistics
-        ``kind="fisher"``; per parameter Σ over examples of ``(∂ log p(y|x) / ∂θ)²``.
+        ``kind="fisher"``; per parameter Σ over examples of ``(∂ log p(y|x) / ∂θ)²``, under
+        the names and in the shapes the model's ``save_pretrained`` folder stores it
+        (where transformers renames or splits a parameter on saving, its Fisher is
+        converted the same way; :mod:`lmdx.files.saved`).
     """
     import torch
 
@@ -166,15 +170,24 @@ def collect_fisher(
         bar.close()
     if examples == 0:
         raise ValueError("collect_fisher: batches is empty")
+    identity = model_identity(model)
+    sums = saved_form(model, sums)  # keyed and shaped as the saved checkpoint's tensors
+    unsaved = [n for n in sums if n not in identity["parameters"]]
+    if unsaved:
+        raise ValueError(
+            f"collect_fisher: the Fisher of {unsaved[0]!r} has no tensor of the saved model to "
+            "go with (transformers converts it on saving only together with parameters left "
+            "out); include them, or exclude every parameter of that module"
+        )
     tensors = {f"fisher/{n}": as_float64(s, n) for n, s in sums.items()}
     for n, s in tensors.items():
         if not np.isfinite(s).all():
             raise ValueError(f"collect_fisher: {n} is not finite; check the model and data")
     return Statistics(
         kind="fisher",
-        model=model_identity(model),
+        model=identity,
         data=description,
-        parameters={n: {"shape": list(p.shape)} for n, p in params.items()},
+        parameters={n: {"shape": list(s.shape)} for n, s in sums.items()},
         count=float(examples),
         tensors=tensors,
         extra={"labels": labels, "frozen": skipped},
