@@ -329,7 +329,11 @@ def test_merge_ties_and_dare_match_numpy(
             "method: average\nscaling: 0.5\nmodels: [m0, m1]\n",
             "scaling is only used by task_arithmetic",
         ),
-        ("method: average\nbase: base\nmodels: [m0, m1]\n", "base is only used by task_arithmetic"),
+        (
+            "method: average\nbase: base\nmodels: [m0, m1]\n",
+            r"base is only used by LoRA adapters .* and by task_arithmetic, ties, dare, dare_ties, "
+            "not by average",
+        ),
         (
             "method: dare_ties\nbase: base\n"
             "models:\n  - {path: m0, stats: s0.safetensors}\n  - m1\n",

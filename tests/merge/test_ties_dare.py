@@ -343,7 +343,11 @@ def test_errors_are_one_line(folders):
         ({"method": "average", "density": 0.5}, "density: only used by ties, dare, dare_ties"),
         ({"method": "average", "scaling": 0.5}, "scaling: only used by task_arithmetic"),
         ({"method": "ties", "base": base, "scaling": float("inf")}, "scaling: expected a finite"),
-        ({"method": "average", "base": base}, "takes no base model"),
+        (
+            {"method": "average", "base": base},
+            r"base: used by LoRA adapters .* and by task_arithmetic, ties, dare, dare_ties, not "
+            "by average",
+        ),
     ]
     for kwargs, match in cases:
         with pytest.raises(MergeError, match=match) as info:
