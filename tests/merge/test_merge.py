@@ -579,6 +579,18 @@ def test_poorly_determined_systems_are_reported_with_what_to_do():
     assert len(notes) < len([m for m, v in layers.items() if v["shared_with"] is None])
 
 
+def test_a_model_merged_with_itself_reports_no_poorly_determined_system():
+    """Nothing is solved where the weights are equal in every model: whatever the
+    statistics (here 20 rows for the pooler's 16 inputs), no system is reported."""
+    _, models = H.family("bert", k=2)
+    stats = H.collect(models[0], H.random_batches("bert", 10, n_sequences=20))
+    res = merge_models(
+        [models[0], models[0]], stats=[stats, stats], heads=H.HEADS["bert"], progress=False
+    )
+    assert {v["precision"] for v in res.report["layers"].values()} == {"identical"}
+    assert res.report["poorly_determined"] == []
+
+
 def test_precision_option_reaches_every_solve_and_is_checked():
     _, models = H.family("bert", k=2)
     stats = [H.collect(m, H.random_batches("bert", 10 + i)) for i, m in enumerate(models)]

@@ -291,6 +291,41 @@ def test_shard_of_another_checkpoint_names_file_and_tensor(folders, tmp_path):
         stream_merge(models, tmp_path / "out", "average", progress=False)
 
 
+def _add_tensor(folder, name, value):
+    """Rewrite a checkpoint folder's shards with one more tensor (in its last shard), as
+    an older transformers that still saved it would have written the folder."""
+    from safetensors.numpy import load_file, save_file
+
+    shards = sorted(folder.glob("model-*.safetensors"))
+    tensors = load_file(str(shards[-1]))
+    tensors[name] = value
+    save_file(tensors, str(shards[-1]), metadata={"format": "pt"})
+    index = folder / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["weight_map"][name] = shards[-1].name
+    index.write_text(json.dumps(data))
+
+
+def test_integer_tensors_the_statistics_model_lacks_are_not_checked(folders, tmp_path):
+    """A checkpoint holding a buffer its model no longer loads (BERT's position_ids, saved
+    by older transformers) merges with statistics collected on the loaded model; the
+    buffer is copied. A floating-point tensor the statistics lack is still refused."""
+    f = folders["bert"]
+    models = _copy_models(folders, "bert", tmp_path)
+    name = "bert.embeddings.position_ids"
+    for m in models:
+        _add_tensor(m, name, np.arange(64, dtype=np.int64)[None, :])
+    kwargs = {"stats": f["stats"], "alpha": 0.9, "heads": H.HEADS["bert"], "progress": False}
+    res = stream_merge(models, tmp_path / "out", **kwargs)
+    assert np.array_equal(Checkpoint(res.out_dir).read(name), np.arange(64)[None, :])
+    plain = stream_merge(f["models"], tmp_path / "plain", **kwargs)
+    _assert_same_folder_weights(plain.out_dir, res.out_dir)
+    for m in models:
+        _add_tensor(m, "bert.extra_scale", np.ones(3, dtype=np.float32))
+    with pytest.raises(ModelMismatchError, match=r"'bert\.extra_scale' is in this model but not"):
+        stream_merge(models, tmp_path / "out2", **kwargs)
+
+
 def test_truncated_shard_names_the_file(folders, tmp_path):
     models = _copy_models(folders, "bert", tmp_path)
     shard = sorted(models[0].glob("model-*.safetensors"))[0]

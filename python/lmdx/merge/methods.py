@@ -265,7 +265,11 @@ CONDITION_LIMIT = 1e6
 
 def poorly_determined(module: str, layer: Mapping[str, Any]) -> dict[str, Any] | None:
     """Why the RegMean system of ``module`` (its solver report from :func:`solve_group`) is
-    poorly determined, with what to do; None when it is not."""
+    poorly determined, with what to do; None when it is not, or when nothing was solved
+    (``precision`` ``"identical"``: the weights are equal in every model and come back
+    exactly, whatever the statistics)."""
+    if layer.get("precision") == "identical":
+        return None
     rows, dim = float(layer["rows"]), int(layer["dim"])
     rcond = float(layer["rcond_estimate"])
     condition = float(layer["condition_estimate"]) or (1.0 / rcond if rcond > 0 else math.inf)

@@ -195,7 +195,9 @@ def check_same_layout(
 
 def check_stats_model(source: TensorSource, stats: Statistics) -> dict[str, str]:
     """Verify ``stats`` were computed on the weights of ``source`` (per-tensor SHA-256 of
-    the stored bytes, in name order); return the tied weights the statistics reveal:
+    the stored bytes, in name order; integer tensors the statistics' model does not have,
+    such as a ``position_ids`` buffer older checkpoints store, are not checked); return
+    the tied weights the statistics reveal:
     parameters of the statistics' model that the source does not store because they
     are stored under another name (alias -> stored name)."""
     ident = stats.model
@@ -215,7 +217,11 @@ def check_stats_model(source: TensorSource, stats: Statistics) -> dict[str, str]
     if (adapter or {}).get("sha256") != (ident.get("adapter") or {}).get("sha256"):
         with_adapter = {"architecture": arch, "adapter": adapter}
         raise fail(describe_mismatch({**ident, "architecture": arch}, with_adapter))
-    names = sorted(source.names())
+    # An integer tensor the statistics' model lacks is one the model no longer loads (e.g.
+    # BERT's position_ids, which checkpoints saved by older transformers still hold): it
+    # cannot have shaped the statistics and is copied from the first model like any
+    # integer tensor. A floating-point one could be a weight the statistics never saw.
+    names = sorted(n for n in source.names() if n in params or source.is_float(n))
     for name in names:
         if name not in params:
             raise fail(f"parameter {name!r} is in this model but not in the statistics' model")
