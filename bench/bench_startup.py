@@ -32,7 +32,7 @@ try:
     runpy.run_module("lmdx", run_name="__main__", alter_sys=True)
 except SystemExit as exc:
     code = exc.code
-heavy = sorted({m.split(".")[0] for m in sys.modules} & {"torch", "transformers"})
+heavy = sorted({m.split(".")[0] for m in sys.modules} & {"ml_dtypes", "torch", "transformers"})
 json.dump({"code": code, "heavy": heavy}, open(report, "w"))
 """
 

@@ -7,22 +7,21 @@ rows for the Gram kernel (:func:`as_gram_rows`), where float16 and bfloat16 stay
 elsewhere bfloat16/float16 are widened to float32; integer inputs become float64. Copies
 happen here, visibly, never in the bindings.
 
-bfloat16 NumPy arrays use the ``ml_dtypes`` dtype (:data:`BFLOAT16`), so an array always
-says what it holds; files and merges work on NumPy arrays without importing torch
+bfloat16 NumPy arrays use the ``ml_dtypes`` dtype (:func:`bfloat16_dtype`), so an array
+always says what it holds; files and merges work on NumPy arrays without importing torch
 (:func:`as_numpy` and :func:`to_torch` cross over where torch is in use). Narrowing casts
 (:func:`cast_float`) round exactly as torch does.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 from numpy.typing import NDArray
 
 __all__ = [
-    "BFLOAT16",
     "FLOAT_DTYPES",
     "OUTPUT_DTYPES",
     "ST_NUMPY",
@@ -33,15 +32,44 @@ __all__ = [
     "as_rows",
     "as_tensor_array",
     "as_weights",
+    "bfloat16_dtype",
     "cast_float",
     "dtype_name",
+    "is_bfloat16",
     "is_tensor",
+    "itemsize",
+    "numpy_dtype",
     "to_torch",
     "widen",
 ]
 
-#: NumPy's bfloat16 (from ``ml_dtypes``; ``np.dtype("bfloat16")`` once it is imported).
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+@functools.cache
+def bfloat16_dtype() -> np.dtype[Any]:
+    """NumPy's bfloat16, from ``ml_dtypes`` (imported on first use: importing it took 0.8-1.5 s
+    with ml_dtypes 0.7.0, where no bfloat16 is involved that would be all of a command's
+    start-up; after it, ``np.dtype("bfloat16")`` works too)."""
+    import ml_dtypes
+
+    dtype: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
+    return dtype
+
+
+def is_bfloat16(dtype: np.dtype[Any]) -> bool:
+    """Whether a NumPy dtype is bfloat16 (without importing ``ml_dtypes``)."""
+    return bool(dtype.name == "bfloat16")
+
+
+def itemsize(name: str) -> int:
+    """Bytes per element of a dtype name of :data:`DTYPES` (without importing ``ml_dtypes``)."""
+    return 2 if name == "bfloat16" else int(np.dtype(name).itemsize)
+
+
+def numpy_dtype(name: str) -> np.dtype[Any]:
+    """The NumPy dtype of a dtype name of :data:`DTYPES` (``"bfloat16"``:
+    :func:`bfloat16_dtype`)."""
+    return bfloat16_dtype() if name == "bfloat16" else np.dtype(name)
+
 
 #: The one dtype table: safetensors code -> (NumPy dtype name, torch dtype name).
 DTYPES: dict[str, tuple[str, str]] = {
@@ -94,7 +122,7 @@ def as_tensor_array(x: Any, name: str) -> NDArray[np.floating[Any]]:
         arr = t.contiguous().numpy()
     else:
         arr = np.asarray(x)
-    if arr.dtype in (np.float16, BFLOAT16):
+    if arr.dtype == np.float16 or is_bfloat16(arr.dtype):
         arr = widen(arr)
     elif arr.dtype not in (np.float32, np.float64):
         if arr.dtype.kind not in "biuf":
@@ -134,8 +162,8 @@ def as_gram_rows(x: Any, dim: int, name: str = "x") -> tuple[NDArray[Any], tuple
             arr = t.view(torch.int16).numpy().view(np.uint16)
         else:
             arr = t.numpy()
-    elif isinstance(x, np.ndarray) and x.dtype in (np.float16, BFLOAT16):
-        bfloat16 = x.dtype == BFLOAT16
+    elif isinstance(x, np.ndarray) and (x.dtype == np.float16 or is_bfloat16(x.dtype)):
+        bfloat16 = is_bfloat16(x.dtype)
         arr = np.ascontiguousarray(x)
         if bfloat16:
             arr = arr.view(np.uint16)
@@ -172,7 +200,7 @@ def dtype_name(t: Any) -> str:
 
 def widen(arr: NDArray[Any]) -> NDArray[np.float32]:
     """A float16 or bfloat16 array widened (exactly) to float32."""
-    if arr.dtype == BFLOAT16:  # the bits in the upper half of a float32: exact, fast
+    if is_bfloat16(arr.dtype):  # the bits in the upper half of a float32: exact, fast
         bits = np.ascontiguousarray(arr).view(np.uint16).astype(np.uint32)
         bits <<= 16
         return bits.view(np.float32)
@@ -184,7 +212,7 @@ def cast_float(arr: NDArray[Any], dtype: str) -> NDArray[Any]:
     rounded to nearest even exactly as torch's ``Tensor.to`` rounds: float64 values are
     rounded to float32 first, then to the 16-bit type. Values beyond the type's range
     become infinite (check with :func:`numpy.isfinite`)."""
-    target = np.dtype(dtype)
+    target = numpy_dtype(dtype)
     if arr.dtype == target:
         return arr
     if target.itemsize == 2 and arr.dtype == np.float64:
@@ -195,13 +223,13 @@ def cast_float(arr: NDArray[Any], dtype: str) -> NDArray[Any]:
 
 def as_numpy(x: Any) -> NDArray[Any]:
     """A torch tensor or NumPy array as a C-contiguous NumPy array of the same dtype
-    (a view where possible; bfloat16 as :data:`BFLOAT16`)."""
+    (a view where possible; bfloat16 as :func:`bfloat16_dtype`)."""
     if _is_torch(x):
         t = _cpu_tensor(x).contiguous()
         if str(t.dtype) == "torch.bfloat16":
             import torch  # present: x is a torch tensor
 
-            return np.asarray(t.view(torch.int16).numpy().view(BFLOAT16))
+            return np.asarray(t.view(torch.int16).numpy().view(bfloat16_dtype()))
         return np.asarray(t.numpy())
     return np.ascontiguousarray(x)
 
@@ -217,6 +245,6 @@ def to_torch(arr: Any) -> Any:
     arr = np.ascontiguousarray(arr)
     if not arr.flags.writeable:  # e.g. arrays from Ray's object store
         arr = arr.copy()
-    if arr.dtype == BFLOAT16:
+    if is_bfloat16(arr.dtype):
         return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(arr)

@@ -421,7 +421,7 @@ def test_numpy_torch_round_trip_keeps_dtype_and_bits(rng, dtype):
 def test_bfloat16_arrays_reach_the_kernels_widened_exactly(rng):
     t = torch.from_numpy(rng.standard_normal((4, 6))).to(torch.bfloat16)
     arr = T.as_numpy(t)
-    assert arr.dtype == T.BFLOAT16
+    assert arr.dtype == T.bfloat16_dtype() and T.is_bfloat16(arr.dtype)
     widened = T.as_tensor_array(arr, "x")
     assert widened.dtype == np.float32 and np.array_equal(widened, t.float().numpy())
     m_np, m_torch = lmdx.Moments(6), lmdx.Moments(6)

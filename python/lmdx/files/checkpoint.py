@@ -127,7 +127,7 @@ class Checkpoint:
 
     def read(self, name: str) -> NDArray[Any]:
         """One tensor as a NumPy array of its stored dtype (bfloat16 as
-        :data:`lmdx._tensors.BFLOAT16`; :func:`lmdx._tensors.to_torch` makes it a torch
+        :func:`lmdx._tensors.bfloat16_dtype`; :func:`lmdx._tensors.to_torch` makes it a torch
         tensor)."""
         handle = self._handle(name)
         try:

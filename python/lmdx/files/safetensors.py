@@ -25,7 +25,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .._errors import MissingFileError
-from .._tensors import BFLOAT16, ST_NUMPY, widen
+from .._tensors import ST_NUMPY, is_bfloat16, itemsize, numpy_dtype, widen
 from .atomic import atomic_file, disk_full, is_disk_full
 from .parse import parse_json
 
@@ -45,14 +45,14 @@ _ST_OF: dict[str, str] = {v: k for k, v in ST_NUMPY.items()}
 class TensorSpec:
     """Name, dtype and shape of one tensor of a file being written.
 
-    ``dtype`` is a NumPy dtype or its name (``"bfloat16"``: :data:`lmdx._tensors.BFLOAT16`).
+    ``dtype`` is a NumPy dtype or its name (``"bfloat16"``: :func:`lmdx._tensors.bfloat16_dtype`).
     """
 
     __slots__ = ("dtype", "name", "shape", "st_dtype")
 
     def __init__(self, name: str, dtype: Any, shape: Sequence[int]) -> None:
         self.name = name
-        self.dtype = BFLOAT16 if isinstance(dtype, str) and dtype == "bfloat16" else np.dtype(dtype)
+        self.dtype = numpy_dtype(dtype) if isinstance(dtype, str) else np.dtype(dtype)
         if self.dtype.name not in _ST_OF:
             raise ValueError(f"{name}: dtype {self.dtype} cannot be written")
         self.st_dtype = _ST_OF[self.dtype.name]
@@ -270,9 +270,9 @@ class SafetensorsFile:
 
     def get_raw(self, name: str) -> NDArray[Any]:
         """The stored values as a NumPy array of the stored dtype (bfloat16 as
-        :data:`lmdx._tensors.BFLOAT16`)."""
+        :func:`lmdx._tensors.bfloat16_dtype`)."""
         e = self._entries[name]
-        stored = np.dtype(ST_NUMPY[e["dtype"]])
+        stored = numpy_dtype(ST_NUMPY[e["dtype"]])
         little = stored.newbyteorder("<")
         count = int(np.prod(e["shape"], dtype=np.int64))
         arr = np.fromfile(
@@ -288,7 +288,7 @@ class SafetensorsFile:
     def get_tensor(self, name: str) -> NDArray[Any]:
         """The values as NumPy (bfloat16 widened to float32)."""
         arr = self.get_raw(name)
-        return widen(arr) if arr.dtype == BFLOAT16 else arr
+        return widen(arr) if is_bfloat16(arr.dtype) else arr
 
     def sha256(self, name: str) -> str:
         """SHA-256 of a tensor's stored bytes (equal to hashing the tensor in memory)."""
@@ -433,7 +433,7 @@ def read_safetensors_header(
         count = 1
         for d in e["shape"]:
             count *= d
-        nbytes = count * np.dtype(ST_NUMPY[e["dtype"]]).itemsize
+        nbytes = count * itemsize(ST_NUMPY[e["dtype"]])
         begin, end = e["data_offsets"]
         if nbytes > _INT64_MAX or end - begin != nbytes:
             raise fail(f"tensor {name!r}: byte range does not match its shape")

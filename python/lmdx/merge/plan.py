@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._errors import MergeError, ModelMismatchError
-from .._tensors import FLOAT_DTYPES
+from .._tensors import FLOAT_DTYPES, itemsize
 from .._util import matches, split_in_order
 from ..config import default_threads
 from ..files.checkpoint import SINGLE_FILE
@@ -96,8 +96,7 @@ class Output(NamedTuple):
 
     @property
     def nbytes(self) -> int:
-        itemsize = 2 if self.dtype == "bfloat16" else np.dtype(self.dtype).itemsize
-        return int(np.prod(self.shape, dtype=np.int64)) * int(itemsize)
+        return int(np.prod(self.shape, dtype=np.int64)) * itemsize(self.dtype)
 
 
 @dataclass
@@ -361,7 +360,7 @@ def make_plan(
         body = [n for n in names if not matches(n, options.heads)]
 
     steps = _steps(ref, body, stats, set(tied) | set(tied.values()), options, labels, blocks)
-    out_size = 0 if options.dtype == "auto" or not folder else _itemsize(options.dtype)
+    out_size = 0 if options.dtype == "auto" or not folder else itemsize(options.dtype)
     packed = stats is not None and all(s.source for s in stats)  # read from files
     for step in steps:
         step.memory = _step_memory(step, ref, len(sources), out_size, packed, blocks)
@@ -534,7 +533,3 @@ def _shards(outputs: Sequence[Output], max_shard: int) -> list[tuple[str, list[i
         return [(SINGLE_FILE, groups[0])]
     n = len(groups)
     return [(f"model-{j + 1:05d}-of-{n:05d}.safetensors", g) for j, g in enumerate(groups)]
-
-
-def _itemsize(dtype: str) -> int:
-    return 2 if dtype == "bfloat16" else int(np.dtype(dtype).itemsize)
