@@ -4,7 +4,8 @@
 # ruff check). This script regenerates it into a temporary folder and fails if the
 # checked-in stub differs; the other variants (_core_avx2, _core_avx512) share the one
 # interface, so their generated stubs must be the same file (compared for the variants this
-# CPU can run). With --write it updates the checked-in stub instead. PYTHON: the interpreter with lmdx installed (.venv/bin/python).
+# CPU can run). With --write it updates the checked-in stub instead. PYTHON: the
+# interpreter with lmdx installed (.venv/bin/python).
 #
 #   bash scripts/check_stubs.sh            # check (CI, after installing lmdx into .venv)
 #   bash scripts/check_stubs.sh --write    # regenerate after changing csrc/bindings
