@@ -27,6 +27,7 @@ import time
 import lmdx
 import lmdx.moments
 import lmdx.stats.collect as collect
+import lmdx.stats.sites as sites
 import numpy as np
 import torch
 import transformers
@@ -90,7 +91,7 @@ def main() -> None:
     model = transformers.BertModel(cfg, add_pooling_layer=False).eval()
     batches = _batches(args.seqs, args.seq_len, args.batch, cfg.vocab_size, 0)
     real = sum(int(b["attention_mask"].sum()) for b in batches)
-    n_modules = len(collect.find_linear_modules(model))
+    n_modules = len(sites.find_linear_modules(model))
 
     # the hand-over makes no copy: check on every call of one collection
     shared = {"yes": 0, "no": 0}

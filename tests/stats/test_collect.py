@@ -18,8 +18,8 @@ import torch
 import transformers  # noqa: F401
 from lmdx.data.batches import text_batches
 from lmdx.merge import merge_models
-from lmdx.stats.collect import find_linear_modules
 from lmdx.stats.fisher import collect_fisher
+from lmdx.stats.sites import find_linear_modules
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -56,8 +56,9 @@ from .._util import matches, parse_size, progress_bar
 from ..config import resolve_threads
 from ..data.batches import as_kwargs, text_batches
 from ..files.hf import hf_config, model_class
-from ..stats.collect import GramCollector, find_linear_modules
+from ..stats.collect import GramCollector
 from ..stats.file import Statistics
+from ..stats.sites import find_linear_modules
 from .engine import solve_regmean_step
 from .methods import regmean_groups
 from .options import MergeOptions

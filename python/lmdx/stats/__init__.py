@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 from .add import add_statistics
-from .collect import collect_regmean_stats, find_linear_modules
+from .collect import collect_regmean_stats
 from .file import Statistics
 from .fisher import collect_fisher
 from .ray import collect_regmean_stats_ray, shard_bounds
+from .sites import find_linear_modules
 from .writer import StatisticsWriter
 
 __all__ = [
