@@ -8,7 +8,8 @@ steps, outputs, shards, memory), :mod:`~lmdx.merge.methods` (the arithmetic of o
 step), :mod:`~lmdx.merge.engine` (runs the steps), :mod:`~lmdx.merge.sink` (where
 tensors go), :mod:`~lmdx.merge.ray` (steps on Ray actors),
 :mod:`~lmdx.merge.regmean_plusplus` (RegMean++: the blocks merged in order on Grams taken
-through the merged blocks before them), :mod:`~lmdx.merge.api` (the front doors) and
+through the merged blocks before them), :mod:`~lmdx.merge.api` (the front doors),
+:mod:`~lmdx.merge.load` (a merged folder loaded as one task's model) and
 :mod:`~lmdx.merge.config` (merge configuration files).
 """
 
@@ -17,12 +18,12 @@ from __future__ import annotations
 from .api import (
     MergeResult,
     StreamMergeResult,
-    load_merged,
     merge_models,
     save_merged,
     stream_merge,
 )
 from .config import MergeConfig, load_merge_config, plan_merge, run_merge
+from .load import load_merged
 from .options import METHODS, MergeOptions
 from .plan import MergePlan
 
