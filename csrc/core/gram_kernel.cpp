@@ -6,6 +6,7 @@
 #include <type_traits>
 
 #include "core/parallel.hpp"
+#include "core/register_tile.hpp"
 #include "core/workspace.hpp"
 
 LMDX_NAMESPACE_BEGIN
@@ -19,28 +20,9 @@ using Eigen::internal::pset1;
 using Eigen::internal::pstore;
 using Eigen::internal::pzero;
 
-// Register budget of this variant: 32 vector registers with AVX-512, 16 otherwise.
-#ifdef EIGEN_VECTORIZE_AVX512
-constexpr int kColumnsWide = 8;
-#else
-constexpr int kColumnsWide = 4;
-#endif
-
 // Rows packed by one task; each group's features are summed separately, then the groups
 // are added in order, so the sums do not depend on the thread count either.
 constexpr Index kPackGroup = 32;
-
-template <typename T>
-struct Tile {
-  using Packet = typename packet_traits<T>::type;
-  static constexpr int S = packet_traits<T>::size;  // lanes per packet
-  static constexpr int MP = 3;                      // packets per tile column
-  static constexpr int MR = MP * S;                 // tile rows = features per strip
-  // Tile columns: MP * NR accumulators + MP operands + 1 broadcast fit the registers, and
-  // NR divides MR so a column block never straddles two strips.
-  static constexpr int NR = MR % kColumnsWide == 0 ? kColumnsWide : 2;
-  static_assert(MR % NR == 0, "tile columns must divide the strip width");
-};
 
 // Rows [row0, row0 + MPe*S) x columns [j0, j0 + NR) of the Gram += the product of the
 // packed operands a (rows) and b (columns) over K packed rows (stride MR per row), adding
