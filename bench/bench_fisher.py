@@ -8,6 +8,9 @@ randomly initialized sequence-classification head, over real BBC News sentences
   real tokens, ``Σ_examples (∂ log p(ŷ|x) / ∂θ)²`` per parameter (what lmdx did before
   issue 17);
 * ``lmdx``: :func:`lmdx.collect_fisher`;
+* ``lmdx, torch products`` (``--before``): the same with the native kernel of linear
+  weights switched off, i.e. the per-example products made by ``torch.bmm`` and squared
+  and summed by torch a block at a time (lmdx before the kernel), for the before/after;
 * ``gram``: :func:`lmdx.collect_regmean_stats` (the Gram statistics of the same texts),
   for the Fisher/Gram ratio.
 
@@ -53,6 +56,18 @@ def loop_fisher(model, batches) -> tuple[dict[str, np.ndarray], int]:
     return {n: s.numpy() for n, s in sums.items()}, examples
 
 
+def fisher_without_kernel(model, batches):
+    """lmdx.collect_fisher with the native kernel of linear weights switched off."""
+    from lmdx.stats import fisher
+
+    kernel = fisher._Contribution.weight_squares
+    fisher._Contribution.weight_squares = lambda self: None
+    try:
+        return lmdx.collect_fisher(model, batches, progress=False)
+    finally:
+        fisher._Contribution.weight_squares = kernel
+
+
 def timed(fn) -> tuple[float, object]:
     t = time.perf_counter()
     out = fn()
@@ -66,6 +81,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--loop-reps", type=int, default=1)
+    ap.add_argument(
+        "--before", action="store_true", help="also time lmdx without its native Fisher kernel"
+    )
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     transformers.logging.set_verbosity_error()
@@ -89,9 +107,11 @@ def main() -> None:
 
     # lmdx and Gram runs before and after the loop, so that a change of the machine's load
     # during the long loop shows up in all three
-    new, gram = [], []
+    new, gram, before = [], [], []
     for _ in range(args.reps):
         new.append(timed(lambda: lmdx.collect_fisher(model, batches, progress=False)))
+        if args.before:
+            before.append(timed(lambda: fisher_without_kernel(model, batches)))
         gram.append(timed(lambda: lmdx.collect_regmean_stats(model, batches, progress=False)))
         if len(new) == (args.reps + 1) // 2:
             loop = [timed(lambda: loop_fisher(model, batches)) for _ in range(args.loop_reps)]
@@ -101,6 +121,7 @@ def main() -> None:
     print(
         "runs s: lmdx "
         + " ".join(f"{t:.2f}" for t, _ in new)
+        + ("; lmdx torch products " + " ".join(f"{t:.2f}" for t, _ in before) if before else "")
         + "; Gram "
         + " ".join(f"{t:.2f}" for t, _ in gram)
         + "; loop "
@@ -114,12 +135,25 @@ def main() -> None:
         norm = float(np.linalg.norm(expected))
         (errs if norm > 1e-9 * top else noise)[name] = err / max(norm, 1e-300)
     worst = max(errs, key=errs.__getitem__)
+    if before:
+        old = before[0][1]
+        diff = max(
+            float(np.linalg.norm(stats.fisher(k) - old.fisher(k)))
+            / max(float(np.linalg.norm(old.fisher(k))), 1e-300)
+            for k in errs
+        )
+        t_before = statistics.median(t for t, _ in before)
+        print(
+            f"native kernel: torch products / kernel {t_before / t_new:.2f}x; max relative "
+            f"difference {diff:.2e} over {len(errs)} parameters"
+        )
     print(f"load after {os.getloadavg()[0]:.2f}")
     print(f"{'run':<28}{'median s':>10}{'per text ms':>13}")
     for label, t in (
         ("loop (reference)", t_loop),
         ("lmdx.collect_fisher", t_new),
         ("Gram", t_gram),
+        *([("lmdx, torch products", statistics.median(t for t, _ in before))] if before else []),
     ):
         print(f"{label:<28}{t:>10.2f}{1000 * t / n:>13.1f}")
     print(

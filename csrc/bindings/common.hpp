@@ -45,5 +45,6 @@ void bind_moments(py::module_& m);
 void bind_spd(py::module_& m);
 void bind_regmean(py::module_& m);
 void bind_average(py::module_& m);
+void bind_fisher(py::module_& m);
 
 }  // namespace lmdx_bind

@@ -14,4 +14,5 @@ PYBIND11_MODULE(LMDX_MODULE_NAME, m) {
   lmdx_bind::bind_spd(m);
   lmdx_bind::bind_regmean(m);
   lmdx_bind::bind_average(m);
+  lmdx_bind::bind_fisher(m);
 }

@@ -30,6 +30,7 @@ __all__: list[str] = [
     "release_scratch",
     "scratch_bytes",
     "spd_solve",
+    "sum_squared_products",
     "weighted_average",
 ]
 
@@ -266,6 +267,13 @@ def spd_solve(
     """
     Solve (alpha-reduced a + ridge * mean(diag(a)) I) x = b by Cholesky.
     Returns (x of b's shape, SolveInfo).
+    """
+
+def sum_squared_products(
+    *, a: numpy.ndarray, b: numpy.ndarray, n_threads: typing.SupportsInt | typing.SupportsIndex
+) -> numpy.typing.NDArray[numpy.float64]:
+    """
+    sum over e of (a_e^T b_e)^2, element-wise: a (n, t, p), b (n, t, q) -> (p, q).
     """
 
 def weighted_average(

@@ -12,7 +12,9 @@ Each example's gradient is summed over its tokens *before* it is squared,
 ``(Σ_t g_t x_tᵀ)²``, never ``Σ_t (g_t x_tᵀ)²``:
 
 * ``nn.Linear`` (weight ``Σ_t g_t x_tᵀ``, bias ``Σ_t g_t``) and Hugging Face ``Conv1D``
-  (weight ``Σ_t x_t g_tᵀ``): one batched matrix product per layer;
+  (weight ``Σ_t x_t g_tᵀ``): for a float32/float64 weight used once, the native kernel
+  forms each example's products a register tile at a time and adds their squares at once
+  (no per-example gradient is stored); otherwise batched matrix products per layer;
 * ``nn.Embedding``: per row ``v``, ``Σ_{t: id_t = v} g_t`` over the example's tokens;
 * ``nn.LayerNorm``: ``Σ_t g_t ⊙ x̂_t`` and ``Σ_t g_t``;
 * any other module without submodules (RMSNorm, ...): the module's own vector-Jacobian
@@ -479,6 +481,30 @@ class _Contribution:
         got = self.cached[2][local]
         return got if got.dim() == 1 else got[:, r0:r1]  # a 0-d parameter has no rows
 
+    def weight_squares(self) -> Any:
+        """Σ over the examples of the squared per-example gradient of a linear or Conv1D
+        weight, from the native kernel (products in the tensors' precision, squares summed
+        in float64; torch's thread count): a float64 tensor of the weight's shape, or None
+        where it does not apply (not float32 or float64 of one dtype, or not on the CPU)."""
+        import torch
+
+        from .. import _core
+
+        x, g = self.x, self.g
+        if (
+            x.dtype != g.dtype
+            or x.dtype not in (torch.float32, torch.float64)
+            or x.device.type != "cpu"
+            or g.device.type != "cpu"
+        ):
+            return None
+        c = x.shape[0]
+        xs = x.reshape(c, -1, x.shape[-1]).contiguous().numpy()
+        gs = g.reshape(c, -1, g.shape[-1]).contiguous().numpy()
+        a, b = (gs, xs) if self.kind == "linear" else (xs, gs)  # [out, in] or [in, out]
+        squares = _core.core.sum_squared_products(a=a, b=b, n_threads=torch.get_num_threads())
+        return torch.from_numpy(squares)
+
     def sparse(self, lo: int, hi: int) -> tuple[Any, Any]:
         """Embedding: (example × rows + row) keys and gradient rows of examples lo:hi."""
         import torch
@@ -556,7 +582,9 @@ def _vjp_source(call: _Call, g: Any, size: int, wanted: dict[str, str]) -> Any:
 def _accumulate(work: list[_Contribution], size: int, sums: dict[str, Any]) -> None:
     """Per parameter: add its contributions per example, square, sum over examples.
 
-    Per-example gradients are made a block of parameter rows at a time (about
+    A linear or Conv1D weight used once is summed by the native kernel
+    (:meth:`_Contribution.weight_squares`: no per-example gradient is held). Otherwise
+    per-example gradients are made a block of parameter rows at a time (about
     :data:`_BLOCK_BYTES`, so that squaring and summing them stays in cache). Float32 squares
     are summed over at most :data:`_FLOAT32_TERMS` examples in float32 — for positive terms
     within (n − 1)·2⁻²⁴ < 1e-6 relative — and those partial sums are added in float64;
@@ -579,6 +607,11 @@ def _accumulate(work: list[_Contribution], size: int, sums: dict[str, Any]) -> N
             rows.index_add_(0, inverse, values)
             target.index_add_(0, unique % target.shape[0], rows.square().to(torch.float64))
             continue
+        if len(parts) == 1 and parts[0][0].kind in ("linear", "conv1d") and parts[0][1] == "weight":
+            squares = parts[0][0].weight_squares()
+            if squares is not None:
+                target.add_(squares)
+                continue
         height = int(target.shape[0]) if target.dim() else 1
         row_bytes = 4 * max(1, target.numel() // max(height, 1))
         chunk = min(size, _FLOAT32_TERMS)

@@ -1,0 +1,195 @@
+#include "core/fisher.hpp"
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "core/parallel.hpp"
+#include "core/register_tile.hpp"
+#include "core/workspace.hpp"
+
+LMDX_NAMESPACE_BEGIN
+
+namespace {
+
+using Eigen::internal::pload;
+using Eigen::internal::padd;
+using Eigen::internal::pmadd;
+using Eigen::internal::pmul;
+using Eigen::internal::pset1;
+using Eigen::internal::pstore;
+using Eigen::internal::pzero;
+
+// Columns of the result one task keeps sums for (with MR rows: 24-48 KiB of float64).
+constexpr Index kTaskCols = 128;
+// Examples whose squares are summed in the input precision before they are added in
+// float64: for positive float32 terms within (16 - 1)·2⁻²⁴ < 1e-6 relative.
+constexpr Index kSquaresPerFlush = 16;
+
+// One example's products of a tile of R = MPe*S rows by NR columns:
+// product[n][i] = Σ_s a[s][i] · b[s][n] over its t rows, from packed operands (a: t rows of
+// R values, b: t rows of NR values), accumulated in registers in the input precision (as a
+// float32 matrix product does); then each product is squared and added in float64 into
+// sums (column n of the tile at sums + n * ld).
+template <typename T, int MPe>
+void micro_tile(const T* a, const T* b, Index t, T* partial, Index ld) {
+  using P = Tile<T>;
+  using Packet = typename P::Packet;
+  constexpr int S = P::S;
+  constexpr int NR = P::NR;
+  constexpr int R = MPe * S;
+  Packet acc[MPe][NR];
+  for (int m = 0; m < MPe; ++m) {
+    for (int n = 0; n < NR; ++n) acc[m][n] = pzero(Packet());
+  }
+  for (Index s = 0; s < t; ++s) {
+    const T* as = a + s * R;
+    const T* bs = b + s * NR;
+    Packet av[MPe];
+    for (int m = 0; m < MPe; ++m) av[m] = pload<Packet>(as + m * S);
+    for (int n = 0; n < NR; ++n) {
+      const Packet bv = pset1<Packet>(bs[n]);
+      for (int m = 0; m < MPe; ++m) acc[m][n] = pmadd(av[m], bv, acc[m][n]);
+    }
+  }
+  // Squared in registers and added into the tile's partial sums (in the input precision;
+  // the caller adds them into float64 every kSquaresPerFlush examples).
+  for (int n = 0; n < NR; ++n) {
+    T* column = partial + n * ld;
+    for (int m = 0; m < MPe; ++m) {
+      const Packet square = pmul(acc[m][n], acc[m][n]);
+      pstore(column + m * S, padd(pload<Packet>(column + m * S), square));
+    }
+  }
+}
+
+template <typename T>
+using MicroTile = void (*)(const T*, const T*, Index, T*, Index);
+
+template <typename T>
+MicroTile<T> micro_tile_for(Index packets) {
+  switch (packets) {
+    case 1:
+      return &micro_tile<T, 1>;
+    case 2:
+      return &micro_tile<T, 2>;
+    default:
+      return &micro_tile<T, 3>;
+  }
+}
+
+// The same sums one entry at a time, for the rows and columns the tiles leave over.
+template <typename T>
+double scalar_sum(const T* a, const T* b, Index n, Index t, Index p, Index q, Index i, Index j) {
+  double total = 0.0;
+  for (Index e0 = 0; e0 < n; e0 += kSquaresPerFlush) {
+    T partial = T(0);
+    for (Index e = e0; e < std::min(n, e0 + kSquaresPerFlush); ++e) {
+      const T* ae = a + e * t * p;
+      const T* be = b + e * t * q;
+      T product = T(0);
+      for (Index s = 0; s < t; ++s) product += ae[s * p + i] * be[s * q + j];
+      partial += product * product;
+    }
+    total += static_cast<double>(partial);
+  }
+  return total;
+}
+
+template <typename T>
+void sum_squared_products_impl(const T* a, const T* b, Index n, Index t, Index p, Index q,
+                               double* out, int threads) {
+  using P = Tile<T>;
+  constexpr Index S = P::S, MR = P::MR, NR = P::NR;
+  const Index p_tiled = p / S * S;    // rows the tiles cover (whole packets)
+  const Index q_tiled = q / NR * NR;  // columns the tiles cover
+  const Index row_blocks = (p_tiled + MR - 1) / MR;
+  const Index col_blocks = (q_tiled + kTaskCols - 1) / kTaskCols;
+  // The operands packed once, so that every tile reads contiguous panels (rows of a p- or
+  // q-wide array are far apart and would meet in a few cache sets): for example e, row
+  // block rb (MR rows, the last possibly fewer) of a as t rows of its width, and each group
+  // of NR columns of b as t rows of NR values.
+  BufferLease<T> packed_a(static_cast<size_t>(n * t * p_tiled));
+  BufferLease<T> packed_b(static_cast<size_t>(n * t * q_tiled));
+  LMDX_PRAGMA(omp parallel num_threads(threads)) {
+    LMDX_PRAGMA(omp for schedule(static))
+    for (Index es = 0; es < n * t; ++es) {
+      const Index e = es / t, s = es % t;
+      const T* from_a = a + es * p;
+      for (Index i0 = 0; i0 < p_tiled; i0 += MR) {
+        const Index rows = std::min(MR, p_tiled - i0);
+        T* to = packed_a.data() + e * t * p_tiled + i0 * t + s * rows;
+        for (Index i = 0; i < rows; ++i) to[i] = from_a[i0 + i];
+      }
+      const T* from_b = b + es * q;
+      T* to_b = packed_b.data() + e * t * q_tiled + s * NR;
+      for (Index j = 0; j < q_tiled; j += NR) {
+        for (Index c = 0; c < NR; ++c) to_b[j * t + c] = from_b[j + c];
+      }
+    }  // implicit barrier: the tiles read every example's panels
+    BufferLease<double> sums(static_cast<size_t>(MR * kTaskCols));
+    BufferLease<T> partial(static_cast<size_t>(MR * kTaskCols));
+    // Tasks: a block of MR rows by kTaskCols columns; every example in order.
+    LMDX_PRAGMA(omp for schedule(dynamic, 1) nowait)
+    for (Index task = 0; task < row_blocks * col_blocks; ++task) {
+      const Index i0 = (task / col_blocks) * MR;
+      const Index j0 = (task % col_blocks) * kTaskCols;
+      const Index rows = std::min(MR, p_tiled - i0);
+      const Index cols = std::min(kTaskCols, q_tiled - j0);
+      const MicroTile<T> micro = micro_tile_for<T>(rows / S);
+      std::fill(sums.data(), sums.data() + rows * cols, 0.0);
+      for (Index e0 = 0; e0 < n; e0 += kSquaresPerFlush) {
+        std::fill(partial.data(), partial.data() + rows * cols, T(0));
+        for (Index e = e0; e < std::min(n, e0 + kSquaresPerFlush); ++e) {
+          const T* panel_a = packed_a.data() + e * t * p_tiled + i0 * t;
+          const T* panel_b = packed_b.data() + e * t * q_tiled + j0 * t;
+          for (Index j = 0; j < cols; j += NR) {
+            micro(panel_a, panel_b + j * t, t, partial.data() + j * rows, rows);
+          }
+        }
+        for (Index k = 0; k < rows * cols; ++k) sums[k] += static_cast<double>(partial[k]);
+      }
+      for (Index i = 0; i < rows; ++i) {
+        for (Index j = 0; j < cols; ++j) out[(i0 + i) * q + j0 + j] = sums[j * rows + i];
+      }
+    }
+    // What the tiles leave over: rows past p_tiled (every column), columns past q_tiled.
+    LMDX_PRAGMA(omp for schedule(dynamic, 16))
+    for (Index i = 0; i < p; ++i) {
+      for (Index j = i < p_tiled ? q_tiled : 0; j < q; ++j) {
+        out[i * q + j] = scalar_sum(a, b, n, t, p, q, i, j);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void sum_squared_products(const ArrayView& a, const ArrayView& b, double* out, int n_threads) {
+  const int threads = resolve_threads(n_threads);
+  if (a.shape.size() != 3 || b.shape.size() != 3) {
+    throw std::invalid_argument("a, b: expected (examples, rows, features) arrays, got a " +
+                                describe(a) + " and a " + describe(b));
+  }
+  if (a.shape[0] != b.shape[0] || a.shape[1] != b.shape[1]) {
+    throw std::invalid_argument("b: expected the examples and rows of a, " + describe(a) +
+                                ", got a " + describe(b));
+  }
+  if (a.is_float32 != b.is_float32) {
+    throw std::invalid_argument("a, b: expected one dtype, got a " + describe(a) + " and a " +
+                                describe(b));
+  }
+  const Index n = a.shape[0], t = a.shape[1], p = a.shape[2], q = b.shape[2];
+  std::fill(out, out + p * q, 0.0);
+  if (n == 0 || t == 0 || p == 0 || q == 0) return;
+  require_finite(a, 0, "a", n_threads);
+  require_finite(b, 0, "b", n_threads);
+  if (a.is_float32) {
+    sum_squared_products_impl(a.f32(), b.f32(), n, t, p, q, out, threads);
+  } else {
+    sum_squared_products_impl(a.f64(), b.f64(), n, t, p, q, out, threads);
+  }
+}
+
+LMDX_NAMESPACE_END
