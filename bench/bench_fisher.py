@@ -19,8 +19,12 @@ whose Fisher is below 1e-9 of the largest, e.g. attention key biases whose gradi
 rounding noise only, are reported apart). Times are medians over ``--reps`` (the loop runs
 once unless ``--loop-reps`` says otherwise: it is the slow one).
 
+With ``--bert-base-layers N`` the model is instead a BERT-base-wide classifier (hidden 768,
+intermediate 3072) of N layers built from its configuration (random weights), on the same
+texts through the same tokenizer (BERT's uncased vocabulary).
+
     HF_HUB_OFFLINE=1 python bench/bench_fisher.py [--texts 200] [--max-length 128]
-        [--batch 16] [--reps 3]
+        [--batch 16] [--reps 3] [--before] [--bert-base-layers N]
 """
 
 from __future__ import annotations
@@ -84,6 +88,12 @@ def main() -> None:
     ap.add_argument(
         "--before", action="store_true", help="also time lmdx without its native Fisher kernel"
     )
+    ap.add_argument(
+        "--bert-base-layers",
+        type=int,
+        metavar="N",
+        help="a BERT-base-wide model of N layers from its config instead of all-MiniLM-L6-v2",
+    )
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     transformers.logging.set_verbosity_error()
@@ -91,15 +101,21 @@ def main() -> None:
     folder = model_dir("all-minilm-l6-v2")
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     torch.manual_seed(0)
-    model = transformers.AutoModelForSequenceClassification.from_pretrained(
-        folder, num_labels=5
-    ).eval()
+    if args.bert_base_layers:
+        config = transformers.BertConfig(num_hidden_layers=args.bert_base_layers, num_labels=5)
+        model = transformers.BertForSequenceClassification(config).eval()
+        model_name = f"BERT-base-wide ({args.bert_base_layers} layers, random weights)"
+    else:
+        model = transformers.AutoModelForSequenceClassification.from_pretrained(
+            folder, num_labels=5
+        ).eval()
+        model_name = "all-MiniLM-L6-v2"
     texts = bbc_news().texts[: args.texts]
     batches = text_batches(texts, tokenizer, batch_size=args.batch, max_length=args.max_length)
     real = sum(int(b["attention_mask"].sum()) for b in batches)
     padded = sum(b["attention_mask"].numel() for b in batches)
     print(
-        f"all-MiniLM-L6-v2 + 5-class head, {len(texts)} BBC News sentences, {len(batches)} "
+        f"{model_name} + 5-class head, {len(texts)} BBC News sentences, {len(batches)} "
         f"batches of {args.batch}, max_length {args.max_length}: {real} real tokens of "
         f"{padded} ({real / padded:.0%}); torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads; load {os.getloadavg()[0]:.2f}"
