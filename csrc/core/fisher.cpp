@@ -13,11 +13,9 @@ LMDX_NAMESPACE_BEGIN
 
 namespace {
 
-using Eigen::internal::pload;
 using Eigen::internal::padd;
-using Eigen::internal::pmadd;
+using Eigen::internal::pload;
 using Eigen::internal::pmul;
-using Eigen::internal::pset1;
 using Eigen::internal::pstore;
 using Eigen::internal::pzero;
 
@@ -43,16 +41,7 @@ void micro_tile(const T* a, const T* b, Index t, T* partial, Index ld) {
   for (int m = 0; m < MPe; ++m) {
     for (int n = 0; n < NR; ++n) acc[m][n] = pzero(Packet());
   }
-  for (Index s = 0; s < t; ++s) {
-    const T* as = a + s * R;
-    const T* bs = b + s * NR;
-    Packet av[MPe];
-    for (int m = 0; m < MPe; ++m) av[m] = pload<Packet>(as + m * S);
-    for (int n = 0; n < NR; ++n) {
-      const Packet bv = pset1<Packet>(bs[n]);
-      for (int m = 0; m < MPe; ++m) acc[m][n] = pmadd(av[m], bv, acc[m][n]);
-    }
-  }
+  tile_product<T, MPe>(a, R, b, NR, t, acc);
   // Squared in registers and added into the tile's partial sums (in the input precision;
   // the caller adds them into float64 every kSquaresPerFlush examples).
   for (int n = 0; n < NR; ++n) {

@@ -13,10 +13,6 @@ LMDX_NAMESPACE_BEGIN
 
 namespace {
 
-using Eigen::internal::packet_traits;
-using Eigen::internal::pload;
-using Eigen::internal::pmadd;
-using Eigen::internal::pset1;
 using Eigen::internal::pstore;
 using Eigen::internal::pzero;
 
@@ -56,16 +52,8 @@ void micro_tile(const T* a, const T* b, Index K, Index flush_rows, double* gram,
       for (int n = 0; n < NR; ++n) acc[p][n] = pzero(Packet());
     }
     const Index stop = std::min(K, k + flush_rows);
-    for (; k < stop; ++k) {
-      const T* ak = a + k * MR;
-      const T* bk = b + k * MR;
-      Packet av[MPe];
-      for (int p = 0; p < MPe; ++p) av[p] = pload<Packet>(ak + p * S);
-      for (int n = 0; n < NR; ++n) {
-        const Packet bv = pset1<Packet>(bk[n]);
-        for (int p = 0; p < MPe; ++p) acc[p][n] = pmadd(av[p], bv, acc[p][n]);
-      }
-    }
+    tile_product<T, MPe>(a + k * MR, MR, b + k * MR, MR, stop - k, acc);
+    k = stop;
     for (int n = 0; n < NR; ++n) {
       for (int p = 0; p < MPe; ++p) pstore(&buffer[n][p * S], acc[p][n]);
     }

@@ -1,7 +1,7 @@
 // The register tile of this variant's hand-written kernels (the Gram update and the
 // Fisher products): MP packets of S lanes by NR columns of accumulators, sized so that
 // MP * NR accumulators, MP operands and one broadcast fit the vector registers (32 with
-// AVX-512, 16 otherwise).
+// AVX-512, 16 otherwise), and the product both accumulate on it.
 #pragma once
 
 #include <Eigen/Core>
@@ -26,5 +26,28 @@ struct Tile {
   static constexpr int NR = MR % kColumnsWide == 0 ? kColumnsWide : 2;
   static_assert(MR % NR == 0, "tile columns must divide the strip width");
 };
+
+/// acc[m][n] += Σ_k a_k[m * S, (m + 1) * S) · b_k[n] over `rows` rows, where row k of the
+/// operands is a + k * a_stride (MPe packets, 64-byte aligned) and b + k * b_stride (NR
+/// scalars, broadcast): the register-tile product of the hand-written kernels, whose
+/// accumulators stay in registers.
+template <typename T, int MPe>
+EIGEN_ALWAYS_INLINE void tile_product(const T* a, Index a_stride, const T* b, Index b_stride,
+                                      Index rows,
+                                      typename Tile<T>::Packet (&acc)[MPe][Tile<T>::NR]) {
+  using Packet = typename Tile<T>::Packet;
+  constexpr int S = Tile<T>::S;
+  constexpr int NR = Tile<T>::NR;
+  for (Index k = 0; k < rows; ++k) {
+    const T* ak = a + k * a_stride;
+    const T* bk = b + k * b_stride;
+    Packet av[MPe];
+    for (int m = 0; m < MPe; ++m) av[m] = Eigen::internal::pload<Packet>(ak + m * S);
+    for (int n = 0; n < NR; ++n) {
+      const Packet bv = Eigen::internal::pset1<Packet>(bk[n]);
+      for (int m = 0; m < MPe; ++m) acc[m][n] = Eigen::internal::pmadd(av[m], bv, acc[m][n]);
+    }
+  }
+}
 
 LMDX_NAMESPACE_END
