@@ -2,10 +2,9 @@
 //
 // Example e's gradient of a linear weight is a sum of outer products over its rows,
 // G_e = A_eᵀ B_e (A_e: its t rows of output gradients, B_e: its t rows of inputs; for a
-// [in, out] Conv1D weight the two swap). The diagonal Fisher needs Σ_e G_e ∘ G_e. Per tile
-// of the p x q result the products are formed for one example at a time and their squares
-// added in float64 at once (register tiles, as the Gram kernel), so no per-example gradient
-// is ever stored.
+// [in, out] Conv1D weight the two swap). The diagonal Fisher needs Σ_e G_e ∘ G_e. Per
+// register tile of the p x q result (as in the Gram kernel) the products are formed for one
+// example at a time and squared in registers, so no per-example gradient is ever stored.
 #pragma once
 
 #include "core/arrays.hpp"
