@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from .peft import adapter_identity, is_peft_model, peft_parts
 from .saved import saved_state
 
 __all__ = [
@@ -42,13 +43,25 @@ def model_identity(model: Any) -> dict[str, Any]:
     ``model`` is a torch module (its tensors as ``save_pretrained`` stores them:
     :func:`lmdx.files.saved.saved_state`) or a mapping name -> tensor.
     ``weights_sha256`` hashes the per-parameter hashes in name order. A PEFT LoRA model
-    is its base model's tensors under their own names plus its adapter
-    (:func:`lmdx.files.peft.peft_model_identity`).
+    is its base model's tensors under their own names (each as the adapter leaves it)
+    plus its adapter (:func:`lmdx.files.peft.adapter_identity` of the tensors PEFT
+    saves), with ``weights_sha256`` over both.
     """
-    from .peft import is_peft_model, peft_model_identity
-
     if is_peft_model(model):
-        return peft_model_identity(model)
+        inner, state, config, saved = peft_parts(model)
+        ident = state_identity(
+            state, type(inner).__name__, getattr(inner.config, "model_type", None)
+        )
+        ident["adapter"] = adapter_identity(
+            config,
+            {
+                k: (tuple(t.shape), str(t.dtype).removeprefix("torch."), tensor_sha256(t))
+                for k, t in saved.items()
+            },
+        )
+        combined = f"{ident['weights_sha256']}:{ident['adapter']['sha256']}"
+        ident["weights_sha256"] = hashlib.sha256(combined.encode()).hexdigest()
+        return ident
     if hasattr(model, "state_dict") and not isinstance(model, Mapping):
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         return state_identity(saved_state(model), type(model).__name__, model_type)

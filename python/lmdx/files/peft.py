@@ -1,5 +1,6 @@
 """PEFT LoRA adapters: adapter folders read strictly and mapped onto the base model's
-tensor names, the identity of a model with an adapter, and adapter folders written.
+tensor names, what the identity of a model with an adapter is made of, and adapter folders
+written.
 
 A PEFT LoRA folder holds ``adapter_config.json`` and ``adapter_model.safetensors``, whose
 tensors are named ``base_model.model.<module>.lora_A.weight`` / ``.lora_B.weight`` (and
@@ -36,7 +37,6 @@ from numpy.typing import NDArray
 from .._errors import MergeError, MissingFileError
 from .._tensors import as_float64
 from .checkpoint import Checkpoint
-from .identity import state_identity, tensor_sha256
 from .parse import read_json
 
 __all__ = [
@@ -51,8 +51,8 @@ __all__ = [
     "load_peft_model",
     "pattern_key",
     "peft_base_name",
-    "peft_model_identity",
     "peft_modules",
+    "peft_parts",
     "write_adapter",
 ]
 
@@ -460,11 +460,11 @@ def _check_unmerged(model: Any) -> None:
             )
 
 
-def peft_model_identity(model: Any) -> dict[str, Any]:
-    """The identity of a PEFT LoRA model in memory: the base model's tensors under their
-    own names (each as the adapter leaves it: replaced tensors are the adapter's), the
-    adapter (:func:`adapter_identity` of the tensors PEFT saves), and ``weights_sha256``
-    over both."""
+def peft_parts(model: Any) -> tuple[Any, dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """A PEFT LoRA model in memory, checked (one active adapter, not merged into the base
+    weights), as what its identity is made of: (the base model, its tensors under their
+    own names — each as the adapter leaves it: replaced tensors are the adapter's —, the
+    adapter's configuration, the adapter's tensors as PEFT saves them)."""
     from peft.utils import get_peft_model_state_dict
 
     adapter = _active_adapter(model)
@@ -480,18 +480,7 @@ def peft_model_identity(model: Any) -> dict[str, Any]:
         if name in state:
             raise MergeError(f"PEFT model: two tensors map to the base model's {name!r}")
         state[name] = tensor
-    ident = state_identity(state, type(inner).__name__, getattr(inner.config, "model_type", None))
-    saved = get_peft_model_state_dict(model, adapter_name=adapter)
-    ident["adapter"] = adapter_identity(
-        config,
-        {
-            k: (tuple(t.shape), str(t.dtype).removeprefix("torch."), tensor_sha256(t))
-            for k, t in saved.items()
-        },
-    )
-    combined = f"{ident['weights_sha256']}:{ident['adapter']['sha256']}"
-    ident["weights_sha256"] = hashlib.sha256(combined.encode()).hexdigest()
-    return ident
+    return inner, state, config, dict(get_peft_model_state_dict(model, adapter_name=adapter))
 
 
 def load_peft_model(adapter: str | os.PathLike[str], base: Any) -> Any:
