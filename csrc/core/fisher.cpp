@@ -53,6 +53,22 @@ void micro_tile(const T* a, const T* b, Index t, T* partial, Index ld) {
   }
 }
 
+// An array of T owned by one call, aligned for this variant's packets (Eigen's allocator).
+template <typename T>
+class AlignedBuffer {
+ public:
+  explicit AlignedBuffer(size_t size)
+      : data_(static_cast<T*>(
+            Eigen::internal::aligned_malloc(std::max<size_t>(size, 1) * sizeof(T)))) {}
+  ~AlignedBuffer() { Eigen::internal::aligned_free(data_); }
+  AlignedBuffer(const AlignedBuffer&) = delete;
+  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+  T* data() noexcept { return data_; }
+
+ private:
+  T* data_;
+};
+
 template <typename T>
 using MicroTile = void (*)(const T*, const T*, Index, T*, Index);
 
@@ -99,8 +115,10 @@ void sum_squared_products_impl(const T* a, const T* b, Index n, Index t, Index p
   // q-wide array are far apart and would meet in a few cache sets): for example e, row
   // block rb (MR rows, the last possibly fewer) of a as t rows of its width, and each group
   // of NR columns of b as t rows of NR values.
-  BufferLease<T> packed_a(static_cast<size_t>(n * t * p_tiled));
-  BufferLease<T> packed_b(static_cast<size_t>(n * t * q_tiled));
+  // Their size follows each call's batch (up to the inputs' size), so they are allocated
+  // per call rather than kept in the scratch pool, which would hold every size it met.
+  AlignedBuffer<T> packed_a(static_cast<size_t>(n * t * p_tiled));
+  AlignedBuffer<T> packed_b(static_cast<size_t>(n * t * q_tiled));
   LMDX_PRAGMA(omp parallel num_threads(threads)) {
     LMDX_PRAGMA(omp for schedule(static))
     for (Index es = 0; es < n * t; ++es) {

@@ -100,3 +100,14 @@ def test_no_examples_give_zeros():
 def test_bad_arguments_are_named(a, b, message):
     with pytest.raises(ValueError, match=message):
         core.sum_squared_products(a=a, b=b, n_threads=1)
+
+
+def test_packed_operands_are_not_kept_in_the_scratch_pool():
+    """Calls of growing batches leave the pool only the fixed per-thread tile buffers, not
+    copies of their inputs (the pool keeps every buffer size it is given)."""
+    core.release_scratch()
+    rng = np.random.default_rng(5)
+    for n, t in ((4, 16), (8, 64), (16, 128)):  # the last inputs: 16 x 128 x 1024 floats, 8 MiB
+        a, b = arrays(rng, n, t, 1024, 1024, np.float32)
+        core.sum_squared_products(a=a, b=b, n_threads=2)
+    assert core.scratch_bytes() < 1 << 20
