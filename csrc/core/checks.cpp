@@ -20,7 +20,7 @@ Index first_nonfinite(const T* x, Index n, int n_threads) {
     const Index end = std::min(n, block + 4096);
     // x * 0 is 0 for a finite x and NaN otherwise, and its sum is a vectorized reduction
     // (allFinite() runs one compare and branch per element).
-    const auto values = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>(x + block, end - block);
+    const Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>> values(x + block, end - block);
     if (!((values * T(0)).sum() == T(0))) {
       for (Index i = block; i < end; ++i) {
         if (!Eigen::numext::isfinite(x[i])) {

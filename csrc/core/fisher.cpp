@@ -22,14 +22,15 @@ using Eigen::internal::pzero;
 // Columns of the result one task keeps sums for (with MR rows: 24-48 KiB of float64).
 constexpr Index kTaskCols = 128;
 // Examples whose squares are summed in the input precision before they are added in
-// float64: for positive float32 terms within (16 - 1)·2⁻²⁴ < 1e-6 relative.
+// float64: for positive float32 terms within (16 - 1)·2⁻²⁴ < 1e-6 relative (the bound
+// lmdx.stats.fisher's torch path keeps with its _FLOAT32_TERMS, the same 16).
 constexpr Index kSquaresPerFlush = 16;
 
 // One example's products of a tile of R = MPe*S rows by NR columns:
 // product[n][i] = Σ_s a[s][i] · b[s][n] over its t rows, from packed operands (a: t rows of
 // R values, b: t rows of NR values), accumulated in registers in the input precision (as a
-// float32 matrix product does); then each product is squared and added in float64 into
-// sums (column n of the tile at sums + n * ld).
+// float32 matrix product does); then each product is squared in registers and added into
+// the tile's partial sums, also in the input precision (column n at partial + n * ld).
 template <typename T, int MPe>
 void micro_tile(const T* a, const T* b, Index t, T* partial, Index ld) {
   using P = Tile<T>;
@@ -42,8 +43,7 @@ void micro_tile(const T* a, const T* b, Index t, T* partial, Index ld) {
     for (int n = 0; n < NR; ++n) acc[m][n] = pzero(Packet());
   }
   tile_product<T, MPe>(a, R, b, NR, t, acc);
-  // Squared in registers and added into the tile's partial sums (in the input precision;
-  // the caller adds them into float64 every kSquaresPerFlush examples).
+  // The caller adds the partial sums into float64 every kSquaresPerFlush examples.
   for (int n = 0; n < NR; ++n) {
     T* column = partial + n * ld;
     for (int m = 0; m < MPe; ++m) {
@@ -68,21 +68,6 @@ class AlignedBuffer {
  private:
   T* data_;
 };
-
-template <typename T>
-using MicroTile = void (*)(const T*, const T*, Index, T*, Index);
-
-template <typename T>
-MicroTile<T> micro_tile_for(Index packets) {
-  switch (packets) {
-    case 1:
-      return &micro_tile<T, 1>;
-    case 2:
-      return &micro_tile<T, 2>;
-    default:
-      return &micro_tile<T, 3>;
-  }
-}
 
 // The same sums one entry at a time, for the rows and columns the tiles leave over.
 template <typename T>
@@ -144,7 +129,8 @@ void sum_squared_products_impl(const T* a, const T* b, Index n, Index t, Index p
       const Index j0 = (task % col_blocks) * kTaskCols;
       const Index rows = std::min(MR, p_tiled - i0);
       const Index cols = std::min(kTaskCols, q_tiled - j0);
-      const MicroTile<T> micro = micro_tile_for<T>(rows / S);
+      const auto micro =
+          for_packets(rows / S, [](auto k) { return &micro_tile<T, decltype(k)::value>; });
       std::fill(sums.data(), sums.data() + rows * cols, 0.0);
       for (Index e0 = 0; e0 < n; e0 += kSquaresPerFlush) {
         std::fill(partial.data(), partial.data() + rows * cols, T(0));

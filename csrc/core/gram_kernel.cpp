@@ -65,21 +65,6 @@ void micro_tile(const T* a, const T* b, Index K, Index flush_rows, double* gram,
   }
 }
 
-template <typename T>
-using MicroTile = void (*)(const T*, const T*, Index, Index, double*, Index, Index, Index, Index);
-
-template <typename T>
-MicroTile<T> micro_tile_for(int packets) {
-  switch (packets) {
-    case 1:
-      return &micro_tile<T, 1>;
-    case 2:
-      return &micro_tile<T, 2>;
-    default:
-      return &micro_tile<T, 3>;
-  }
-}
-
 // Precision the products of an input type are computed in.
 template <typename In>
 using Compute = std::conditional_t<std::is_same_v<In, double>, double, float>;
@@ -174,8 +159,9 @@ void gram_update(const In* x, Index rows, Index d, const double* weights, Index 
           const Index skip = j0 > i0 ? (j0 - i0) / S : 0;
           const Index row0 = i0 + skip * S;
           const Index packets = std::min<Index>(P::MP - skip, (d - row0 + S - 1) / S);
-          micro_tile_for<T>(static_cast<int>(packets))(a + skip * S, b, m, flush_rows, gram, ld,
-                                                       row0, j0, d);
+          const auto micro =
+              for_packets(packets, [](auto k) { return &micro_tile<T, decltype(k)::value>; });
+          micro(a + skip * S, b, m, flush_rows, gram, ld, row0, j0, d);
         }
       }
     }

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <Eigen/Core>
+#include <type_traits>
 
 #include "core/config.hpp"
 
@@ -47,6 +48,21 @@ EIGEN_ALWAYS_INLINE void tile_product(const T* a, Index a_stride, const T* b, In
       const Packet bv = Eigen::internal::pset1<Packet>(bk[n]);
       for (int m = 0; m < MPe; ++m) acc[m][n] = Eigen::internal::pmadd(av[m], bv, acc[m][n]);
     }
+  }
+}
+
+/// make(std::integral_constant<int, P>{}) for P = `packets` (1 or 2; 3 otherwise): picks
+/// a kernel's instance for tiles of that many packets per column, e.g.
+/// `for_packets(k, [](auto p) { return &kernel<T, decltype(p)::value>; })`.
+template <typename Make>
+auto for_packets(Index packets, const Make& make) {
+  switch (packets) {
+    case 1:
+      return make(std::integral_constant<int, 1>{});
+    case 2:
+      return make(std::integral_constant<int, 2>{});
+    default:
+      return make(std::integral_constant<int, 3>{});
   }
 }
 
