@@ -13,8 +13,8 @@ Each example's gradient is summed over its tokens *before* it is squared,
 
 * ``nn.Linear`` (weight ``Σ_t g_t x_tᵀ``, bias ``Σ_t g_t``) and Hugging Face ``Conv1D``
   (weight ``Σ_t x_t g_tᵀ``): for a float32/float64 weight used once, the native kernel
-  forms each example's products a register tile at a time and adds their squares at once
-  (no per-example gradient is stored); otherwise batched matrix products per layer;
+  forms each example's products a register tile at a time and squares them there (no
+  per-example gradient is stored); otherwise batched matrix products per layer;
 * ``nn.Embedding``: per row ``v``, ``Σ_{t: id_t = v} g_t`` over the example's tokens;
 * ``nn.LayerNorm``: ``Σ_t g_t ⊙ x̂_t`` and ``Σ_t g_t``;
 * any other module without submodules (RMSNorm, ...): the module's own vector-Jacobian
@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _core
 from .._errors import MergeError
 from .._tensors import as_float64
 from .._util import matches, progress_bar
@@ -483,12 +484,11 @@ class _Contribution:
 
     def weight_squares(self) -> Any:
         """Σ over the examples of the squared per-example gradient of a linear or Conv1D
-        weight, from the native kernel (products in the tensors' precision, squares summed
-        in float64; torch's thread count): a float64 tensor of the weight's shape, or None
-        where it does not apply (not float32 or float64 of one dtype, or not on the CPU)."""
+        weight, from the native kernel (products and up to :data:`_FLOAT32_TERMS` squares
+        summed in the tensors' precision, those sums in float64, as :func:`_accumulate`
+        does; torch's thread count): a float64 tensor of the weight's shape, or None where
+        it does not apply (not float32 or float64 of one dtype, or not on the CPU)."""
         import torch
-
-        from .. import _core
 
         x, g = self.x, self.g
         if (
