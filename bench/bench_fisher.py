@@ -19,12 +19,18 @@ whose Fisher is below 1e-9 of the largest, e.g. attention key biases whose gradi
 rounding noise only, are reported apart). Times are medians over ``--reps`` (the loop runs
 once unless ``--loop-reps`` says otherwise: it is the slow one).
 
+With ``--layers`` it times only the native kernel of one linear layer against the torch
+products it replaced (written here as lmdx did them: ``torch.bmm`` a block of weight rows
+at a time, squared, up to 16 examples summed in float32, then float64) on random inputs
+of several batch and layer shapes, and checks that both agree.
+
 With ``--bert-base-layers N`` the model is instead a BERT-base-wide classifier (hidden 768,
 intermediate 3072) of N layers built from its configuration (random weights), on the same
 texts through the same tokenizer (BERT's uncased vocabulary).
 
     HF_HUB_OFFLINE=1 python bench/bench_fisher.py [--texts 200] [--max-length 128]
         [--batch 16] [--reps 3] [--before] [--bert-base-layers N]
+    python bench/bench_fisher.py --layers
 """
 
 from __future__ import annotations
@@ -72,6 +78,54 @@ def fisher_without_kernel(model, batches):
         fisher._Contribution.weight_squares = kernel
 
 
+def torch_products(g, x):
+    """Σ_e (g_eᵀ x_e)² of a linear weight as lmdx made it before its native kernel."""
+    c, out, inn = g.shape[0], g.shape[-1], x.shape[-1]
+    target = torch.zeros(out, inn, dtype=torch.float64)
+    step = max(1, min(out, (16 << 20) // (4 * inn * min(c, 16))))
+    for lo in range(0, c, 16):
+        for r0 in range(0, out, step):
+            r1 = min(out, r0 + step)
+            block = torch.bmm(g[lo : lo + 16, :, r0:r1].transpose(1, 2), x[lo : lo + 16])
+            target[r0:r1].add_(block.square_().sum(0))
+    return target
+
+
+def layers(reps: int) -> None:
+    """The kernel against torch_products per layer shape (examples, rows, out, in)."""
+    from lmdx._core import core
+
+    print(f"per layer, float32, {torch.get_num_threads()} threads, median of {reps}:")
+    for n, t, out, inn in (
+        (5, 32, 384, 384),
+        (5, 32, 1536, 384),
+        (5, 32, 384, 1536),
+        (16, 30, 1536, 384),
+        (16, 64, 768, 768),
+        (16, 64, 3072, 768),
+        (8, 128, 3072, 768),
+    ):
+        g, x = torch.randn(n, t, out), torch.randn(n, t, inn)
+        ref = torch_products(g, x)
+        got = torch.from_numpy(core.sum_squared_products(a=g.numpy(), b=x.numpy(), n_threads=2))
+        diff = float((got - ref).abs().max() / ref.abs().max())
+        times = {}
+        for name, fn in (
+            (
+                "kernel",
+                lambda g=g, x=x: core.sum_squared_products(a=g.numpy(), b=x.numpy(), n_threads=2),
+            ),
+            ("torch", lambda g=g, x=x: torch_products(g, x)),
+        ):
+            fn()
+            times[name] = statistics.median(timed(fn)[0] for _ in range(reps))
+        print(
+            f"  {n:>2} examples x {t:>3} rows, {out:>4} x {inn:<4}: torch products "
+            f"{1e3 * times['torch']:7.2f} ms, kernel {1e3 * times['kernel']:7.2f} ms, "
+            f"{times['torch'] / times['kernel']:.2f}x; max relative difference {diff:.1e}"
+        )
+
+
 def timed(fn) -> tuple[float, object]:
     t = time.perf_counter()
     out = fn()
@@ -94,7 +148,14 @@ def main() -> None:
         metavar="N",
         help="a BERT-base-wide model of N layers from its config instead of all-MiniLM-L6-v2",
     )
+    ap.add_argument(
+        "--layers", action="store_true", help="only the kernel vs torch products per layer shape"
+    )
     args = ap.parse_args()
+    if args.layers:
+        torch.manual_seed(0)
+        layers(max(args.reps, 5))
+        return
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     transformers.logging.set_verbosity_error()
 
