@@ -489,18 +489,23 @@ def test_sigterm_during_merge_leaves_nothing(workspace: Path, tmp_path: Path) ->
     cfg = _regmean_config(workspace, "term.yaml")
     out = tmp_path / "merged"
     script = (
-        "import time, lmdx.merge as s\n"
+        "import time, lmdx.merge.methods as s\n"
         "s.regmean_merge_layer = lambda *a, **k: time.sleep(60)\n"
         "from lmdx.cli import main\n"
         f"raise SystemExit(main(['merge', {str(cfg)!r}, '--out', {str(out)!r}, '--no-progress']))\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 60
-    while time.time() < deadline and not _leftovers(tmp_path):
-        time.sleep(0.05)
-    assert _leftovers(tmp_path), "the merge started writing"
-    proc.terminate()
-    _, err = proc.communicate(timeout=60)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and not _leftovers(tmp_path) and proc.poll() is None:
+            time.sleep(0.05)
+        assert _leftovers(tmp_path), "the merge did not start writing (or finished before SIGTERM)"
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
     assert proc.returncode == 130, err
     assert "interrupted; nothing was written" in err
     assert list(tmp_path.iterdir()) == []
