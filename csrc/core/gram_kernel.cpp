@@ -20,6 +20,10 @@ using Eigen::internal::pzero;
 // are added in order, so the sums do not depend on the thread count either.
 constexpr Index kPackGroup = 32;
 
+// Bytes of packed rows per panel of Gram columns, so that a panel stays in L2 (the
+// smallest seen: 512 KiB) while the strips below it pass over it.
+constexpr Index kPanelBytes = 256 * 1024;
+
 // Rows [row0, row0 + MPe*S) x columns [j0, j0 + NR) of the Gram += the product of the
 // packed operands a (rows) and b (columns) over K packed rows (stride MR per row), adding
 // the register tile into the float64 Gram every kFlushRows rows. Only entries inside the
@@ -89,6 +93,8 @@ void gram_update(const In* x, Index rows, Index d, const double* weights, Index 
   BufferLease<double> kept_weight(static_cast<size_t>(kc));
   BufferLease<double> partial(static_cast<size_t>((kc + kPackGroup - 1) / kPackGroup * d));
   const int threads = static_cast<int>(std::min<Index>(resolve_threads(n_threads), n_strips));
+  const Index panel_cols =
+      std::max<Index>(1, kPanelBytes / (kc * static_cast<Index>(sizeof(T))) / NR) * NR;
 
   Index next = 0;  // next input row to consider
   Index m = 0;     // kept rows in the current block
@@ -145,23 +151,29 @@ void gram_update(const In* x, Index rows, Index d, const double* weights, Index 
       for (Index f = 0; f < d; ++f) {
         for (Index g = 0; g < n_groups; ++g) sum[f] += partial[static_cast<size_t>(g * d + f)];
       }
-      // Tiles: strip si covers Gram rows [si*MR, si*MR + MR) of every column up to its
-      // diagonal; strips are disjoint rows, largest (last) first.
-      LMDX_PRAGMA(omp for schedule(dynamic, 1))
-      for (Index t = 0; t < n_strips; ++t) {
-        const Index si = n_strips - 1 - t;
-        const Index i0 = si * MR;
-        const T* a = packed.data() + si * kc * MR;
-        for (Index j0 = 0; j0 < std::min(i0 + MR, d); j0 += NR) {
-          const T* b = packed.data() + (j0 / MR) * kc * MR + j0 % MR;
-          // Column blocks meeting the diagonal skip the packets above it; the last strip
-          // skips the packets past d.
-          const Index skip = j0 > i0 ? (j0 - i0) / S : 0;
-          const Index row0 = i0 + skip * S;
-          const Index packets = std::min<Index>(P::MP - skip, (d - row0 + S - 1) / S);
-          const auto micro =
-              for_packets(packets, [](auto k) { return &micro_tile<T, decltype(k)::value>; });
-          micro(a + skip * S, b, m, flush_rows, gram, ld, row0, j0, d);
+      // Tiles, one panel of columns at a time so that the panel's packed rows stay in
+      // L2 while every strip below it passes over them: strip si covers Gram rows
+      // [si*MR, si*MR + MR) of the panel's columns up to its diagonal; strips are
+      // disjoint rows, largest (last) first. The order of the tiles does not change the
+      // arithmetic of any entry.
+      for (Index c0 = 0; c0 < d; c0 += panel_cols) {
+        const Index c1 = std::min(d, c0 + panel_cols);
+        LMDX_PRAGMA(omp for schedule(dynamic, 1))
+        for (Index t = 0; t < n_strips - c0 / MR; ++t) {
+          const Index si = n_strips - 1 - t;
+          const Index i0 = si * MR;
+          const T* a = packed.data() + si * kc * MR;
+          for (Index j0 = c0; j0 < std::min(i0 + MR, c1); j0 += NR) {
+            const T* b = packed.data() + (j0 / MR) * kc * MR + j0 % MR;
+            // Column blocks meeting the diagonal skip the packets above it; the last strip
+            // skips the packets past d.
+            const Index skip = j0 > i0 ? (j0 - i0) / S : 0;
+            const Index row0 = i0 + skip * S;
+            const Index packets = std::min<Index>(P::MP - skip, (d - row0 + S - 1) / S);
+            const auto micro =
+                for_packets(packets, [](auto k) { return &micro_tile<T, decltype(k)::value>; });
+              micro(a + skip * S, b, m, flush_rows, gram, ld, row0, j0, d);
+          }
         }
       }
     }

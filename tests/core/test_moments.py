@@ -301,6 +301,19 @@ def test_threads_share_one_block_by_tiles(rng, d, weighted):
     assert_moments_match(one, x, w, input_dtype=np.float32)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_column_panels_of_full_blocks(rng, dtype):
+    """Full 512-row blocks split the Gram's columns into panels (256 KiB of packed rows:
+    128 float32 or 64 float64 columns) that are not multiples of the register strips: the
+    float64 reference, and the same bits for 1 and 2 threads."""
+    d = 333
+    x = (rng.standard_normal((2 * lmdx.moments.DEFAULT_CHUNK_ROWS + 41, d)) + 1.5).astype(dtype)
+    one = lmdx.Moments(d).update(x, n_threads=1)
+    two = lmdx.Moments(d).update(x, n_threads=2)
+    assert_same_state(one, two)
+    assert_moments_match(one, x, input_dtype=dtype)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     d=st.integers(1, 160),
