@@ -470,6 +470,7 @@ def test_merge_dry_run_and_in_memory_equal_streaming(
     assert main(["merge", str(cfg), "--out", str(out), "--dry-run"]) == 0
     text = capsys.readouterr().out
     assert "regmean" in text and "GB peak estimated" in text and "dry run" in text
+    assert "tensors the statistics do not cover" in text and "needs no statistics" in text
     assert not out.exists()
     assert main(["merge", str(cfg), "--out", str(out), "--no-progress"]) == 0
     assert "peak RSS" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""Any Hugging Face model a user has: 24 architecture families end to end.
+"""Any Hugging Face model a user has: 25 architecture families end to end.
 
 Per family (tests/hf_families.py: tiny models built from configs, never downloaded): two
 fine-tuned stand-ins (seeded perturbations of one base), each with its own data;

@@ -139,6 +139,13 @@ class MergePlan:
             f"memory:   ~{self.peak_memory / 1e9:.2f} GB peak estimated "
             f"({self.baseline_rss / 1e9:.2f} GB process now + largest step); largest steps:",
         ]
+        if self.method in ("regmean", "fisher") and kinds.get("average"):
+            lines.insert(
+                -2,
+                f"averaged: {kinds['average']} tensors the statistics do not cover (biases, "
+                "norms, embeddings, what was excluded); a tensor equal in every model, such as "
+                "a frozen layer, comes back as it is and needs no statistics",
+            )
         if any(s.block is not None for s in self.steps):
             lines.insert(
                 -1,
