@@ -172,7 +172,7 @@ void gram_update(const In* x, Index rows, Index d, const double* weights, Index 
             const Index packets = std::min<Index>(P::MP - skip, (d - row0 + S - 1) / S);
             const auto micro =
                 for_packets(packets, [](auto k) { return &micro_tile<T, decltype(k)::value>; });
-              micro(a + skip * S, b, m, flush_rows, gram, ld, row0, j0, d);
+            micro(a + skip * S, b, m, flush_rows, gram, ld, row0, j0, d);
           }
         }
       }

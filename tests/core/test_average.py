@@ -87,6 +87,21 @@ def test_weighted_average_single_tensor_is_widened_copy(rng):
     assert got.dtype == np.float64 and np.array_equal(got, x.astype(np.float64))
 
 
+@given(
+    x=hnp.arrays(
+        np.float32,
+        st.integers(1, 50),
+        elements=st.floats(width=32, allow_nan=False, allow_infinity=False),
+    ),
+    c=st.lists(st.floats(1e-3, 1e3), min_size=2, max_size=5),
+)
+def test_weighted_average_of_equal_tensors_comes_back_in_float32(x, c):
+    """A tensor equal in every model (a frozen layer) needs no statistics: its average,
+    cast back to float32, is the tensor bit for bit, whatever the coefficients."""
+    out = lmdx.weighted_average([x] * len(c), c).astype(np.float32)
+    assert np.array_equal(out, x)
+
+
 def test_weighted_average_zero_coefficient_ignores_that_tensor(rng):
     xs = [rng.standard_normal(5), rng.standard_normal(5), rng.standard_normal(5)]
     got = lmdx.weighted_average(xs, [1.0, 0.0, 3.0])

@@ -134,18 +134,20 @@ class MergePlan:
             "steps:    "
             + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
             + f" ({len(self.heads)} head tensors kept per model)",
+            *(
+                [
+                    f"averaged: {kinds['average']} tensors the statistics do not cover "
+                    "(biases, norms, embeddings, what was excluded); a tensor equal in every "
+                    "model, such as a frozen layer, comes back as it is and needs no statistics"
+                ]
+                if self.method in ("regmean", "fisher") and kinds.get("average")
+                else []
+            ),
             f"output:   {len(self.outputs)} tensors, {self.output_bytes / 1e9:.2f} GB in "
             f"{len(self.shards)} shard(s)",
             f"memory:   ~{self.peak_memory / 1e9:.2f} GB peak estimated "
             f"({self.baseline_rss / 1e9:.2f} GB process now + largest step); largest steps:",
         ]
-        if self.method in ("regmean", "fisher") and kinds.get("average"):
-            lines.insert(
-                -2,
-                f"averaged: {kinds['average']} tensors the statistics do not cover (biases, "
-                "norms, embeddings, what was excluded); a tensor equal in every model, such as "
-                "a frozen layer, comes back as it is and needs no statistics",
-            )
         if any(s.block is not None for s in self.steps):
             lines.insert(
                 -1,
