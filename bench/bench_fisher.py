@@ -70,12 +70,12 @@ def fisher_without_kernel(model, batches):
     """lmdx.collect_fisher with the native kernel of linear weights switched off."""
     from lmdx.stats import fisher
 
-    kernel = fisher._Contribution.weight_squares
-    fisher._Contribution.weight_squares = lambda self: None
+    kernel = fisher._Contribution.add_weight_squares
+    fisher._Contribution.add_weight_squares = lambda self, target: False
     try:
         return lmdx.collect_fisher(model, batches, progress=False)
     finally:
-        fisher._Contribution.weight_squares = kernel
+        fisher._Contribution.add_weight_squares = kernel
 
 
 def torch_products(g, x):

@@ -19,7 +19,7 @@ using Eigen::internal::pmul;
 using Eigen::internal::pstore;
 using Eigen::internal::pzero;
 
-// Columns of the result one task keeps sums for (with MR rows: 24-48 KiB of float64).
+// Columns of the result one task keeps partial sums for (with MR rows: 24 KiB).
 constexpr Index kTaskCols = 128;
 // Examples whose squares are summed in the input precision before they are added in
 // float64: for positive float32 terms within (16 - 1)·2⁻²⁴ < 1e-6 relative (the bound
@@ -69,10 +69,11 @@ class AlignedBuffer {
   T* data_;
 };
 
-// The same sums one entry at a time, for the rows and columns the tiles leave over.
+// The same sums one entry at a time, for the rows and columns the tiles leave over, added
+// into `entry` as the tiles add theirs.
 template <typename T>
-double scalar_sum(const T* a, const T* b, Index n, Index t, Index p, Index q, Index i, Index j) {
-  double total = 0.0;
+void scalar_add(const T* a, const T* b, Index n, Index t, Index p, Index q, Index i, Index j,
+                double* entry) {
   for (Index e0 = 0; e0 < n; e0 += kSquaresPerFlush) {
     T partial = T(0);
     for (Index e = e0; e < std::min(n, e0 + kSquaresPerFlush); ++e) {
@@ -82,11 +83,13 @@ double scalar_sum(const T* a, const T* b, Index n, Index t, Index p, Index q, In
       for (Index s = 0; s < t; ++s) product += ae[s * p + i] * be[s * q + j];
       partial += product * product;
     }
-    total += static_cast<double>(partial);
+    *entry += static_cast<double>(partial);
   }
-  return total;
 }
 
+// out[j * p + i] += Σ_e (Σ_s a[e, s, i] · b[e, s, j])²: the sums in the layout the tiles
+// make (a's features along the packets), so that each task adds its float32 partial sums
+// into float64 a contiguous run of MR values per column.
 template <typename T>
 void sum_squared_products_impl(const T* a, const T* b, Index n, Index t, Index p, Index q,
                                double* out, int threads) {
@@ -120,7 +123,6 @@ void sum_squared_products_impl(const T* a, const T* b, Index n, Index t, Index p
         for (Index c = 0; c < NR; ++c) to_b[j * t + c] = from_b[j + c];
       }
     }  // implicit barrier: the tiles read every example's panels
-    BufferLease<double> sums(static_cast<size_t>(MR * kTaskCols));
     BufferLease<T> partial(static_cast<size_t>(MR * kTaskCols));
     // Tasks: a block of MR rows by kTaskCols columns; every example in order.
     LMDX_PRAGMA(omp for schedule(dynamic, 1) nowait)
@@ -131,7 +133,6 @@ void sum_squared_products_impl(const T* a, const T* b, Index n, Index t, Index p
       const Index cols = std::min(kTaskCols, q_tiled - j0);
       const auto micro =
           for_packets(rows / S, [](auto k) { return &micro_tile<T, decltype(k)::value>; });
-      std::fill(sums.data(), sums.data() + rows * cols, 0.0);
       for (Index e0 = 0; e0 < n; e0 += kSquaresPerFlush) {
         std::fill(partial.data(), partial.data() + rows * cols, T(0));
         for (Index e = e0; e < std::min(n, e0 + kSquaresPerFlush); ++e) {
@@ -141,17 +142,18 @@ void sum_squared_products_impl(const T* a, const T* b, Index n, Index t, Index p
             micro(panel_a, panel_b + j * t, t, partial.data() + j * rows, rows);
           }
         }
-        for (Index k = 0; k < rows * cols; ++k) sums[k] += static_cast<double>(partial[k]);
-      }
-      for (Index i = 0; i < rows; ++i) {
-        for (Index j = 0; j < cols; ++j) out[(i0 + i) * q + j0 + j] = sums[j * rows + i];
+        for (Index j = 0; j < cols; ++j) {
+          double* column = out + (j0 + j) * p + i0;
+          const T* from = partial.data() + j * rows;
+          for (Index i = 0; i < rows; ++i) column[i] += static_cast<double>(from[i]);
+        }
       }
     }
     // What the tiles leave over: rows past p_tiled (every column), columns past q_tiled.
     LMDX_PRAGMA(omp for schedule(dynamic, 16))
-    for (Index i = 0; i < p; ++i) {
-      for (Index j = i < p_tiled ? q_tiled : 0; j < q; ++j) {
-        out[i * q + j] = scalar_sum(a, b, n, t, p, q, i, j);
+    for (Index j = 0; j < q; ++j) {
+      for (Index i = j < q_tiled ? p_tiled : 0; i < p; ++i) {
+        scalar_add(a, b, n, t, p, q, i, j, out + j * p + i);
       }
     }
   }
@@ -174,14 +176,15 @@ void sum_squared_products(const ArrayView& a, const ArrayView& b, double* out, i
                                 describe(b));
   }
   const Index n = a.shape[0], t = a.shape[1], p = a.shape[2], q = b.shape[2];
-  std::fill(out, out + p * q, 0.0);
   if (n == 0 || t == 0 || p == 0 || q == 0) return;
   require_finite(a, 0, "a", n_threads);
   require_finite(b, 0, "b", n_threads);
+  // The tiles' packets run along the first operand's features and the result is written
+  // along them, so b goes first: its features are the columns of the row-major p x q out.
   if (a.is_float32) {
-    sum_squared_products_impl(a.f32(), b.f32(), n, t, p, q, out, threads);
+    sum_squared_products_impl(b.f32(), a.f32(), n, t, q, p, out, threads);
   } else {
-    sum_squared_products_impl(a.f64(), b.f64(), n, t, p, q, out, threads);
+    sum_squared_products_impl(b.f64(), a.f64(), n, t, q, p, out, threads);
   }
 }
 

@@ -11,11 +11,12 @@
 
 LMDX_NAMESPACE_BEGIN
 
-/// out[i, j] = Σ_e (Σ_s a[e, s, i] · b[e, s, j])² for `a` (n, t, p) and `b` (n, t, q), both
-/// float32 or both float64. The products are formed in that precision (as a float32 matrix
-/// product would), their squares summed in it over up to 16 examples and those partial
-/// sums in float64; `out` has room for p · q values (row-major). Examples are taken in
-/// order within each tile, so the result does not depend on the thread count.
+/// out[i, j] += Σ_e (Σ_s a[e, s, i] · b[e, s, j])² for `a` (n, t, p) and `b` (n, t, q),
+/// both float32 or both float64. The products are formed in that precision (as a float32
+/// matrix product would), their squares summed in it over up to 16 examples and those
+/// partial sums added into `out` in float64, in order; `out` holds p · q values
+/// (row-major). Examples are taken in order within each tile, so the result does not
+/// depend on the thread count.
 void sum_squared_products(const ArrayView& a, const ArrayView& b, double* out, int n_threads);
 
 LMDX_NAMESPACE_END

@@ -270,10 +270,14 @@ def spd_solve(
     """
 
 def sum_squared_products(
-    *, a: numpy.ndarray, b: numpy.ndarray, n_threads: typing.SupportsInt | typing.SupportsIndex
-) -> numpy.typing.NDArray[numpy.float64]:
+    *,
+    a: numpy.ndarray,
+    b: numpy.ndarray,
+    out: numpy.ndarray | None = None,
+    n_threads: typing.SupportsInt | typing.SupportsIndex,
+) -> numpy.ndarray:
     """
-    sum over e of (a_e^T b_e)^2, element-wise: a (n, t, p), b (n, t, q) -> (p, q).
+    sum over e of (a_e^T b_e)^2: a (n, t, p), b (n, t, q) -> (p, q), added into out if given.
     """
 
 def weighted_average(

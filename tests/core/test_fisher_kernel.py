@@ -79,6 +79,64 @@ def test_result_does_not_depend_on_the_thread_count():
     assert np.array_equal(one, two)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(0, 40),
+    t=st.integers(1, 5),
+    p=st.integers(1, 70),
+    q=st.integers(1, 20),
+    dtype=st.sampled_from([np.float32, np.float64]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_out_is_added_into_and_returned(n, t, p, q, dtype, seed):
+    """With out, the sums are added into it (in place, returned): its old values plus the
+    float64 formula, over more examples than one float32 partial sum takes."""
+    rng = np.random.default_rng(seed)
+    a, b = arrays(rng, n, t, p, q, dtype)
+    start = rng.standard_normal((p, q)) ** 2
+    out = start.copy()
+    got = core.sum_squared_products(a=a, b=b, out=out, n_threads=2)
+    assert got is out
+    ref, scale = reference(a, b)
+    unit = 2.0**-24 if dtype == np.float32 else 2.0**-53
+    bound = (4 * (t + 1) + min(n, 16)) * unit * scale + 4 * 2.0**-53 * (start + ref) + 1e-300
+    assert np.all(np.abs(out - (start + ref)) <= bound)
+
+
+def test_out_starting_at_zero_equals_a_new_result():
+    a, b = arrays(np.random.default_rng(11), 9, 6, 100, 37, np.float32)
+    out = np.zeros((100, 37))
+    core.sum_squared_products(a=a, b=b, out=out, n_threads=2)
+    assert np.array_equal(out, core.sum_squared_products(a=a, b=b, n_threads=1))
+
+
+@pytest.mark.parametrize(
+    ("out", "message"),
+    [
+        (np.zeros((5, 4)), r"out: .*\(5, 4\).* expected the shape of the result"),
+        (np.zeros((4, 5), np.float32), "out: expected a float64 array"),
+        (np.zeros((5, 4)).T, "out: .*not C-contiguous"),
+    ],
+)
+def test_bad_out_is_named(out, message):
+    a, b = np.ones((2, 3, 4)), np.ones((2, 3, 5))
+    with pytest.raises(ValueError, match=message):
+        core.sum_squared_products(a=a, b=b, out=out, n_threads=1)
+
+
+def test_read_only_or_overlapping_out_is_refused():
+    a, b = np.ones((2, 3, 4)), np.ones((2, 3, 4))
+    frozen = np.zeros((4, 4))
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="out: is read-only"):
+        core.sum_squared_products(a=a, b=b, out=frozen, n_threads=1)
+    shared = np.zeros(40)  # a is its last 24 values, out the 16 from 8: 8 in common
+    a_view, out_view = shared[16:].reshape(2, 3, 4), shared[8:24].reshape(4, 4)
+    with pytest.raises(ValueError, match="out: shares memory with a or b"):
+        core.sum_squared_products(a=a_view, b=b, out=out_view, n_threads=1)
+    assert np.array_equal(shared, np.zeros(40))
+
+
 def test_no_examples_give_zeros():
     a, b = np.zeros((0, 3, 4), np.float32), np.zeros((0, 3, 5), np.float32)
     assert np.array_equal(core.sum_squared_products(a=a, b=b, n_threads=1), np.zeros((4, 5)))

@@ -482,12 +482,13 @@ class _Contribution:
         got = self.cached[2][local]
         return got if got.dim() == 1 else got[:, r0:r1]  # a 0-d parameter has no rows
 
-    def weight_squares(self) -> Any:
-        """Σ over the examples of the squared per-example gradient of a linear or Conv1D
-        weight, from the native kernel (products and up to :data:`_FLOAT32_TERMS` squares
-        summed in the tensors' precision, those sums in float64, as :func:`_accumulate`
-        does; torch's thread count): a float64 tensor of the weight's shape, or None where
-        it does not apply (not float32 or float64 of one dtype, or not on the CPU)."""
+    def add_weight_squares(self, target: Any) -> bool:
+        """Add Σ over the examples of the squared per-example gradient of a linear or Conv1D
+        weight into ``target`` (its float64 sums, the weight's shape) with the native kernel
+        (products and up to :data:`_FLOAT32_TERMS` squares summed in the tensors' precision,
+        those sums added in float64, as :func:`_accumulate` does; torch's thread count).
+        False, and nothing added, where it does not apply (not float32 or float64 of one
+        dtype, or not on the CPU)."""
         import torch
 
         x, g = self.x, self.g
@@ -496,14 +497,17 @@ class _Contribution:
             or x.dtype not in (torch.float32, torch.float64)
             or x.device.type != "cpu"
             or g.device.type != "cpu"
+            or not target.is_contiguous()
         ):
-            return None
+            return False
         c = x.shape[0]
         xs = x.reshape(c, -1, x.shape[-1]).contiguous().numpy()
         gs = g.reshape(c, -1, g.shape[-1]).contiguous().numpy()
         a, b = (gs, xs) if self.kind == "linear" else (xs, gs)  # [out, in] or [in, out]
-        squares = _core.core.sum_squared_products(a=a, b=b, n_threads=torch.get_num_threads())
-        return torch.from_numpy(squares)
+        _core.core.sum_squared_products(
+            a=a, b=b, out=target.numpy(), n_threads=torch.get_num_threads()
+        )
+        return True
 
     def sparse(self, lo: int, hi: int) -> tuple[Any, Any]:
         """Embedding: (example × rows + row) keys and gradient rows of examples lo:hi."""
@@ -583,7 +587,7 @@ def _accumulate(work: list[_Contribution], size: int, sums: dict[str, Any]) -> N
     """Per parameter: add its contributions per example, square, sum over examples.
 
     A linear or Conv1D weight used once is summed by the native kernel
-    (:meth:`_Contribution.weight_squares`: no per-example gradient is held). Otherwise
+    (:meth:`_Contribution.add_weight_squares`: no per-example gradient is held). Otherwise
     per-example gradients are made a block of parameter rows at a time (about
     :data:`_BLOCK_BYTES`, so that squaring and summing them stays in cache). Float32 squares
     are summed over at most :data:`_FLOAT32_TERMS` examples in float32 — for positive terms
@@ -608,9 +612,7 @@ def _accumulate(work: list[_Contribution], size: int, sums: dict[str, Any]) -> N
             target.index_add_(0, unique % target.shape[0], rows.square().to(torch.float64))
             continue
         if len(parts) == 1 and parts[0][0].kind in ("linear", "conv1d") and parts[0][1] == "weight":
-            squares = parts[0][0].weight_squares()
-            if squares is not None:
-                target.add_(squares)
+            if parts[0][0].add_weight_squares(target):
                 continue
         height = int(target.shape[0]) if target.dim() else 1
         row_bytes = 4 * max(1, target.numel() // max(height, 1))
