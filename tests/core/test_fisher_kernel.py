@@ -18,15 +18,19 @@ def reference(a, b):
     return (g * g).sum(axis=0), (s * s).sum(axis=0)
 
 
-def assert_close(got, a, b):
+def assert_close(got, a, b, start=0.0):
+    """got is start + the formula: within the rounding of the products and float32 sums,
+    and of adding a few float64 partial sums into start."""
     ref, scale = reference(a, b)
     n, t = a.shape[:2]
     # float32 products: each of t terms rounded (≤ (t + 1)·2⁻²⁴ relative to Σ|a||b|),
     # doubled by squaring, and up to 16 squares summed in float32 (≤ 16·2⁻²⁴ of their
     # sum); float64 likewise at 2⁻⁵³.
     unit = 2.0**-24 if a.dtype == np.float32 else 2.0**-53
+    want = start + ref
+    bound = (4 * (t + 1) + min(n, 16)) * unit * scale + 4 * 2.0**-53 * want + 1e-300
     assert got.dtype == np.float64 and got.shape == ref.shape
-    assert np.all(np.abs(got - ref) <= (4 * (t + 1) + min(n, 16)) * unit * scale + 1e-300)
+    assert np.all(np.abs(got - want) <= bound)
 
 
 def arrays(rng, n, t, p, q, dtype, scale=1.0):
@@ -95,12 +99,8 @@ def test_out_is_added_into_and_returned(n, t, p, q, dtype, seed):
     a, b = arrays(rng, n, t, p, q, dtype)
     start = rng.standard_normal((p, q)) ** 2
     out = start.copy()
-    got = core.sum_squared_products(a=a, b=b, out=out, n_threads=2)
-    assert got is out
-    ref, scale = reference(a, b)
-    unit = 2.0**-24 if dtype == np.float32 else 2.0**-53
-    bound = (4 * (t + 1) + min(n, 16)) * unit * scale + 4 * 2.0**-53 * (start + ref) + 1e-300
-    assert np.all(np.abs(out - (start + ref)) <= bound)
+    assert core.sum_squared_products(a=a, b=b, out=out, n_threads=2) is out
+    assert_close(out, a, b, start)
 
 
 def test_out_starting_at_zero_equals_a_new_result():
