@@ -16,8 +16,7 @@ py::array sum_squared_products(const py::array& a, const py::array& b,
                                const std::optional<py::array>& out, int n_threads) {
   const ArrayView av = float_view(a, "a", 3);
   const ArrayView bv = float_view(b, "b", 3);
-  const std::vector<Index> shape{av.shape.size() == 3 ? av.shape[2] : 0,
-                                 bv.shape.size() == 3 ? bv.shape[2] : 0};
+  const std::vector<Index> shape{av.shape[2], bv.shape[2]};  // both views have 3 dimensions
   py::array result;
   if (out) {
     const ArrayView ov = float64_view(*out, "out", 2);
