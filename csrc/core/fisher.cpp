@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "core/parallel.hpp"
 #include "core/register_tile.hpp"
@@ -87,6 +88,15 @@ void scalar_add(const T* a, const T* b, Index n, Index t, Index p, Index q, Inde
   }
 }
 
+// Whether any of the n values at x is not zero.
+template <typename T>
+bool any_nonzero(const T* x, Index n) {
+  for (Index i = 0; i < n; ++i) {
+    if (x[i] != T(0)) return true;
+  }
+  return false;
+}
+
 // out[j * p + i] += Σ_e (Σ_s a[e, s, i] · b[e, s, j])²: the sums in the layout the tiles
 // make (a's features along the packets), so that each task adds its float32 partial sums
 // into float64 a contiguous run of MR values per column.
@@ -99,28 +109,52 @@ void sum_squared_products_impl(const T* a, const T* b, Index n, Index t, Index p
   const Index q_tiled = q / NR * NR;  // columns the tiles cover
   const Index row_blocks = (p_tiled + MR - 1) / MR;
   const Index col_blocks = (q_tiled + kTaskCols - 1) / kTaskCols;
+  // Rows whose a or b values are all zero add exactly nothing to any product (the inputs
+  // are finite; an accumulator that starts at +0 stays the same after adding ±0), so the
+  // tiles skip them: padding, and positions a loss does not read (an output gradient of
+  // zero), cost nothing and the sums are the same bit for bit. Example e keeps
+  // kept_rows[e] rows, packed from offset[e] on; source[r] is the row s of kept row r.
+  std::vector<Index> kept_rows(static_cast<size_t>(n)), offset(static_cast<size_t>(n));
+  std::vector<unsigned char> keep(static_cast<size_t>(n * t));
+  LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(static))
+  for (Index es = 0; es < n * t; ++es) {
+    keep[static_cast<size_t>(es)] = any_nonzero(a + es * p, p) && any_nonzero(b + es * q, q);
+  }
+  std::vector<Index> source;
+  source.reserve(static_cast<size_t>(n * t));
+  for (Index e = 0; e < n; ++e) {
+    offset[static_cast<size_t>(e)] = static_cast<Index>(source.size());
+    for (Index s = 0; s < t; ++s) {
+      if (keep[static_cast<size_t>(e * t + s)]) source.push_back(e * t + s);
+    }
+    kept_rows[static_cast<size_t>(e)] =
+        static_cast<Index>(source.size()) - offset[static_cast<size_t>(e)];
+  }
+  const Index kept = static_cast<Index>(source.size());
   // The operands packed once, so that every tile reads contiguous panels (rows of a p- or
-  // q-wide array are far apart and would meet in a few cache sets): for example e, row
-  // block rb (MR rows, the last possibly fewer) of a as t rows of its width, and each group
-  // of NR columns of b as t rows of NR values.
+  // q-wide array are far apart and would meet in a few cache sets): for example e (its
+  // t_e = kept_rows[e] kept rows), row block rb (MR rows, the last possibly fewer) of a as
+  // t_e rows of its width, and each group of NR columns of b as t_e rows of NR values.
   // Their size follows each call's batch (up to the inputs' size), so they are allocated
   // per call rather than kept in the scratch pool, which would hold every size it met.
-  AlignedBuffer<T> packed_a(static_cast<size_t>(n * t * p_tiled));
-  AlignedBuffer<T> packed_b(static_cast<size_t>(n * t * q_tiled));
+  AlignedBuffer<T> packed_a(static_cast<size_t>(kept * p_tiled));
+  AlignedBuffer<T> packed_b(static_cast<size_t>(kept * q_tiled));
   LMDX_PRAGMA(omp parallel num_threads(threads)) {
     LMDX_PRAGMA(omp for schedule(static))
-    for (Index es = 0; es < n * t; ++es) {
-      const Index e = es / t, s = es % t;
+    for (Index r = 0; r < kept; ++r) {
+      const Index es = source[static_cast<size_t>(r)], e = es / t;
+      const Index first = offset[static_cast<size_t>(e)];
+      const Index t_e = kept_rows[static_cast<size_t>(e)], k = r - first;
       const T* from_a = a + es * p;
       for (Index i0 = 0; i0 < p_tiled; i0 += MR) {
-        const Index rows = std::min(MR, p_tiled - i0);
-        T* to = packed_a.data() + e * t * p_tiled + i0 * t + s * rows;
-        for (Index i = 0; i < rows; ++i) to[i] = from_a[i0 + i];
+        const Index width = std::min(MR, p_tiled - i0);
+        T* to = packed_a.data() + first * p_tiled + i0 * t_e + k * width;
+        for (Index i = 0; i < width; ++i) to[i] = from_a[i0 + i];
       }
       const T* from_b = b + es * q;
-      T* to_b = packed_b.data() + e * t * q_tiled + s * NR;
+      T* to_b = packed_b.data() + first * q_tiled + k * NR;
       for (Index j = 0; j < q_tiled; j += NR) {
-        for (Index c = 0; c < NR; ++c) to_b[j * t + c] = from_b[j + c];
+        for (Index c = 0; c < NR; ++c) to_b[j * t_e + c] = from_b[j + c];
       }
     }  // implicit barrier: the tiles read every example's panels
     BufferLease<T> partial(static_cast<size_t>(MR * kTaskCols));
@@ -129,23 +163,26 @@ void sum_squared_products_impl(const T* a, const T* b, Index n, Index t, Index p
     for (Index task = 0; task < row_blocks * col_blocks; ++task) {
       const Index i0 = (task / col_blocks) * MR;
       const Index j0 = (task % col_blocks) * kTaskCols;
-      const Index rows = std::min(MR, p_tiled - i0);
+      const Index height = std::min(MR, p_tiled - i0);
       const Index cols = std::min(kTaskCols, q_tiled - j0);
       const auto micro =
-          for_packets(rows / S, [](auto k) { return &micro_tile<T, decltype(k)::value>; });
+          for_packets(height / S, [](auto k) { return &micro_tile<T, decltype(k)::value>; });
       for (Index e0 = 0; e0 < n; e0 += kSquaresPerFlush) {
-        std::fill(partial.data(), partial.data() + rows * cols, T(0));
+        std::fill(partial.data(), partial.data() + height * cols, T(0));
         for (Index e = e0; e < std::min(n, e0 + kSquaresPerFlush); ++e) {
-          const T* panel_a = packed_a.data() + e * t * p_tiled + i0 * t;
-          const T* panel_b = packed_b.data() + e * t * q_tiled + j0 * t;
+          const Index first = offset[static_cast<size_t>(e)];
+          const Index t_e = kept_rows[static_cast<size_t>(e)];
+          if (t_e == 0) continue;  // adds nothing
+          const T* panel_a = packed_a.data() + first * p_tiled + i0 * t_e;
+          const T* panel_b = packed_b.data() + first * q_tiled + j0 * t_e;
           for (Index j = 0; j < cols; j += NR) {
-            micro(panel_a, panel_b + j * t, t, partial.data() + j * rows, rows);
+            micro(panel_a, panel_b + j * t_e, t_e, partial.data() + j * height, height);
           }
         }
         for (Index j = 0; j < cols; ++j) {
           double* column = out + (j0 + j) * p + i0;
-          const T* from = partial.data() + j * rows;
-          for (Index i = 0; i < rows; ++i) column[i] += static_cast<double>(from[i]);
+          const T* from = partial.data() + j * height;
+          for (Index i = 0; i < height; ++i) column[i] += static_cast<double>(from[i]);
         }
       }
     }

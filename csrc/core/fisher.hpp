@@ -5,6 +5,9 @@
 // [in, out] Conv1D weight the two swap). The diagonal Fisher needs Σ_e G_e ∘ G_e. Per
 // register tile of the p x q result (as in the Gram kernel) the products are formed for one
 // example at a time and squared in registers, so no per-example gradient is ever stored.
+// Rows whose a or b values are all zero (padding, and positions the loss does not read,
+// whose output gradient is zero: in a sequence classifier's last layer every position but
+// the one it pools) are skipped, which leaves every sum the same bit for bit.
 #pragma once
 
 #include "core/arrays.hpp"

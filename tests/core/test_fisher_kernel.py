@@ -69,6 +69,38 @@ def test_many_examples_and_long_sequences(dtype):
     assert_close(core.sum_squared_products(a=a, b=b, n_threads=2), a, b)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(0, 20),
+    t=st.integers(0, 6),
+    extra=st.integers(1, 5),
+    p=st.integers(1, 70),
+    q=st.integers(1, 40),
+    dtype=st.sampled_from([np.float32, np.float64]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_rows_of_zeros_change_nothing(n, t, extra, p, q, dtype, seed):
+    """Rows inserted anywhere whose a, b or both are zero (padding; positions a loss does
+    not read) leave the sums the same bit for bit, and the float64 formula's."""
+    rng = np.random.default_rng(seed)
+    a, b = arrays(rng, n, t, p, q, dtype)
+    wide_a = np.zeros((n, t + extra, p), dtype)
+    wide_b = np.zeros((n, t + extra, q), dtype)
+    for e in range(n):
+        real = np.sort(rng.choice(t + extra, size=t, replace=False))
+        wide_a[e, real], wide_b[e, real] = a[e], b[e]
+        for s in np.setdiff1d(np.arange(t + extra), real):
+            side = rng.integers(3)  # which operand's row stays zero: a, b or both
+            if side == 1:
+                wide_a[e, s] = rng.standard_normal(p)
+            elif side == 0:
+                wide_b[e, s] = rng.standard_normal(q)
+    want = core.sum_squared_products(a=a, b=b, n_threads=2)
+    got = core.sum_squared_products(a=wide_a, b=wide_b, n_threads=2)
+    assert np.array_equal(got, want)
+    assert_close(got, wide_a, wide_b)
+
+
 def test_examples_are_summed_after_their_rows():
     """One example with two rows: (a₁b₁ + a₂b₂)², not a₁²b₁² + a₂²b₂²."""
     a = np.array([[[1.0], [2.0]]])
