@@ -154,11 +154,13 @@ void gram_update(const In* x, Index rows, Index d, const double* weights, Index 
       // Tiles, one panel of columns at a time so that the panel's packed rows stay in
       // L2 while every strip below it passes over them: strip si covers Gram rows
       // [si*MR, si*MR + MR) of the panel's columns up to its diagonal; strips are
-      // disjoint rows, largest (last) first. The order of the tiles does not change the
-      // arithmetic of any entry.
+      // disjoint rows, largest (last) first. Panels are disjoint columns, so a thread
+      // done with one panel's tiles goes on to the next without waiting for the others
+      // (nowait; one barrier after the last panel, before the next block is chosen and
+      // packed). The order of the tiles does not change the arithmetic of any entry.
       for (Index c0 = 0; c0 < d; c0 += panel_cols) {
         const Index c1 = std::min(d, c0 + panel_cols);
-        LMDX_PRAGMA(omp for schedule(dynamic, 1))
+        LMDX_PRAGMA(omp for schedule(dynamic, 1) nowait)
         for (Index t = 0; t < n_strips - c0 / MR; ++t) {
           const Index si = n_strips - 1 - t;
           const Index i0 = si * MR;
@@ -176,6 +178,7 @@ void gram_update(const In* x, Index rows, Index d, const double* weights, Index 
           }
         }
       }
+      LMDX_PRAGMA(omp barrier)
     }
   }
 }
