@@ -57,9 +57,9 @@ class _NoArithmetic:
         self.count = 0.0
         self.calls = 0
 
-    def update(self, rows, *args, **kwargs):
+    def update(self, *, x, **kwargs):
         self.calls += 1
-        self.count += rows.shape[0]
+        self.count += x.shape[0]
 
 
 class _StubMoments(lmdx.Moments):
