@@ -74,8 +74,9 @@ def regmean_merge_layer(
     precision
         ``"auto"``: the right-hand-side products (most of the work) run in float32 where an
         estimate of the error that adds (condition estimate × float32 roundoff × the models'
-        spread around their average) stays below ``1e-6`` of the weights' magnitude, else
-        in float64; ``"float64"`` always in float64. Factorization and solve are float64.
+        spread around their average × how far their Grams differ, relative to the system)
+        stays below ``1e-6`` of the weights' magnitude, else in float64; ``"float64"``
+        always in float64. Factorization and solve are float64.
         ``info.precision`` says what was used (``"identical"``: the weights are equal in
         every model and are returned as they are).
     ridge, allow_regularization
