@@ -267,7 +267,7 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
     // The rounding of the products scales with the matrices that multiply the deviations,
     // D_i = c_i (G~_i - G~_p), so the system's condition is taken times
     // sum_i ||D_i||_1 / ||sum_i c_i G~_i + ridge I||_1 (small where the models' Grams are
-    // alike, up to about 2 where they differ most).
+    // alike; 0.35-0.57 on the unrelated Grams of the tests). O(K d_in^2), serial.
     double differences = 0.0;
     VectorXd column(d_in);
     for (size_t i : others) {
