@@ -128,21 +128,28 @@ void mirror_lower(MatrixXd& m, int threads) {
 }
 
 // ||M||_1 of the symmetric d x d matrix whose lower triangle column j (rows j..d-1) is
-// column(j) (a pointer to d - j values), off-diagonal scaled by alpha, plus `shift` on the
-// diagonal.
+// column(j, buffer) (a pointer to d - j values, possibly written into `buffer`, d values of
+// the calling thread), off-diagonal scaled by alpha, plus `shift` on the diagonal. Blocks of
+// kTile columns sum into their own vectors, added in block order: the result does not
+// depend on the thread count.
 template <typename Column>
-double symmetric_norm1(Index d, double alpha, double shift, const Column& column) {
-  VectorXd sums = VectorXd::Zero(d);
-  for (Index j = 0; j < d; ++j) {
-    const double* c = column(j);
-    sums(j) += std::abs(c[0] + shift);
-    for (Index r = 1; r < d - j; ++r) {
-      const double v = alpha * std::abs(c[r]);
-      sums(j) += v;
-      sums(j + r) += v;
+double symmetric_norm1(Index d, double alpha, double shift, int threads, const Column& column) {
+  const Index n_blocks = (d + kTile - 1) / kTile;
+  MatrixXd sums = MatrixXd::Zero(d, n_blocks);
+  LMDX_PRAGMA(omp parallel num_threads(threads)) {
+    VectorXd buffer(d);
+    LMDX_PRAGMA(omp for schedule(dynamic, 1))
+    for (Index block = 0; block < n_blocks; ++block) {
+      double* block_sums = sums.col(block).data();
+      for (Index j = block * kTile; j < std::min(d, block * kTile + kTile); ++j) {
+        const double* c = column(j, buffer.data());
+        const Eigen::Map<const VectorXd> below(c + 1, d - j - 1);
+        block_sums[j] += std::abs(c[0] + shift) + alpha * below.cwiseAbs().sum();
+        for (Index r = 1; r < d - j; ++r) block_sums[j + r] += alpha * std::abs(c[r]);
+      }
     }
   }
-  return sums.maxCoeff();
+  return sums.rowwise().sum().maxCoeff();
 }
 
 // W_M^T (d_in x d_out, column-major) into merged_t, from models whose shapes are checked
@@ -250,8 +257,8 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
   double lhs_norm1 = 0.0;  // ||sum_i c_i G~_i + ridge I||_1, when first needed
   const auto system_norm1 = [&] {
     if (lhs_norm1 == 0.0) {
-      lhs_norm1 =
-          symmetric_norm1(d_in, alpha, info.ridge_absolute, [&](Index j) { return &lhs(j, j); });
+      lhs_norm1 = symmetric_norm1(d_in, alpha, info.ridge_absolute, threads,
+                                  [&](Index j, double*) { return &lhs(j, j); });
     }
     return lhs_norm1;
   };
@@ -267,15 +274,14 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
     // The rounding of the products scales with the matrices that multiply the deviations,
     // D_i = c_i (G~_i - G~_p), so the system's condition is taken times
     // sum_i ||D_i||_1 / ||sum_i c_i G~_i + ridge I||_1 (small where the models' Grams are
-    // alike; 0.35-0.57 on the unrelated Grams of the tests). O(K d_in^2), serial.
+    // alike; 0.35-0.57 on the unrelated Grams of the tests). O(K d_in^2), threaded.
     double differences = 0.0;
-    VectorXd column(d_in);
     for (size_t i : others) {
       const double t = coef[i] / models[pivot].count;
-      differences += symmetric_norm1(d_in, alpha, 0.0, [&](Index j) {
+      differences += symmetric_norm1(d_in, alpha, 0.0, threads, [&](Index j, double* column) {
         axmbz(s[i], models[i].gram.lower_column(j), t, models[pivot].gram.lower_column(j),
-              column.data(), d_in - j);
-        return column.data();
+              column, d_in - j);
+        return column;
       });
     }
     const double per_cond = kFloat32Roundoff * std::sqrt(static_cast<double>(d_in)) *
