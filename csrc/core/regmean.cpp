@@ -274,7 +274,7 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
     // The rounding of the products scales with the matrices that multiply the deviations,
     // D_i = c_i (G~_i - G~_p), so the system's condition is taken times
     // sum_i ||D_i||_1 / ||sum_i c_i G~_i + ridge I||_1 (small where the models' Grams are
-    // alike; 0.35-0.57 on the unrelated Grams of the tests). O(K d_in^2), threaded.
+    // alike). O(K d_in^2), threaded.
     double differences = 0.0;
     for (size_t i : others) {
       const double t = coef[i] / models[pivot].count;

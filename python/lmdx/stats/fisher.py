@@ -497,7 +497,6 @@ class _Contribution:
             or x.dtype not in (torch.float32, torch.float64)
             or x.device.type != "cpu"
             or g.device.type != "cpu"
-            or not target.is_contiguous()
         ):
             return False
         c = x.shape[0]
