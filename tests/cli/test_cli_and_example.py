@@ -1,4 +1,4 @@
-"""The command line and the README's end-to-end example run as documented."""
+"""The command line and the core demo (docs/guide/precision.md) run as documented."""
 
 from __future__ import annotations
 
