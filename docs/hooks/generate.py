@@ -28,13 +28,20 @@ ROOT = Path(__file__).resolve().parents[2]
 HELP_COLUMNS = "100"
 
 
-def _help(argv: list[str]) -> str:
-    """What ``lmdx ARGV --help`` prints (argparse exits 0 after printing)."""
+def _help(argv: list[str], *, strict: bool = True) -> str:
+    """What ``lmdx ARGV --help`` prints (argparse exits 0 after printing); with
+    ``strict``, anything else stops the build."""
     from lmdx.cli import main
 
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
-        main([*argv, "--help"])
+    out, err = io.StringIO(), io.StringIO()
+    code: object = None
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([*argv, "--help"])
+        except SystemExit as done:
+            code = done.code
+    if strict and code not in (0, None):
+        raise RuntimeError(f"`lmdx {' '.join(argv)} --help` exited {code}: {err.getvalue()}")
     return out.getvalue().rstrip()
 
 
@@ -51,7 +58,7 @@ def _sub_commands(command: str, text: str) -> list[str]:
     return [
         w
         for w in dict.fromkeys(words)
-        if _help([command, w]).startswith(f"usage: lmdx {command} {w}")
+        if _help([command, w], strict=False).startswith(f"usage: lmdx {command} {w}")
     ]
 
 
