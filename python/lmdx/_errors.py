@@ -17,6 +17,7 @@ __all__ = [
     "MissingStatisticsError",
     "ModelMismatchError",
     "NotPositiveDefiniteError",
+    "RayClusterError",
     "RegularizationWarning",
     "SampleSizeWarning",
     "StatisticsFileError",
@@ -66,6 +67,11 @@ class MissingFileError(LmdxError, FileNotFoundError):
 
     def __str__(self) -> str:  # OSError would prefix an errno
         return str(self.args[0]) if self.args else ""
+
+
+class RayClusterError(LmdxError, ConnectionError):
+    """A Ray cluster cannot be reached, or lost work that no node could take over, or a
+    worker died twice; nothing was written (the message names the address or the work)."""
 
 
 class CliError(LmdxError):

@@ -1,14 +1,47 @@
-"""Ray, started and reported the same way for distributed collection and merging.
+"""Ray, started, watched and reported the same way for distributed collection and merging.
+
+Work goes to Ray as tasks (one CPU each, or ``threads_per_worker``): a task that ends
+gives its CPUs back, so more workers than CPUs only queue, and the task of a lost node is
+run again (once) on a node that remains. :func:`wait_ready` bounds the wait for a node
+that can run it: when no live node has the CPUs a task needs for ``LMDX_RAY_WAIT``
+seconds (default 60), the run stops with :class:`~lmdx._errors.RayClusterError`.
 
 Ray is imported only when one of these is called; ``import lmdx`` never imports it.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-__all__ = ["failure", "import_ray", "kill_actors", "start_ray"]
+from ._errors import RayClusterError
+
+__all__ = [
+    "CONNECT_TIMEOUT",
+    "WAIT_ENV",
+    "cancel",
+    "check_address",
+    "failure",
+    "import_ray",
+    "start_ray",
+    "stop_ray",
+    "wait_ready",
+    "wait_seconds",
+]
+
+#: Seconds to wait for a TCP connection to a cluster's address before ``ray.init``.
+CONNECT_TIMEOUT = 5.0
+#: The environment variable bounding the wait for a node that can run a task (seconds).
+WAIT_ENV = "LMDX_RAY_WAIT"
+_DEFAULT_WAIT = 60.0
+_POLL = 0.5
 
 
 def import_ray() -> Any:
@@ -22,31 +55,138 @@ def import_ray() -> Any:
     return ray
 
 
+def _host_port(address: str) -> tuple[str, int]:
+    """The host and port a Ray address (``auto``, ``HOST:PORT``, ``ray://HOST:PORT``) names."""
+    where = address
+    if address == "auto":
+        where = os.environ.get("RAY_ADDRESS", "")
+        if not where or where == "auto":
+            current = Path("/tmp/ray/ray_current_cluster")  # written by `ray start`
+            where = current.read_text().strip() if current.is_file() else ""
+        if not where:
+            raise RayClusterError(
+                "Ray address auto: no cluster found (RAY_ADDRESS is not set and no `ray start` "
+                "ran on this machine); start one with `ray start --head` or give HOST:PORT"
+            )
+    host, sep, port = re.sub(r"^ray://", "", where).rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise RayClusterError(f"Ray address {address}: expected HOST:PORT, ray://HOST:PORT or auto")
+    return host, int(port)
+
+
+def check_address(address: str) -> None:
+    """Raise :class:`RayClusterError` within :data:`CONNECT_TIMEOUT` seconds if nothing
+    accepts a TCP connection at the Ray cluster ``address`` (``ray.init`` itself would
+    retry for minutes)."""
+    host, port = _host_port(address)
+    try:
+        with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT):
+            pass
+    except OSError as exc:
+        why = "timed out" if isinstance(exc, TimeoutError) else exc.strerror or str(exc)
+        shown = address if address != "auto" else f"auto ({host}:{port})"
+        raise RayClusterError(
+            f"Ray cluster {shown}: nothing answers at {host}:{port} ({why} within "
+            f"{CONNECT_TIMEOUT:g} s); start it (`ray start --head` prints the address) or "
+            "check the address"
+        ) from None
+
+
 def start_ray(address: str | None, num_cpus: int) -> bool:
     """Start or join Ray unless ``ray.init`` was called already; True if this call did.
 
     ``address=None``: a new local instance with ``num_cpus`` CPUs ("local": even if
-    ``RAY_ADDRESS`` or a ``ray start`` cluster says otherwise); else join that cluster.
+    ``RAY_ADDRESS`` or a ``ray start`` cluster says otherwise); else join that cluster,
+    after :func:`check_address`. The SIGINT and SIGTERM handlers in place before
+    ``ray.init`` (which replaces SIGTERM's with an exit) are put back, and a SIGTERM during
+    ``ray.init`` is a KeyboardInterrupt, so Ctrl-C and SIGTERM reach the caller's clean-up.
     """
     ray = import_ray()
     if ray.is_initialized():
         return False
-    if address is None:
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
-    else:
-        ray.init(address=address)
+    if address is not None:
+        check_address(address)
+    main = threading.current_thread() is threading.main_thread()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    try:
+        if address is None:
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
+        else:
+            ray.init(address=address)
+    except SystemExit as exc:  # Ray's own SIGTERM handler, while ray.init ran
+        if exc.code != signal.SIGTERM:
+            raise
+        ray.shutdown()
+        raise KeyboardInterrupt("terminated (SIGTERM)") from None
+    finally:
+        for sig, handler in handlers.items():
+            if handler is not None:
+                signal.signal(sig, handler)
     return True
 
 
-def kill_actors(ray: Any, actors: list[Any], started: bool) -> None:
-    """Kill ``actors`` (no restarts) and shut Ray down if this process ``started`` it."""
-    for actor in actors:
+def cancel(ray: Any, refs: list[Any]) -> None:
+    """Cancel the tasks behind ``refs`` (those still running are killed)."""
+    for ref in refs:
         try:
-            ray.kill(actor, no_restart=True)
-        except Exception:  # already dead or Ray going down: nothing left to stop
+            ray.cancel(ref, force=True)
+        except Exception:  # finished, lost or Ray going down: nothing left to stop
             pass
+
+
+def stop_ray(ray: Any, refs: list[Any], started: bool) -> None:
+    """:func:`cancel` ``refs`` and shut Ray down if this process ``started`` it."""
+    cancel(ray, refs)
     if started:
         ray.shutdown()
+
+
+def wait_seconds() -> float:
+    """The bound on the wait for a node that can run a task: ``LMDX_RAY_WAIT`` or 60 s."""
+    value = os.environ.get(WAIT_ENV, "")
+    try:
+        seconds = float(value) if value else _DEFAULT_WAIT
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise RayClusterError(f"{WAIT_ENV}={value!r}: expected a number of seconds > 0")
+    return seconds
+
+
+def _largest_node(ray: Any) -> float:
+    """The CPUs of the largest live node of the cluster."""
+    return max(
+        (float(n.get("Resources", {}).get("CPU", 0)) for n in ray.nodes() if n.get("Alive")),
+        default=0.0,
+    )
+
+
+def wait_ready(ray: Any, refs: list[Any], cpus: float, waiting: Callable[[], str]) -> list[Any]:
+    """The ``refs`` that are ready, waiting until one is.
+
+    Raises :class:`RayClusterError` naming ``waiting()`` (the work still out) when no live
+    node of the cluster has had ``cpus`` CPUs for :func:`wait_seconds` in a row: nodes
+    were lost and none can take their work.
+    """
+    patience = wait_seconds()
+    short_since: float | None = None
+    while True:
+        done, _ = ray.wait(refs, num_returns=1, timeout=_POLL)
+        if done:
+            return list(done)
+        if _largest_node(ray) >= cpus:
+            short_since = None
+            continue
+        now = time.monotonic()
+        if short_since is None:
+            short_since = now
+        elif now - short_since >= patience:
+            raise RayClusterError(
+                f"{waiting()}: lost; no node of the Ray cluster has had {cpus:g} CPU(s) to "
+                f"run it for {patience:g} s (nodes left the cluster; {WAIT_ENV} sets this "
+                "wait); nothing was written"
+            )
 
 
 def failure(ray: Any, exc: BaseException) -> str:
@@ -56,13 +196,11 @@ def failure(ray: Any, exc: BaseException) -> str:
         return f"{type(cause).__name__}: {cause}"
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    if getattr(exc, "actor_init_failed", False) and lines:
-        return f"loading the model failed: {lines[-1]}"
-    if isinstance(exc, ray.exceptions.RayActorError):
-        detail = next((ln for ln in lines if ln.startswith("The actor is dead because")), "")
-        detail = detail.split(" Some common causes")[0]
+    first = lines[0].split(" This can happen")[0].split(" Some common causes")[0] if lines else ""
+    lost = (ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError)
+    if isinstance(exc, lost) or isinstance(exc, ray.exceptions.RayActorError):
         return (
-            "the worker process died again after its restart (each worker is restarted once "
-            f"and its shard recomputed){': ' + detail if detail else ''}"
+            "its Ray worker process or node was lost on the retry too (each task runs at "
+            f"most twice){': ' + first if first else ''}"
         )
-    return lines[0] if lines else type(exc).__name__
+    return first or type(exc).__name__

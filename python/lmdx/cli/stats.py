@@ -444,13 +444,16 @@ def _ray_options(args: argparse.Namespace) -> str | None:
     ):
         if value is not None and value < 1:
             raise CliError(f"{flag}: must be >= 1, got {value}")
-    from .._ray import import_ray
+    from .._ray import check_address, import_ray
 
     try:
-        import_ray()
+        ray = import_ray()
     except ImportError as exc:
         raise CliError(f"--ray: {exc}") from None
-    return None if args.ray == "local" else str(args.ray)
+    address = None if args.ray == "local" else str(args.ray)
+    if address is not None and not ray.is_initialized():
+        check_address(address)  # within seconds, before the data is read
+    return address
 
 
 def _stats_add(args: argparse.Namespace, claimed: Claimed) -> int:

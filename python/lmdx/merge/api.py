@@ -756,6 +756,8 @@ def stream_merge(
     adapters = any(isinstance(s, AdapterSource) for s in sources)
     if ray_workers and adapters:
         raise MergeError("ray_workers: not for LoRA adapter inputs; merge them without Ray")
+    if ray_workers and not dry_run:
+        RayGroupSolver.check_address(ray_address)  # within seconds, before any output
     lora = (
         None if lora_rank is None else LoraExport(check_lora_export(sources, lora_rank), lora_rank)
     )

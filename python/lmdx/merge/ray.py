@@ -1,17 +1,22 @@
-"""RegMean groups solved on Ray actors, a few groups ahead of the writer.
+"""RegMean groups solved by Ray tasks, a few groups ahead of the writer.
 
-Each actor opens the input checkpoints and statistics itself (on a cluster every node
-must see the same paths) and solves one group at a time exactly as the local engine does
-(same kernels, same cast), so the merged tensors are bit-identical to a local run.
+Each group is one task (one CPU), submitted in the order the writer needs the groups, at
+most ``workers`` running and ``2 × workers`` ahead of the writer; a finished task gives
+its CPU back, so more workers than CPUs only queue, and the task of a lost node runs
+again (once) on a node that remains. A worker process opens the input checkpoints and
+statistics once (on a cluster every node must see the same paths) and solves each group
+exactly as the local engine does (same kernels, same cast), so the merged tensors are
+bit-identical to a local run.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
 from .. import _ray
-from .._errors import MergeError
+from .._errors import LmdxError, MissingFileError, RayClusterError
 from ..files.checkpoint import Checkpoint
 from ..stats.file import Statistics
 from .engine import solve_regmean_step
@@ -20,25 +25,45 @@ from .plan import Step
 
 __all__ = ["RayGroupSolver"]
 
+#: The inputs a worker process opened last: (paths and their stat) -> (checkpoints, stats).
+_OPENED: dict[tuple[Any, ...], tuple[list[Checkpoint], list[Statistics]]] = {}
 
-class _Actor:
-    """A Ray actor's state: the inputs and statistics, opened once."""
 
-    def __init__(
-        self, models: list[str], stats: list[str], labels: list[str], options: MergeOptions
-    ) -> None:
-        self.ckpts = [Checkpoint(m, lab) for m, lab in zip(models, labels, strict=True)]
-        self.stats = [Statistics.load(p) for p in stats]
-        self.labels, self.options = labels, options
+def _open(
+    models: list[str], stats: list[str], labels: list[str]
+) -> tuple[list[Checkpoint], list[Statistics]]:
+    """The inputs, opened once per worker process (again if a path changed since)."""
+    missing = [p for p in (*models, *stats) if not os.path.exists(p)]
+    if missing:
+        node = _ray.import_ray().util.get_node_ip_address()
+        raise MissingFileError(
+            f"Ray node {node} does not see {', '.join(missing)}: every node must see the "
+            "models and statistics at the paths this process uses (a shared filesystem, or "
+            f"copies there): {', '.join((*models, *stats))}"
+        )
+    key = tuple((p, os.stat(p).st_mtime_ns) for p in (*models, *stats)) + tuple(labels)
+    if key not in _OPENED:
+        _OPENED.clear()
+        _OPENED[key] = (
+            [Checkpoint(m, lab) for m, lab in zip(models, labels, strict=True)],
+            [Statistics.load(p) for p in stats],
+        )
+    return _OPENED[key]
 
-    def solve(self, step: Step) -> tuple[dict[str, Any], dict[str, Any]]:
-        # NumPy arrays (bfloat16 too) cross Ray's object store as they are
-        return solve_regmean_step(step, self.ckpts, self.stats, self.labels, self.options)
+
+def _solve(
+    inputs: tuple[list[str], list[str], list[str], MergeOptions], step: Step
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One group solved (a Ray task); NumPy arrays (bfloat16 too) cross Ray's object store
+    as they are."""
+    models, stats, labels, options = inputs
+    ckpts, st = _open(models, stats, labels)
+    return solve_regmean_step(step, ckpts, st, labels, options)
 
 
 class RayGroupSolver:
-    """RegMean groups submitted to ``workers`` Ray actors in the order the writer needs
-    them, at most ``2 × workers`` ahead (bounding the results held here)."""
+    """RegMean groups submitted as Ray tasks in the order the writer needs them: at most
+    ``workers`` running and ``2 × workers`` ahead (bounding the results held here)."""
 
     def __init__(
         self,
@@ -52,9 +77,11 @@ class RayGroupSolver:
         address: str | None,
     ) -> None:
         ray = self.ray = _ray.import_ray()
+        self.refs: dict[int, Any] = {}
+        self.ended: set[int] = set()  # groups whose task ended, not yet taken
         self.started = _ray.start_ray(address, workers)
-        cls = ray.remote(num_cpus=1, max_restarts=1, max_task_retries=1)(_Actor)
-        self.actors = [cls.remote(models, stats, labels, options) for _ in range(workers)]
+        self.task = ray.remote(num_cpus=1, max_retries=1)(_solve)
+        self.inputs = ray.put((models, stats, labels, options))
         step_of = {t: st for st in steps if st.kind == "regmean" for t in st.tensors}
         seen: set[int] = set()
         self.queue: list[Step] = []
@@ -64,30 +91,57 @@ class RayGroupSolver:
                 seen.add(id(st))
                 self.queue.append(st)
         self.position = {id(st): i for i, st in enumerate(self.queue)}
-        self.refs: dict[int, Any] = {}
         self.next = 0
+        self.workers = workers
         self.window = 2 * workers
 
-    def _submit_until(self, index: int) -> None:
+    @staticmethod
+    def check_address(address: str | None) -> None:
+        """Raise :class:`~lmdx.RayClusterError` within seconds if ``address`` (a cluster
+        to join; None: a local Ray) does not answer; call it before any output exists."""
+        if address is not None and not _ray.import_ray().is_initialized():
+            _ray.check_address(address)
+
+    def _submit(self, index: int) -> None:
+        """Submit groups up to ``index`` (always), then more while fewer than ``workers``
+        are running, up to ``window`` past ``index``."""
         while self.next < len(self.queue) and self.next <= index + self.window:
-            actor = self.actors[self.next % len(self.actors)]
-            self.refs[self.next] = actor.solve.remote(self.queue[self.next])
+            if self.next > index:
+                running = len(self.refs) - len(self.ended)
+                if running >= self.workers:
+                    return
+            self.refs[self.next] = self.task.remote(self.inputs, self.queue[self.next])
             self.next += 1
+
+    def _name(self, i: int) -> str:
+        return f"the RegMean group of {self.queue[i].modules[0]!r}"
 
     def result(self, step: Step) -> tuple[dict[str, Any], dict[str, Any]]:
         """The merged tensors of ``step`` (NumPy, in their input dtype; read-only) and the
         solver's report per module."""
         i = self.position[id(step)]
-        self._submit_until(i)
-        ref = self.refs.pop(i)
+        while True:  # wake up whenever a group ends, to submit the next ones
+            self._submit(i)
+            ref = self.refs[i]
+            out = [ref, *(r for j, r in self.refs.items() if j != i and j not in self.ended)]
+            done = _ray.wait_ready(self.ray, out, 1, lambda: self._name(i))
+            self.ended.update(j for j, r in self.refs.items() if r in done)
+            if ref in done:
+                break
+        del self.refs[i]
+        self.ended.discard(i)
         try:
             solved, layers = self.ray.get(ref)
         except self.ray.exceptions.RayError as exc:
-            raise MergeError(
-                f"RegMean of {step.modules[0]!r} failed on its Ray worker: "
-                f"{_ray.failure(self.ray, exc)}"
-            ) from exc
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, LmdxError):  # what a local merge raises, as it would
+                raise cause from None
+            raise RayClusterError(
+                f"{self._name(i)} failed on its Ray worker: {_ray.failure(self.ray, exc)}"
+            ) from None
         return dict(solved), layers
 
     def close(self) -> None:
-        _ray.kill_actors(self.ray, self.actors, self.started)
+        """Cancel the groups still out; shut Ray down if this solver started it."""
+        _ray.stop_ray(self.ray, list(self.refs.values()), self.started)
+        self.refs.clear()

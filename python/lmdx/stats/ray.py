@@ -1,7 +1,7 @@
 """RegMean statistics collected by several processes or machines with Ray (``lmdx[ray]``).
 
 :func:`collect_regmean_stats_ray` splits a list of batches into contiguous shards, runs
-:func:`lmdx.stats.collect.collect_regmean_stats` on each shard in a Ray actor that loads the
+:func:`lmdx.stats.collect.collect_regmean_stats` on each shard in a Ray task that loads the
 model once, and adds the partial statistics in float64 on the driver. Grams, sums and
 counts are sums over rows, so the result is the single-process one up to the order of
 the float64 additions (≤ 1e-12 relative; not bit for bit): every batch is run whole by one
@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import inspect
 import os
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from .. import _ray
-from .._errors import ModelMismatchError
+from .._errors import ModelMismatchError, RayClusterError
 from .._util import progress_bar
 from ..files.hf import load_model
 from .add import add_statistics
@@ -61,41 +60,54 @@ def shard_bounds(n: int, k: int) -> list[tuple[int, int]]:
     return bounds
 
 
-class _ShardWorker:
-    """A Ray actor's state: the model, loaded (or built) once, and torch's thread count."""
+class _LoadFailed(RuntimeError):
+    """The model could not be loaded (or built) in a worker; the message says why."""
 
-    def __init__(self, model: str | Callable[[], Any], threads: int) -> None:
-        import torch
 
-        torch.set_num_threads(threads)
-        if callable(model):
-            self.model = model()
-        else:
-            self.model = load_model(model, progress=False)
-        if not hasattr(self.model, "named_modules"):
-            raise TypeError(
-                f"the model factory returned a {type(self.model).__name__}, not a torch module"
-            )
-        self.threads = threads
-
-    def collect(self, batches: list[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
-        """This shard's statistics as plain data: metadata and packed float64 arrays."""
-        stats = collect_regmean_stats(
-            self.model, batches, progress=False, n_threads=self.threads, **kwargs
+def _load(model: str | Callable[[], Any]) -> Any:
+    if callable(model):
+        return model()
+    if not (Path(model) / "config.json").is_file():
+        node = _ray.import_ray().util.get_node_ip_address()
+        raise _LoadFailed(
+            f"the model folder {model} is not on Ray node {node}: "
+            "every node must see it at this path (a shared filesystem, or a copy there), "
+            "or pass a model factory"
         )
-        return {
-            "kind": stats.kind,
-            "model": stats.model,
-            "data": stats.data,
-            "padding": stats.padding,
-            "modules": stats.modules,
-            "groups": {
-                g: {"dim": int(v["dim"]), "count": stats.group_count(g)}
-                for g, v in stats.groups.items()
-            },
-            "extra": stats.extra,
-            "tensors": {spec.name: stats.packed(spec.name) for spec in stats.specs()},
-        }
+    return load_model(model, progress=False)
+
+
+def _collect_shard(
+    model: str | Callable[[], Any], threads: int, batches: list[Any], kwargs: Mapping[str, Any]
+) -> dict[str, Any]:
+    """One shard's statistics (a Ray task): metadata and packed float64 arrays."""
+    import torch
+
+    torch.set_num_threads(threads)
+    try:
+        module = _load(model)
+    except _LoadFailed:
+        raise
+    except Exception as exc:
+        raise _LoadFailed(f"loading the model failed: {type(exc).__name__}: {exc}") from None
+    if not hasattr(module, "named_modules"):
+        raise _LoadFailed(
+            f"the model factory returned a {type(module).__name__}, not a torch module"
+        )
+    stats = collect_regmean_stats(module, batches, progress=False, n_threads=threads, **kwargs)
+    return {
+        "kind": stats.kind,
+        "model": stats.model,
+        "data": stats.data,
+        "padding": stats.padding,
+        "modules": stats.modules,
+        "groups": {
+            g: {"dim": int(v["dim"]), "count": stats.group_count(g)}
+            for g, v in stats.groups.items()
+        },
+        "extra": stats.extra,
+        "tensors": {spec.name: stats.packed(spec.name) for spec in stats.specs()},
+    }
 
 
 def _check_collect_kwargs(kwargs: Mapping[str, Any]) -> None:
@@ -214,9 +226,10 @@ def collect_regmean_stats_ray(
         ``"ray://host:port"`` or ``"host:port"``: connect to that cluster and disconnect at
         the end. If ``ray.init`` was called already, that connection is used as it is.
     num_workers
-        Ray actors, each loading the model once and collecting one shard.
+        Shards, each collected by one Ray task that loads the model once. The tasks run as
+        CPUs free up: more workers than CPUs only take longer.
     threads_per_worker
-        CPUs each actor reserves: its lmdx ``n_threads`` and torch's intra-op threads.
+        CPUs each task reserves: its lmdx ``n_threads`` and torch's intra-op threads.
     progress
         Show a progress bar over finished shards.
     **collect_kwargs
@@ -239,11 +252,16 @@ def collect_regmean_stats_ray(
     ImportError
         Ray is not installed (``pip install 'lmdx[ray]'``).
     RuntimeError
-        A worker raised, or its process died twice (Ray restarts each worker once, which
-        reloads the model and recomputes its shard); the message names the shard's batch
-        range and the worker's error. Nothing is returned (nothing is written).
+        A worker raised (e.g. its model could not be loaded: a folder missing on its node);
+        the message names the shard's batch range and the worker's error.
+    lmdx.RayClusterError
+        The cluster's address does not answer (checked within seconds, before
+        ``ray.init``); a shard's worker process or node was lost twice (each shard is run
+        again once, on any node with free CPUs); or no node has had ``threads_per_worker``
+        CPUs for ``LMDX_RAY_WAIT`` seconds (default 60) while shards were left.
 
-    Every actor is killed at the end, also on error or ``KeyboardInterrupt``.
+    Nothing is returned (nothing is written) on error; the tasks still running are
+    cancelled at the end, also on error or ``KeyboardInterrupt``.
     """
     ray = _ray.import_ray()
     for name, value in (("num_workers", num_workers), ("threads_per_worker", threads_per_worker)):
@@ -264,41 +282,42 @@ def collect_regmean_stats_ray(
 
     if started:
         _ray.start_ray(address, num_workers * threads_per_worker)
-    actors: list[Any] = []
+    n = len(batches)
+    names = [
+        f"shard {i + 1} of {k} (batches {a}..{b - 1} of {n})" for i, (a, b) in enumerate(bounds)
+    ]
+    refs: dict[Any, int] = {}
     bar = progress_bar(k, "RegMean statistics (Ray shards)", progress, unit="shard")
     try:
-        available = ray.cluster_resources().get("CPU", 0)
-        if available < k * threads_per_worker:
-            warnings.warn(
-                f"collect_regmean_stats_ray: {k} workers × {threads_per_worker} threads need "
-                f"{k * threads_per_worker} CPUs but the Ray cluster has {available:g}; "
-                "workers wait for free CPUs (or for the autoscaler)",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        worker_cls = ray.remote(num_cpus=threads_per_worker, max_restarts=1, max_task_retries=1)(
-            _ShardWorker
-        )
-        actors = [worker_cls.remote(spec, threads_per_worker) for _ in range(k)]
-        refs = {
-            actor.collect.remote(batches[a:b], dict(collect_kwargs)): i
-            for i, (actor, (a, b)) in enumerate(zip(actors, bounds, strict=True))
-        }
+        task = ray.remote(num_cpus=threads_per_worker, max_retries=1)(_collect_shard)
+        for i, (a, b) in enumerate(bounds):  # a shard starts as soon as CPUs are free
+            refs[task.remote(spec, threads_per_worker, batches[a:b], dict(collect_kwargs))] = i
         partials: list[Any] = [None] * k
         while refs:
-            done, _ = ray.wait(list(refs), num_returns=1)
+            done = _ray.wait_ready(
+                ray, list(refs), threads_per_worker, lambda: _pending(names, refs.values())
+            )
             for ref in done:
                 i = refs.pop(ref)
                 try:
                     partials[i] = ray.get(ref)
                 except ray.exceptions.RayError as exc:
-                    a, b = bounds[i]
-                    raise RuntimeError(
-                        f"collect_regmean_stats_ray: shard {i + 1} of {k} (batches {a}..{b - 1} "
-                        f"of {len(batches)}) failed on its Ray worker: {_ray.failure(ray, exc)}"
-                    ) from exc
+                    cause = getattr(exc, "cause", None)
+                    why = str(cause) if isinstance(cause, _LoadFailed) else _ray.failure(ray, exc)
+                    # an error raised by the worker's code, or the worker (node) lost twice
+                    error = RuntimeError if cause is not None else RayClusterError
+                    raise error(
+                        f"collect_regmean_stats_ray: {names[i]} failed on its Ray worker: {why}"
+                    ) from None
                 bar.update(1)
     finally:
         bar.close()
-        _ray.kill_actors(ray, actors, started)
+        _ray.stop_ray(ray, list(refs), started)
     return _add_partials(partials, bounds, threads_per_worker)
+
+
+def _pending(names: Sequence[str], indices: Iterable[int]) -> str:
+    """The shards still out, for the message of a lost cluster."""
+    left = sorted(indices)
+    more = f" and {len(left) - 1} more" if len(left) > 1 else ""
+    return f"collect_regmean_stats_ray: {names[left[0]]}{more}"
