@@ -11,14 +11,14 @@ Timed, on the same list of batches:
 * ``1 process × 1 thread`` / ``1 process × 2 threads``:
   :func:`lmdx.collect_regmean_stats` on the model loaded in this process, lmdx
   ``n_threads`` and torch's intra-op threads both set to 1 / 2;
-* ``Ray 2 workers × 1 thread, collection``: two Ray actors (the class
-  :func:`lmdx.collect_regmean_stats_ray` uses) that already hold the model each collect
+* ``Ray 2 workers × 1 thread, collection``: two Ray actors that already hold the model
+  (as :func:`lmdx.collect_regmean_stats_ray`'s tasks do once loaded) each collect
   one contiguous half of the batches; timed from shipping the shards to the float64 sum of
   the partials on the driver (what the function does after its workers are up);
 * ``Ray start-up`` (once each): ``ray.init`` of a local two-CPU Ray; starting the two
   actors and loading the model in them (until both answer);
 * ``collect_regmean_stats_ray end to end`` (once, Ray already running): the public
-  function, i.e. actor start, model load, collection, sum, actor shutdown.
+  function, i.e. task start, model load, collection, sum.
 
 Each collection is timed ``--reps`` times; the table gives the median (and min–max).
 Agreement: per input group ``max|G − G_ref| / max|G_ref|`` of the Gram, largest over the
@@ -119,6 +119,23 @@ def machine() -> list[str]:
     ]
 
 
+class _Holder:
+    """A Ray actor holding the model, collecting shards as a worker of
+    :func:`lmdx.collect_regmean_stats_ray` does (its tasks load the model, then collect)."""
+
+    def __init__(self, folder: str) -> None:
+        import torch
+        from lmdx.files import load_model
+
+        torch.set_num_threads(1)
+        self.model = load_model(folder, progress=False)
+
+    def collect(self, batches: list[Any]) -> dict[str, Any]:
+        from lmdx.stats.ray import shard_partial
+
+        return shard_partial(self.model, 1, batches, {})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--texts", type=int, default=256, help="BBC News sentences (256)")
@@ -135,7 +152,7 @@ def main() -> None:
     import torch
     from lmdx import collect_regmean_stats, collect_regmean_stats_ray
     from lmdx.files import load_model
-    from lmdx.stats.ray import _add_partials, _ShardWorker, shard_bounds
+    from lmdx.stats.ray import _add_partials, shard_bounds
 
     header = machine()
     workers = 2
@@ -173,11 +190,11 @@ def main() -> None:
                     folder, batches, num_workers=workers, threads_per_worker=1, progress=False
                 )
             )
-            cls = ray.remote(num_cpus=1, max_restarts=1, max_task_retries=1)(_ShardWorker)
+            cls = ray.remote(num_cpus=1)(_Holder)
             log("starting actors")
 
             def start() -> list[Any]:
-                actors = [cls.remote(str(folder), 1) for _ in range(workers)]
+                actors = [cls.remote(str(folder)) for _ in range(workers)]
                 ray.get([a.__ray_ready__.remote() for a in actors])
                 return actors
 
@@ -186,7 +203,7 @@ def main() -> None:
 
             def collect() -> Any:
                 refs = [
-                    a.collect.remote(batches[lo:hi], {})
+                    a.collect.remote(batches[lo:hi])
                     for a, (lo, hi) in zip(actors, bounds, strict=True)
                 ]
                 return _add_partials(ray.get(refs), bounds, 1)
@@ -226,7 +243,7 @@ def main() -> None:
     lines.append(f"| `ray.init` (local, {workers} CPUs) | {t_init:.2f} |")
     lines.append(f"| {workers} actors started, model loaded in each | {t_actors:.2f} |")
     lines.append(
-        f"| `collect_regmean_stats_ray` end to end (Ray running; actors, load, collection) "
+        f"| `collect_regmean_stats_ray` end to end (Ray running; tasks, load, collection) "
         f"| {t_e2e:.2f} |"
     )
     lines.append("")

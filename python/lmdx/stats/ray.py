@@ -32,7 +32,7 @@ from .add import add_statistics
 from .collect import collect_regmean_stats
 from .file import Statistics
 
-__all__ = ["collect_regmean_stats_ray", "shard_bounds"]
+__all__ = ["collect_regmean_stats_ray", "shard_bounds", "shard_partial"]
 
 #: ``collect_regmean_stats`` arguments not accepted in ``collect_kwargs``, and why.
 _RESERVED = {
@@ -94,6 +94,14 @@ def _collect_shard(
         raise _LoadFailed(
             f"the model factory returned a {type(module).__name__}, not a torch module"
         )
+    return shard_partial(module, threads, batches, kwargs)
+
+
+def shard_partial(
+    module: Any, threads: int, batches: list[Any], kwargs: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The statistics of ``batches`` on ``module`` as a shard's plain data (metadata and
+    packed float64 arrays), what a worker sends back to be added on the driver."""
     stats = collect_regmean_stats(module, batches, progress=False, n_threads=threads, **kwargs)
     return {
         "kind": stats.kind,
