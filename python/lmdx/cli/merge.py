@@ -68,7 +68,7 @@ def add_merge_parser(sub: Any) -> None:
         type=int,
         default=0,
         metavar="N",
-        help="solve the RegMean layers on N Ray actors (lmdx[ray]; a local Ray unless "
+        help="solve the RegMean layers on N Ray workers (lmdx[ray]; a local Ray unless "
         "--ray-address)",
     )
     p.add_argument(

@@ -705,7 +705,7 @@ def stream_merge(
     input hashes, peak RSS). It appears only when complete; a full disk is reported
     before any work.
 
-    ``ray_workers > 0`` solves the RegMean groups on that many Ray actors (``lmdx[ray]``;
+    ``ray_workers > 0`` solves the RegMean groups on that many Ray workers (``lmdx[ray]``;
     ``ray_address`` as in :func:`lmdx.collect_regmean_stats_ray`), a few groups ahead of
     the writer, each actor reading the inputs and statistics itself (on a cluster every
     node must see the same paths; statistics must be files or folders). Averages and the
