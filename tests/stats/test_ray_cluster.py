@@ -205,7 +205,8 @@ def test_interrupt_with_ray_running_keeps_the_promise(
 def _trap_hook(trap: str) -> Callable[[], None]:
     """A worker process's setup: wrap the statistics shard and the RegMean group solver so
     that, while ``trap/armed`` exists, the first call anywhere writes its node to
-    ``trap/sprung`` and sleeps (until its node is removed)."""
+    ``trap/sprung`` and sleeps (until its node is removed); while ``trap/die`` exists,
+    every call kills its own process."""
 
     def hook() -> None:
         import os
@@ -217,6 +218,8 @@ def _trap_hook(trap: str) -> Callable[[], None]:
 
         def trapped(fn: Any) -> Any:
             def call(*args: Any, **kwargs: Any) -> Any:
+                if os.path.exists(os.path.join(trap, "die")):
+                    os._exit(1)
                 if os.path.exists(os.path.join(trap, "armed")):
                     try:
                         fd = os.open(os.path.join(trap, "claim"), os.O_CREAT | os.O_EXCL)
@@ -379,6 +382,25 @@ def test_no_node_left_stops_with_one_line_and_writes_nothing(
     assert len(err) == 1, err
     assert "lmdx merge: error: the RegMean group of 'bert." in err[0], err
     assert "lost; no node of the Ray cluster has had 1 CPU(s) to run it for 3 s" in err[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_worker_dying_twice_in_a_merge_is_a_cluster_error(
+    nodes: Nodes, workspace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every worker process solving a group dies: after the retry, one line naming the
+    group, exit status 1 (not 2, bad input), no statistics wording; nothing written."""
+    (nodes.trap / "die").touch()
+    out = tmp_path / "merged"
+    argv = ["merge", str(workspace / "merge.yaml"), "--out", str(out), "--no-progress"]
+    assert main([*argv, "--ray-workers", "2"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "lmdx merge: error: the RegMean group of 'bert." in err[0], err
+    assert (
+        "failed on its Ray worker: its Ray worker process or node was lost on the retry" in err[0]
+    )
+    assert "shard" not in err[0]
     assert list(tmp_path.iterdir()) == []
 
 
