@@ -197,6 +197,55 @@ def check(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     return errors
 
 
+def _groups(shapes: dict[str, int]) -> dict[str, tuple[int, int]]:
+    """Each RegMean group of one decoder layer: (input dim d, output rows m)."""
+    h, f, kv = shapes["hidden"], shapes["intermediate"], shapes["kv_heads"] * 128
+    return {
+        "self_attn.q_proj": (h, h + 2 * kv),
+        "self_attn.o_proj": (h, h),
+        "mlp.gate_proj": (h, 2 * f),
+        "mlp.down_proj": (f, h),
+    }
+
+
+def _flops(d: int, m: int, k: int) -> float:
+    """A group's solve: K products G_i W_i, the triangular solves, the Cholesky."""
+    return 2.0 * k * d * d * m + 2.0 * d * d * m + d**3 / 3
+
+
+def extrapolate(path: Path, layers: int = 32) -> None:
+    """The planning table: a full 8B merge's time from the measured rate of the decoder
+    layers' groups (flops per second at the measured scale, K = 3), and its memory from
+    the measured peak RSS scaled with the largest group's K float64 weights and Grams."""
+    res = json.loads(path.read_text())
+    measured, full = res["shapes"], _shapes(1)
+    auto = res["merged-auto"]["group_seconds"]
+    flops = seconds = 0.0
+    for name, t in auto.items():
+        if name.startswith("model.layers."):
+            d, m = _groups(measured)[name.split(".", 3)[3]]
+            flops, seconds = flops + _flops(d, m, 3), seconds + t
+    rate = flops / seconds
+    heads = (measured["hidden"], measured["vocab"]), (full["hidden"], full["vocab"])
+    rss = res["merged-auto"]["peak_rss"]
+
+    def largest(shapes: dict[str, int], head: tuple[int, int], k: int, with_head: bool) -> float:
+        groups = list(_groups(shapes).values()) + ([head] if with_head else [])
+        return max(8.0 * k * (d * m + d * d) for d, m in groups)
+
+    print(f"measured: {rate / 1e9:.1f} GFLOP/s over the decoder layers' groups, K = 3, "
+          f"{res['args']['scale']}× smaller shapes; merge peak RSS {rss / 1e9:.2f} GB")  # fmt: skip
+    print("\n| K | s per layer | 32 layers h | lm_head s | peak GB, lm_head RegMean | "
+          "peak GB, lm_head averaged |\n|---|---:|---:|---:|---:|---:|")  # fmt: skip
+    base = largest(measured, heads[0], 3, True)
+    for k in (2, 3, 4, 8):
+        layer = sum(_flops(d, m, k) for d, m in _groups(full).values()) / rate
+        head = _flops(*heads[1], k) / rate
+        peaks = [rss * largest(full, heads[1], k, w) / base for w in (True, False)]
+        print(f"| {k} | {layer:.0f} | {layers * layer / 3600:.1f} | {head:.0f} | "
+              f"{peaks[0] / 1e9:.0f} | {peaks[1] / 1e9:.0f} |")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdir", default="/tmp/lmdx-llm-shapes")
@@ -210,7 +259,10 @@ def main() -> None:
     ap.add_argument("--out", default="merged-auto")
     ap.add_argument("--precision", default="auto")
     ap.add_argument("--ray-workers", type=int, default=0)
+    ap.add_argument("--extrapolate", metavar="RESULTS_JSON", help="print the planning table")
     args = ap.parse_args()
+    if args.extrapolate:
+        return extrapolate(Path(args.extrapolate))
     if args.step == "build":
         return build(args)
     if args.step == "merge":
