@@ -707,7 +707,7 @@ def stream_merge(
 
     ``ray_workers > 0`` solves the RegMean groups on that many Ray workers (``lmdx[ray]``;
     ``ray_address`` as in :func:`lmdx.collect_regmean_stats_ray`), a few groups ahead of
-    the writer, each actor reading the inputs and statistics itself (on a cluster every
+    the writer, each worker reading the inputs and statistics itself (on a cluster every
     node must see the same paths; statistics must be files or folders). Averages and the
     writing stay in this process. The output is bit-identical to a run without Ray.
 
