@@ -212,3 +212,15 @@ def test_bad_options_are_one_line_errors(rng):
     sm.add([x, x])
     with pytest.raises(ValueError, match="split 'train': no norm sums; create the moments with"):
         moments_similarity(sm)
+
+
+def test_first_canonical_correlations_agree_with_scikit_learn(rng):
+    """A public implementation (scikit-learn's iterative CCA, here through the test
+    dependencies) as a cross-check of the leading canonical correlations."""
+    cross_decomposition = pytest.importorskip("sklearn.cross_decomposition")
+    x, y = paired(rng, 500, 5, 4, 5, 4, 4, shift=2.0)
+    ours = similarity([x, y]).correlations["cca"][("m0", "m1")]
+    cca = cross_decomposition.CCA(n_components=2, scale=False, max_iter=10_000, tol=1e-14)
+    xs, ys = cca.fit(x, y).transform(x, y)
+    theirs = [np.corrcoef(xs[:, i], ys[:, i])[0, 1] for i in range(2)]
+    np.testing.assert_allclose(ours[:2], theirs, rtol=1e-7)
