@@ -173,6 +173,10 @@ def test_a_model_compared_with_itself(rng):
     rho = res.correlations["cca"][("m0", "m1")]
     assert len(rho) == 5
     np.testing.assert_allclose(rho, 1.0, atol=1e-12)
+    # The diagonal is exact by definition.
+    assert res.tables["cka"][0, 0] == 1.0 and res.tables["procrustes"][1, 1] == 0.0
+    assert res.tables["pillai"][0, 0] == 5.0
+    np.testing.assert_array_equal(res.correlations["cca"][("m0", "m0")], np.ones(5))
 
 
 def test_constant_embedding_is_named_not_raised(rng):

@@ -74,7 +74,12 @@ rank-deficient embeddings).
 Edge cases are named in the notes, not raised: a constant embedding (every measure
 NaN for its pairs), n < 4 (debiased CKA NaN), and n − 1 < rank_x + rank_y, where the CCA
 family is degenerate (at least rank_x + rank_y − (n − 1) canonical correlations are 1
-whatever the models, e.g. when n is smaller than the width).
+whatever the models, e.g. when n is smaller than the width). The diagonal of every table
+(a model with itself) is set to its exact value — CKA, debiased CKA, mean ρ, SVCCA and
+PWCCA 1, Procrustes 0, every canonical correlation 1 — rather than computed; two copies of
+one model under different names are computed like any pair. PWCCA's weights are not unique
+where canonical correlations repeat (several zeros, say); its value then depends on the
+basis the SVD returns.
 """
 
 from __future__ import annotations
@@ -202,10 +207,15 @@ class _Canonical:
     weights_y: Array
 
 
-def _canonical(cxy: Array, sx: _Spectrum, sy: _Spectrum) -> _Canonical:
+def _canonical(cxy: Array, sx: _Spectrum, sy: _Spectrum, *, weights: bool) -> _Canonical:
+    """Canonical correlations, and (``weights``) the PWCCA weights of each side."""
     wx = sx.vectors / np.sqrt(sx.values)
     wy = sy.vectors / np.sqrt(sy.values)
-    u, rho, vt = np.linalg.svd(wx.T @ cxy @ wy, full_matrices=False)
+    whitened = wx.T @ cxy @ wy
+    if not weights:
+        rho = np.minimum(np.linalg.svd(whitened, compute_uv=False), 1.0)
+        return _Canonical(rho, np.empty(0), np.empty(0))
+    u, rho, vt = np.linalg.svd(whitened, full_matrices=False)
     r = len(rho)
     # C_xx w_i = V Λ^{1/2} u_i: the canonical variate's inner products with x's neurons.
     load_x = (sx.vectors * np.sqrt(sx.values)) @ u[:, :r]
@@ -312,8 +322,23 @@ def split_similarity(
             for j in range(i, m):
                 f2 = float(np.sum(cov[blocks[i], blocks[j]] ** 2))
                 h[i, j] = h[j, i] = f2 + tr[i] * tr[j] / ((n - 1) * (n - 2)) - q[i, j] / (n - 2)
+    for i, si in enumerate(spectra):
+        if si.rank == 0:
+            continue
+        # A model with itself, exact by definition (every whitened direction correlates 1).
+        for key, value in (("cka", 1.0), ("procrustes", 0.0), ("pwcca", 1.0), ("svcca", 1.0)):
+            if key in tables:
+                tables[key][i, i] = value
+        if "debiased_cka" in tables and h[i, i] > 0:
+            tables["debiased_cka"][i, i] = 1.0
+        if "cca" in measures:
+            correlations.setdefault("cca", {})[(names[i], names[i])] = np.ones(si.rank)
+            tables["cca_mean"][i, i] = tables["cca_r2"][i, i] = 1.0
+            tables["pillai"][i, i] = float(si.rank)
+        if "svcca" in measures:
+            correlations.setdefault("svcca", {})[(names[i], names[i])] = np.ones(lead[i].rank)
     for i in range(m):
-        for j in range(i, m):
+        for j in range(i + 1, m):
             si, sj = spectra[i], spectra[j]
             if si.rank == 0 or sj.rank == 0:
                 continue
@@ -330,8 +355,8 @@ def split_similarity(
                 value = max(0.0, 2.0 - 2.0 * nuclear / math.sqrt(si.trace * sj.trace))
                 tables["procrustes"][i, j] = tables["procrustes"][j, i] = value
             if "cca" in measures or "pwcca" in measures:
-                can = _canonical(cxy, si, sj)
-                if i != j and si.rank + sj.rank > count - 1:
+                can = _canonical(cxy, si, sj, weights="pwcca" in measures)
+                if si.rank + sj.rank > count - 1:
                     degenerate.append(f"{names[i]}/{names[j]}")
                 if "cca" in measures:
                     correlations.setdefault("cca", {})[pair] = can.rho
@@ -346,7 +371,7 @@ def split_similarity(
                     tables["pwcca"][i, j] = _weighted(can.weights_x, can.rho)
                     tables["pwcca"][j, i] = _weighted(can.weights_y, can.rho)
             if "svcca" in tables:
-                rho = _canonical(cxy, lead[i], lead[j]).rho
+                rho = _canonical(cxy, lead[i], lead[j], weights=False).rho
                 correlations.setdefault("svcca", {})[pair] = rho
                 tables["svcca"][i, j] = tables["svcca"][j, i] = float(rho.mean())
     if degenerate:
