@@ -22,7 +22,7 @@ Methods:
   CKA and debiased CKA.
 
 Memory: with ``--rss-rows N1 N2 …`` lmdx streams N rows in a subprocess each (batches made
-on the fly) and reports peak RSS (``getrusage``) and the RSS after imports; the full
+on the fly) and reports its peak RSS (``VmHWM``) and the RSS after imports; the full
 method would hold N × D float32 (plus its float64 copy).
 
 Run: ``python bench/bench_similarity.py`` (defaults below) or ``--quick``.
@@ -35,7 +35,6 @@ import itertools
 import json
 import math
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -169,8 +168,7 @@ def rss_worker(args: argparse.Namespace) -> dict[str, Any]:
     import lmdx  # noqa: F401  (imports before the baseline)
     from lmdx.lmd.similarity import CHEAP_MEASURES, moments_similarity
 
-    with open("/proc/self/status") as f:
-        base = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    base = status_bytes("VmRSS")
     start = time.perf_counter()
     sm, _ = stream(args.dims, args.worker_rows, args.batch, args.seed, args.threads, norms=True)
     res = moments_similarity(sm, CHEAP_MEASURES)
@@ -178,9 +176,16 @@ def rss_worker(args: argparse.Namespace) -> dict[str, Any]:
         "rows": args.worker_rows,
         "seconds": time.perf_counter() - start,
         "baseline_rss": base,
-        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss": status_bytes("VmHWM"),
         "cka01": float(res.tables["cka"][0, 1]),
     }
+
+
+def status_bytes(key: str) -> int:
+    """VmRSS / VmHWM of this process. (VmHWM starts afresh at exec; getrusage's ru_maxrss
+    would carry the forking parent's RSS.)"""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(f"{key}:"))
 
 
 def main(argv: list[str] | None = None) -> int:
