@@ -228,3 +228,19 @@ def test_first_canonical_correlations_agree_with_scikit_learn(rng):
     xs, ys = cca.fit(x, y).transform(x, y)
     theirs = [np.corrcoef(xs[:, i], ys[:, i])[0, 1] for i in range(2)]
     np.testing.assert_allclose(ours[:2], theirs, rtol=1e-7)
+
+
+@given(seed=seeds)
+def test_float32_batches_agree_to_float32_accuracy(seed):
+    """Float32 embeddings (with a large mean) go through the float32 Gram and norm products;
+    the references use the same numbers in float64."""
+    rng = np.random.default_rng(seed)
+    x, y = paired(rng, 300, 6, 5, 6, 5, 5, shift=100.0)
+    x, y = x.astype(np.float32), y.astype(np.float32)
+    res = similarity([x, y], chunks=(100, 200))
+    x64, y64 = x.astype(np.float64), y.astype(np.float64)
+    t = res.tables
+    assert t["cka"][0, 1] == pytest.approx(ref_cka(x64, y64), rel=1e-6)
+    assert t["debiased_cka"][0, 1] == pytest.approx(ref_debiased_cka(x64, y64), rel=1e-6)
+    assert t["procrustes"][0, 1] == pytest.approx(ref_procrustes(x64, y64), rel=1e-6)
+    np.testing.assert_allclose(res.correlations["cca"][("m0", "m1")], ref_cca(x64, y64), atol=1e-6)
