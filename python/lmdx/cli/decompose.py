@@ -109,7 +109,13 @@ def add_decompose_parser(sub: Any) -> None:
         "comma/space separated list of cka, debiased_cka, cca, svcca, pwcca, procrustes, "
         "cv_r2 (default: all but cv_r2, which keeps one D x D Gram per fold)",
     )
-    p.add_argument("--folds", type=int, default=5, metavar="K", help="folds of cv_r2 (default 5)")
+    p.add_argument(
+        "--folds",
+        type=int,
+        default=5,
+        metavar="K",
+        help="folds of cv_r2 (default 5); its fits use --ridge when given, else ρ = 1e-8",
+    )
     p.add_argument(
         "--svcca-variance",
         type=float,
