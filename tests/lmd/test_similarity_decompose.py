@@ -198,3 +198,45 @@ def test_errors_are_one_line(rng):
         dec.similarity()
     with pytest.raises(ValueError, match="similarity: no split has 2 rows yet"):
         lmdx.Decomposition(["a", "b"], [2, 2]).similarity()
+
+
+def _ridge_r2(u_tr, z_tr, u_te, z_te, rho):
+    """Ridge fit with λ = ρ·tr(Σ_zz)/D_z (population covariance of the training rows) and
+    an intercept; pooled R² on the other rows about their own mean."""
+    zc, uc = z_tr - z_tr.mean(0), u_tr - u_tr.mean(0)
+    szz, szu = zc.T @ zc / len(z_tr), zc.T @ uc / len(z_tr)
+    lam = rho * np.trace(szz) / szz.shape[0]
+    w = np.linalg.solve(szz + lam * np.eye(len(szz)), szu)
+    b = u_tr.mean(0) - z_tr.mean(0) @ w
+    resid = u_te - z_te @ w - b
+    return 1.0 - (resid**2).sum() / ((u_te - u_te.mean(0)) ** 2).sum()
+
+
+def test_cross_validated_ridge_is_chosen_on_the_next_fold(rng):
+    grid = (1e-3, 0.3, 30.0)
+    data = _data(rng)
+    data = {
+        s: [a + 0.3 * rng.standard_normal(a.shape) for a in arrays] for s, arrays in data.items()
+    }
+    res = _decomposition(data, folds=4).fit(ridge_grid=grid)
+    cv = res.similarity.cv
+    assert cv.ridge is None and cv.ridge_grid == grid
+    rows = [np.concatenate([data[s][j] for s in SIZES]) for j in range(3)]
+    fold = np.arange(len(rows[0])) % 4
+    chosen = set()
+    for f in range(4):
+        v = (f + 1) % 4
+        tr, va, te = (fold != f) & (fold != v), fold == v, fold == f
+        for a in range(3):
+            for b in range(3):
+                if a == b:
+                    continue
+                u, z = rows[a], rows[b]
+                scores = [_ridge_r2(u[tr], z[tr], u[va], z[va], r) for r in grid]
+                best = grid[int(np.argmax(scores))]
+                chosen.add(best)
+                ref = _ridge_r2(u[tr], z[tr], u[te], z[te], best)
+                assert cv.pairwise[f, a, b] == pytest.approx(ref, rel=1e-9, abs=1e-10)
+    assert len(chosen) > 1  # the choice matters in this test
+    with pytest.raises(ValueError, match="choosing the ridge on an inner fold needs at least 3"):
+        _decomposition(data, folds=2).similarity()

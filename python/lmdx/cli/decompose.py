@@ -114,7 +114,8 @@ def add_decompose_parser(sub: Any) -> None:
         type=int,
         default=5,
         metavar="K",
-        help="folds of cv_r2 (default 5); its fits use --ridge when given, else ρ = 1e-8",
+        help="folds of cv_r2 (default 5); its fits use --ridge when given, else ρ chosen per "
+        "fit on an inner fold (fold f+1 mod K) from --ridge-grid",
     )
     p.add_argument(
         "--svcca-variance",

@@ -3,12 +3,19 @@
 Rows are dealt to the k folds in turn, in the order they are added (row t of everything
 added, over all splits, goes to fold ``t mod k``), so the folds are deterministic and
 differ in size by at most one row. Each fold keeps its own moments about one shared shift,
-so the moments of the other k − 1 folds are the total minus the fold's, exactly. Fold f's
+so the moments of any set of folds are the total minus the others', exactly. Fold f's
 fit (:func:`~lmdx.lmd.fit.fit_basis` for the pairwise table, :func:`~lmdx.lmd.fit.fit_groups`
-for the group fits) is trained on the other folds' moments with one fixed relative ridge
-(default :data:`DEFAULT_CV_RIDGE`, practically ordinary least squares) and scored on fold
-f's moments (pooled R², SST about fold f's own mean). Reported: the k held-out R² values
-of every fit, their mean and their standard deviation across folds (ddof = 1).
+for the group fits) is scored on fold f's moments (pooled R², SST about fold f's own
+mean) and trained
+
+* with a fixed relative ridge ρ (``ridge=``): on the other k − 1 folds;
+* otherwise with ρ chosen per fit from ``ridge_grid`` (default
+  :data:`~lmdx.lmd.fit.DEFAULT_RIDGE_GRID`) by the pooled R² on the next fold,
+  f + 1 mod k (an inner validation fold, as LMD chooses ρ on the validation split): on
+  the other k − 2 folds. Fold f never takes part in choosing its own ρ. Needs k ≥ 3.
+
+Reported: the k held-out R² values of every fit, their mean and their standard deviation
+across folds (ddof = 1).
 
 Memory: one D × D Gram per fold (8·k·D² bytes), which is why ``cv_r2`` is not among the
 default measures.
@@ -16,6 +23,7 @@ default measures.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,17 +32,13 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ..moments import DEFAULT_CHUNK_ROWS, Moments
-from .fit import SplitStats, fit_basis, fit_groups, ridge_plan
+from .fit import DEFAULT_RIDGE_GRID, SplitStats, fit_basis, fit_groups, ridge_plan
 from .split_moments import BlockLayout, SplitMoments
 
-__all__ = ["DEFAULT_CV_RIDGE", "DEFAULT_FOLDS", "CrossValidation", "FoldMoments", "cross_validate"]
+__all__ = ["DEFAULT_FOLDS", "CrossValidation", "FoldMoments", "cross_validate"]
 
 #: Folds of ``cv_r2`` unless told otherwise.
 DEFAULT_FOLDS: int = 5
-
-#: Relative ridge of the cross-validated fits unless told otherwise (the smallest value of
-#: :data:`~lmdx.lmd.fit.DEFAULT_RIDGE_GRID`: it only keeps singular Σ_zz factorizable).
-DEFAULT_CV_RIDGE: float = 1e-8
 
 Array = NDArray[np.float64]
 
@@ -102,8 +106,9 @@ class FoldMoments:
         """Rows per fold."""
         return [f.count for f in self._folds] if self._folds else [0] * self.k
 
-    def held_out(self) -> list[tuple[SplitStats, SplitStats]]:
-        """(stats of the other folds, stats of the fold) for every fold."""
+    def fold_stats(self, inner: bool) -> list[dict[str, SplitStats]]:
+        """Per fold f: ``test`` (fold f) and ``train`` (the other folds), or with ``inner``
+        ``validation`` (fold f + 1 mod k) and ``train`` (the other k − 2 folds)."""
         if min(self.counts) < 2:
             raise ValueError(
                 f"cv_r2: the {self.k} folds have {self.counts} rows; every fold needs at "
@@ -112,14 +117,19 @@ class FoldMoments:
         shift = self._folds[0].shift
         assert shift is not None
         parts = [(f.moments.count, f.moments.sum, f.moments.gram()) for f in self._folds]
-        n_all = sum(p[0] for p in parts)
-        s_all = sum(p[1] for p in parts)
-        g_all = sum(p[2] for p in parts)
+        n_all = math.fsum(p[0] for p in parts)
+        s_all = np.sum([p[1] for p in parts], axis=0)
+        g_all = np.sum([p[2] for p in parts], axis=0)
         out = []
-        for n, s, g in parts:
-            out.append(
-                (_stats(n_all - n, s_all - s, g_all - g, shift), _stats(n, s, g.copy(), shift))
-            )
+        for f, (n, s, g) in enumerate(parts):
+            stats = {"test": _stats(n, s, g.copy(), shift)}
+            n_tr, s_tr, g_tr = n_all - n, s_all - s, g_all - g
+            if inner:
+                n_v, s_v, g_v = parts[(f + 1) % self.k]
+                stats["validation"] = _stats(n_v, s_v, g_v.copy(), shift)
+                n_tr, s_tr, g_tr = n_tr - n_v, s_tr - s_v, g_tr - g_v
+            stats["train"] = _stats(n_tr, s_tr, g_tr, shift)
+            out.append(stats)
         return out
 
 
@@ -138,8 +148,11 @@ class CrossValidation:
     ----------
     names
         The models.
-    folds, ridge
-        k and the relative ridge of every fit.
+    folds
+        k.
+    ridge, ridge_grid
+        The fixed relative ridge of every fit, or None and the grid each fit's ridge was
+        chosen from on its inner validation fold.
     counts
         Rows per fold.
     pairwise
@@ -151,7 +164,8 @@ class CrossValidation:
 
     names: tuple[str, ...]
     folds: int
-    ridge: float
+    ridge: float | None
+    ridge_grid: tuple[float, ...] | None
     counts: tuple[int, ...]
     pairwise: Array
     group: Array
@@ -172,6 +186,10 @@ class CrossValidation:
         return {
             "folds": self.folds,
             "rho": self.ridge,
+            "rho_grid": None if self.ridge_grid is None else list(self.ridge_grid),
+            "rho_choice": "fixed"
+            if self.ridge is not None
+            else "per fit, by pooled R² on fold f + 1 mod k; trained on the other k - 2 folds",
             "rows_per_fold": list(self.counts),
             "assignment": "row t (in the order added, over all splits) is in fold t mod k",
             "orientation": "pairwise[fold][target][basis] = R²(target | basis) on the fold",
@@ -187,17 +205,26 @@ class CrossValidation:
 def cross_validate(
     folds: FoldMoments,
     *,
-    ridge: float = DEFAULT_CV_RIDGE,
+    ridge: float | None = None,
+    ridge_grid: Sequence[float] = DEFAULT_RIDGE_GRID,
     pairwise: bool = True,
     group: bool = True,
     allow_regularization: bool = True,
     n_threads: int | None = None,
 ) -> CrossValidation:
-    """k-fold cross-validated pairwise and group R² from the folds' moments."""
+    """k-fold cross-validated pairwise and group R² from the folds' moments, with a fixed
+    relative ``ridge`` or (None) one chosen per fit from ``ridge_grid`` on an inner fold
+    (see the module notes)."""
     layout = folds.layout
     names = layout.names
     m = len(names)
-    plan = ridge_plan("default", ridge=ridge)
+    inner = ridge is None
+    if inner and folds.k < 3:
+        raise ValueError(
+            "cv_r2: choosing the ridge on an inner fold needs at least 3 folds; use more "
+            "folds or pass a fixed ridge"
+        )
+    plan = ridge_plan("default", ridge_grid=ridge_grid) if inner else ridge_plan("default", ridge)
     options: dict[str, Any] = {
         "keep_weights": False,
         "allow_regularization": allow_regularization,
@@ -205,8 +232,7 @@ def cross_validate(
     }
     pair = np.full((folds.k, m, m), np.nan)
     grp = np.full((folds.k, m), np.nan)
-    for f, (train, test) in enumerate(folds.held_out()):
-        stats = {"train": train, "test": test}
+    for f, stats in enumerate(folds.fold_stats(inner and plan.select)):
         if pairwise:
             for j, b in enumerate(names):
                 others = [(a,) for a in names if a != b]
@@ -218,7 +244,8 @@ def cross_validate(
     return CrossValidation(
         names=names,
         folds=folds.k,
-        ridge=float(ridge),
+        ridge=None if plan.select else plan.ridges[0],
+        ridge_grid=plan.ridges if plan.select else None,
         counts=tuple(folds.counts),
         pairwise=pair,
         group=grp,

@@ -7,8 +7,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..moments import DEFAULT_CHUNK_ROWS
-from .cross_validation import DEFAULT_CV_RIDGE, DEFAULT_FOLDS, FoldMoments, cross_validate
-from .fit import check_sample_size, fit_basis, fit_groups, ridge_plan, split_stats
+from .cross_validation import DEFAULT_FOLDS, FoldMoments, cross_validate
+from .fit import (
+    DEFAULT_RIDGE_GRID,
+    check_sample_size,
+    fit_basis,
+    fit_groups,
+    ridge_plan,
+    split_stats,
+)
 from .names import renamed_keywords
 from .results import DecompositionResult, LMDFit, Mode
 from .similarity import RANK_TOL, SVCCA_VARIANCE, SplitSimilarity, parse_measures, split_similarity
@@ -107,7 +114,8 @@ class Decomposition:
     def similarity(
         self,
         *,
-        cv_ridge: float = DEFAULT_CV_RIDGE,
+        cv_ridge: float | None = None,
+        cv_ridge_grid: Sequence[float] | None = None,
         rank_tol: float = RANK_TOL,
         svcca_variance: float = SVCCA_VARIANCE,
         allow_regularization: bool = True,
@@ -120,7 +128,11 @@ class Decomposition:
         Parameters
         ----------
         cv_ridge
-            Relative ridge ρ of the cross-validated fits (``cv_r2``).
+            Fixed relative ridge ρ of the cross-validated fits (``cv_r2``); None: chosen
+            per fit from :data:`~lmdx.lmd.DEFAULT_RIDGE_GRID` on an inner fold (see
+            :mod:`lmdx.lmd.cross_validation`).
+        cv_ridge_grid
+            The grid of that choice (default :data:`~lmdx.lmd.DEFAULT_RIDGE_GRID`).
         rank_tol
             Eigenvalues of a model's covariance at or below ``rank_tol`` × the largest are
             dropped by CCA, SVCCA and PWCCA.
@@ -157,6 +169,7 @@ class Decomposition:
             cv = cross_validate(
                 self.folds,
                 ridge=cv_ridge,
+                ridge_grid=DEFAULT_RIDGE_GRID if cv_ridge_grid is None else cv_ridge_grid,
                 allow_regularization=allow_regularization,
                 n_threads=n_threads,
             )
@@ -262,9 +275,8 @@ class Decomposition:
         table). Pairwise fits factor Σ_bb once per basis b and ridge value (all targets as
         right-hand sides); group fits factor the joint Σ once per ridge value. The
         similarity measures given at construction are computed as by :meth:`similarity`
-        (``cv_ridge``: default ``ridge`` when that is fixed, else
-        :data:`~lmdx.lmd.cross_validation.DEFAULT_CV_RIDGE`) and returned as the result's
-        ``similarity``.
+        (``cv_ridge``: default ``ridge`` when that is fixed, else ``ridge_grid`` (or the
+        default grid) chosen on an inner fold) and returned as the result's ``similarity``.
 
         Returns
         -------
@@ -297,10 +309,11 @@ class Decomposition:
             group_fits = fit_groups(self.layout, stats, plan, **options)
         similarity = None
         if self.measures:
-            if cv_ridge is None:
-                cv_ridge = plan.ridges[0] if plan.mode == "default" and not plan.select else None
+            if cv_ridge is None and plan.mode == "default" and not plan.select:
+                cv_ridge = plan.ridges[0]
             similarity = self.similarity(
-                cv_ridge=DEFAULT_CV_RIDGE if cv_ridge is None else cv_ridge,
+                cv_ridge=cv_ridge,
+                cv_ridge_grid=plan.ridges if plan.select else None,
                 rank_tol=rank_tol,
                 svcca_variance=svcca_variance,
                 allow_regularization=allow_regularization,
