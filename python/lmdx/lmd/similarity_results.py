@@ -70,7 +70,9 @@ CONVENTIONS: dict[str, dict[str, str]] = {
     "cv_r2": {
         "centering": "fit intercept on the training folds; SST about the held-out fold mean",
         "normalisation": "pooled (variance-weighted) R²",
-        "regularisation": "fixed relative ridge rho: lambda = rho * trace(Sigma_zz) / D_z",
+        "regularisation": "relative ridge rho (lambda = rho * trace(Sigma_zz) / D_z): fixed, "
+        "or chosen per fit from the grid on the inner fold f + 1 mod k (then trained on the "
+        "other k - 2 folds)",
     },
 }
 
