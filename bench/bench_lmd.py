@@ -129,14 +129,14 @@ def worker_lmdx(args: argparse.Namespace) -> dict[str, Any]:
     dims = [args.dim] * args.models
     synth = Synth(args.models, args.dim, args.latent, args.seed)
     # Untimed warm-up on a tiny problem (thread pools, first-call costs).
-    warm = lmdx.Decomposition(["a", "b", "c"], [8, 8, 8])
+    warm = lmdx.Decomposition(["a", "b", "c"], [8, 8, 8], measures=())
     wr = np.random.default_rng(1)
     warm.add("train", [wr.standard_normal((512, 8), dtype=np.float32) for _ in range(3)])
     warm.fit(ridge=args.rho, pairwise=False, n_threads=t)
     del warm
     baseline = rss_now_bytes()
 
-    dec = lmdx.Decomposition(names, dims, seed=args.seed)
+    dec = lmdx.Decomposition(names, dims, seed=args.seed, measures=())  # LMD alone
     t_gen = t_add = 0.0
     start = time.perf_counter()
     gen_iter = synth.batches(args.n, args.batch)

@@ -33,8 +33,9 @@ def add_decompose_parser(sub: Any) -> None:
         description=(
             "Fit every model's sentence embeddings on every other model's (pairwise) and on "
             "all the others together (group), and report R²(target | basis) on the train, "
-            "validation and test splits. Every model embeds the same raw texts; rows are "
-            "shuffled with --seed and cut into splits, the same for every model."
+            "validation and test splits, and the representation-similarity measures of every "
+            "pair (--measures) from the same pass. Every model embeds the same raw texts; rows "
+            "are shuffled with --seed and cut into splits, the same for every model."
         ),
         epilog=(
             "examples:\n"
@@ -100,6 +101,29 @@ def add_decompose_parser(sub: Any) -> None:
         default="default",
         help="compat: the reference code's conventions (absolute ridge 1e-6, N−1 covariances)",
     )
+    p.add_argument(
+        "--measures",
+        default=None,
+        metavar="LIST",
+        help="representation-similarity measures from the same pass: 'all', 'none' or a "
+        "comma/space separated list of cka, debiased_cka, cca, svcca, pwcca, procrustes, "
+        "cv_r2 (default: all but cv_r2, which keeps one D x D Gram per fold)",
+    )
+    p.add_argument(
+        "--folds",
+        type=int,
+        default=5,
+        metavar="K",
+        help="folds of cv_r2 (default 5); its fits use --ridge when given, else ρ chosen per "
+        "fit on an inner fold (fold f+1 mod K) from --ridge-grid",
+    )
+    p.add_argument(
+        "--svcca-variance",
+        type=float,
+        default=0.99,
+        metavar="F",
+        help="fraction of each model's variance SVCCA keeps (default 0.99)",
+    )
     p.add_argument("--batch-size", type=int, default=32, help="texts per forward pass")
     p.add_argument(
         "--threads",
@@ -109,7 +133,11 @@ def add_decompose_parser(sub: Any) -> None:
     )
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (must not exist)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
-    p.add_argument("--no-plots", action="store_true", help="skip heatmap.png and group.png")
+    p.add_argument(
+        "--no-plots",
+        action="store_true",
+        help="skip heatmap.png, group.png and the measures' heatmap_<measure>.png",
+    )
 
 
 def _parse_floats(text: str, what: str) -> list[float]:
@@ -224,6 +252,19 @@ def _load_embeddings(files: Sequence[str]) -> list[NDArray[Any]]:
     return arrays
 
 
+def _parse_measures(text: str | None) -> tuple[str, ...] | None:
+    from ..lmd.similarity import parse_measures
+
+    if text is None:
+        return None
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        return parse_measures(text)
+    except ValueError as exc:
+        raise CliError(f"--{exc}") from None
+
+
 def run_decompose(args: argparse.Namespace) -> int:
     from ..lmd.decompose import Decomposition
     from ..lmd.split_moments import SPLITS
@@ -243,6 +284,11 @@ def run_decompose(args: argparse.Namespace) -> int:
         )
     if args.max_texts is not None and args.max_texts < 3:
         raise CliError(f"--max-texts: must be >= 3, got {args.max_texts}")
+    measures = _parse_measures(args.measures)
+    if args.folds < 2:
+        raise CliError(f"--folds: must be >= 2, got {args.folds}")
+    if not 0.0 < args.svcca_variance <= 1.0:
+        raise CliError(f"--svcca-variance: must be in (0, 1], got {args.svcca_variance}")
 
     sources = args.models if args.models is not None else args.embeddings
     if args.names is not None and len(args.names) != len(sources):
@@ -299,7 +345,8 @@ def run_decompose(args: argparse.Namespace) -> int:
                 except (RuntimeError, ValueError) as exc:
                     raise CliError(f"model {enc.name!r}: {exc}") from exc
         if dec is None:
-            dec = Decomposition(names, [b.shape[1] for b in batch], seed=args.seed)
+            dims = [b.shape[1] for b in batch]
+            dec = Decomposition(names, dims, seed=args.seed, measures=measures, folds=args.folds)
         where = split_of[lo:hi]
         for i, s in enumerate(SPLITS):
             rows = np.flatnonzero(where == i)
@@ -311,7 +358,13 @@ def run_decompose(args: argparse.Namespace) -> int:
     assert dec is not None
 
     try:
-        result = dec.fit(ridge=args.ridge, ridge_grid=grid, mode=args.mode, n_threads=args.threads)
+        result = dec.fit(
+            ridge=args.ridge,
+            ridge_grid=grid,
+            mode=args.mode,
+            n_threads=args.threads,
+            svcca_variance=args.svcca_variance,
+        )
     except ValueError as exc:
         raise CliError(str(exc)) from exc
 
@@ -347,10 +400,15 @@ def _fill_outputs(result: Any, folder: Path, *, plots: bool) -> None:
     result.to_csv(folder / "results.csv")
     if plots:
         try:
-            from ..lmd.plots import plot_group_r2, plot_pairwise_heatmap
+            from ..lmd.plots import plot_group_r2, plot_measure_heatmap, plot_pairwise_heatmap
 
             plot_pairwise_heatmap(result, "test", path=folder / "heatmap.png")
             plot_group_r2(result, "test", path=folder / "group.png")
+            if result.similarity is not None:
+                for measure in result.similarity.measures:
+                    plot_measure_heatmap(
+                        result.similarity, measure, path=folder / f"heatmap_{measure}.png"
+                    )
         except ImportError as exc:
             print(f"lmdx decompose: no plots ({exc})", file=sys.stderr)
     os.chmod(folder, 0o755)  # temporary folders are created 0700
@@ -391,6 +449,29 @@ def format_tables(result: Any, split: str = "test") -> str:
             )
         dep = "  ".join(f"{s} {_fmt(result.dependency(s)).strip()}" for s in scored)
         lines.append(f"Dependency of the set (mean group R²): {dep}")
+    if result.similarity is not None:
+        lines.extend(_similarity_lines(result.similarity, width))
     for w in result.warnings:
         lines.append(f"note: {w}")
     return "\n".join(lines)
+
+
+def _similarity_lines(sim: Any, width: int) -> list[str]:
+    """One line per pair of models and one column per measure, on all rows together."""
+    from ..lmd.similarity_results import ALL_ROWS, HEATMAPS
+
+    names = list(sim.names)
+    columns = [(m, HEATMAPS[m][0]) for m in sim.measures]
+    if not columns:
+        return []
+    n = sim.splits[ALL_ROWS].n if ALL_ROWS in sim.splits else sum(sim.cv.counts)
+    head = f"{'models':<{2 * width + 3}}" + "".join(f"{t:>14}" for _, t in columns)
+    lines = ["", f"Similarity of each pair (all rows, n = {n}; pwcca and cv_r2: row model first):"]
+    lines.append(head)
+    for i, a in enumerate(names):
+        for j, b in enumerate(names):
+            if i == j or (i > j and not any(m in ("pwcca", "cv_r2") for m, _ in columns)):
+                continue
+            cells = "".join(f"{_fmt(sim.table(t)[i, j]):>14}" for _, t in columns)
+            lines.append(f"{a:<{width}} / {b:<{width}}" + cells)
+    return lines

@@ -57,7 +57,10 @@ embeddings keep an accurate covariance), :mod:`~lmdx.lmd.fit` (the closed-form f
 all group fits from one factorization), :mod:`~lmdx.lmd.results` (tables, JSON and
 CSV), :mod:`~lmdx.lmd.decompose` (:class:`Decomposition`, the front door),
 :mod:`~lmdx.lmd.encoders` and :mod:`~lmdx.lmd.pypi_models` (sentence encoders),
-:mod:`~lmdx.lmd.plots`.
+:mod:`~lmdx.lmd.plots`; the representation-similarity measures of the same pass:
+:mod:`~lmdx.lmd.similarity` (CKA, debiased CKA, CCA, SVCCA, PWCCA, Procrustes),
+:mod:`~lmdx.lmd.norm_moments` (the norm sums debiased CKA needs),
+:mod:`~lmdx.lmd.cross_validation` (k-fold R²), :mod:`~lmdx.lmd.similarity_results`.
 """
 
 from __future__ import annotations
@@ -68,14 +71,18 @@ from .decompose import Decomposition
 from .encoders import CallableEncoder, HFEncoder
 from .fit import COMPAT_RIDGE_ABSOLUTE, DEFAULT_RIDGE_GRID, MIN_ROWS_PER_DIM
 from .names import new_name
-from .plots import plot_group_r2, plot_pairwise_heatmap
+from .plots import plot_group_r2, plot_measure_heatmap, plot_pairwise_heatmap
 from .pypi_models import available_pypi_encoders, load_pypi_encoder
 from .results import DecompositionResult, LMDFit
+from .similarity import CHEAP_MEASURES, MEASURES
+from .similarity_results import SimilarityResult
 from .split_moments import SPLITS, BlockLayout, SplitMoments
 
 __all__ = [
+    "CHEAP_MEASURES",
     "COMPAT_RIDGE_ABSOLUTE",
     "DEFAULT_RIDGE_GRID",
+    "MEASURES",
     "MIN_ROWS_PER_DIM",
     "SPLITS",
     "BlockLayout",
@@ -84,10 +91,12 @@ __all__ = [
     "DecompositionResult",
     "HFEncoder",
     "LMDFit",
+    "SimilarityResult",
     "SplitMoments",
     "available_pypi_encoders",
     "load_pypi_encoder",
     "plot_group_r2",
+    "plot_measure_heatmap",
     "plot_pairwise_heatmap",
 ]
 

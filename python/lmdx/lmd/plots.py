@@ -1,4 +1,5 @@
-"""Plots of LMD results: the pairwise R² heatmap and the group R² bar chart.
+"""Plots of LMD results: the pairwise R² heatmap, the group R² bar chart, and one heatmap
+per similarity measure.
 
 matplotlib is optional (``pip install 'lmdx[lmd]'`` or ``pip install matplotlib``). The
 figures are built with :class:`matplotlib.figure.Figure` directly, without pyplot, so
@@ -14,8 +15,9 @@ from typing import Any
 import numpy as np
 
 from .results import DecompositionResult
+from .similarity_results import ALL_ROWS, HEATMAPS, SimilarityResult
 
-__all__ = ["plot_group_r2", "plot_pairwise_heatmap"]
+__all__ = ["plot_group_r2", "plot_measure_heatmap", "plot_pairwise_heatmap"]
 
 
 def _figure(width: float, height: float) -> Any:
@@ -106,6 +108,56 @@ def plot_group_r2(
     ax.set_ylim(min(0.0, min(heights) - 0.1), 1.3)  # room above 1 for the legend
     ax.set_title(f"LMD group R², {split} split")
     ax.legend(loc="upper left")
+    if path is not None:
+        fig.savefig(os.fspath(path), dpi=150)
+    return fig
+
+
+def plot_measure_heatmap(
+    result: SimilarityResult,
+    measure: str,
+    split: str = ALL_ROWS,
+    *,
+    path: str | os.PathLike[str] | None = None,
+) -> Any:
+    """Heatmap of one similarity measure for every pair of models, values annotated.
+
+    ``measure`` is a measure name (``cka``, ``debiased_cka``, ``cca`` (its mean canonical
+    correlation), ``svcca``, ``pwcca``, ``procrustes``, ``cv_r2``); ``split`` one of the
+    result's splits (``"all"`` by default; ``cv_r2`` spans all rows). Rows are the first
+    model of each pair (PWCCA's weights, cv_r2's target).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+        Also saved to ``path`` (PNG at 150 dpi) when given.
+    """
+    if measure not in HEATMAPS or measure not in result.measures:
+        raise ValueError(
+            f"plot_measure_heatmap: no measure {measure!r}; the result has "
+            f"{', '.join(result.measures)}"
+        )
+    table, title, low, high = HEATMAPS[measure]
+    m = result.table(table, split)
+    names = list(result.names)
+    k = len(names)
+    fig = _figure(1.6 + 0.9 * k, 1.2 + 0.8 * k)
+    ax = fig.add_subplot()
+    finite = m[np.isfinite(m)]
+    if low is None:
+        low = min(0.0, float(finite.min())) if finite.size else 0.0
+    image = ax.imshow(np.ma.masked_invalid(m), cmap="viridis", vmin=low, vmax=high)
+    ax.set_xticks(range(k), names, rotation=40, ha="right")
+    ax.set_yticks(range(k), names)
+    where = "all rows (k-fold)" if measure == "cv_r2" else f"{split} rows"
+    ax.set_title(f"{title}\n{where}")
+    for i in range(k):
+        for j in range(k):
+            value = m[i, j]
+            label = "nan" if not math.isfinite(value) else f"{value:.3f}"
+            light = math.isfinite(value) and value < low + 0.6 * (high - low)
+            ax.text(j, i, label, ha="center", va="center", color="white" if light else "black")
+    fig.colorbar(image, ax=ax, shrink=0.8)
     if path is not None:
         fig.savefig(os.fspath(path), dpi=150)
     return fig

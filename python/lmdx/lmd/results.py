@@ -16,7 +16,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from numpy.typing import NDArray
@@ -25,6 +25,9 @@ from .. import _core
 from ..files.atomic import atomic_file
 from .names import Renamed
 from .split_moments import SPLITS, check_split
+
+if TYPE_CHECKING:
+    from .similarity_results import SimilarityResult
 
 __all__ = ["ORIENTATION", "DecompositionResult", "LMDFit", "Mode"]
 
@@ -107,7 +110,8 @@ class DecompositionResult:
     ``group`` holds R²(f_i | all others) for every model i. ``ridge_grid`` is the grid
     the relative ridges were chosen from (None when fixed), ``ridge_absolute`` the
     absolute ridge of compat mode (None in the default mode); ``rho_grid`` and ``alpha``
-    are their deprecated names (and their keys in result.json).
+    are their deprecated names (and their keys in result.json). ``similarity`` holds the
+    representation-similarity measures of the same pass (None when none were asked for).
     """
 
     names: tuple[str, ...]
@@ -122,6 +126,7 @@ class DecompositionResult:
     seed: int | None = None
     version: str = field(default_factory=lambda: str(_core.core.__version__))
     warnings: tuple[str, ...] = ()
+    similarity: SimilarityResult | None = field(default=None, compare=False, repr=False)
 
     orientation = ORIENTATION
     rho_grid = Renamed()
@@ -181,6 +186,7 @@ class DecompositionResult:
             if self.group
             else {},
             "warnings": list(self.warnings),
+            **({} if self.similarity is None else {"similarity": self.similarity.to_dict()}),
         }
 
     def to_json(self, path: str | os.PathLike[str] | None = None, *, indent: int = 2) -> str:
@@ -195,12 +201,14 @@ class DecompositionResult:
         """Write the pairwise and group tables as one long CSV: one row per fit and split,
         columns ``kind`` (pairwise | group), ``target``, ``basis`` (model names joined by
         ``;``), ``split``, ``n``, ``r2``, ``r2_per_dim``, ``rho`` (the relative ridge),
-        ``lambda`` (the absolute ridge). Written to a temporary file and renamed, so a
-        failure leaves no partial file."""
+        ``lambda`` (the absolute ridge), ``value`` (empty). With similarity measures, one
+        more row per table entry: ``kind`` the table (e.g. ``cka``), ``target`` the row
+        model, ``basis`` the column model, ``split`` (or ``all``), ``n`` and ``value``.
+        Written to a temporary file and renamed, so a failure leaves no partial file."""
         buf = io.StringIO()
         writer = csv.writer(buf, lineterminator="\n")
         writer.writerow(
-            ["kind", "target", "basis", "split", "n", "r2", "r2_per_dim", "rho", "lambda"]
+            ["kind", "target", "basis", "split", "n", "r2", "r2_per_dim", "rho", "lambda", "value"]
         )
         for kind, fits in (("pairwise", self.pairwise), ("group", self.group)):
             for fit in fits:
@@ -218,8 +226,12 @@ class DecompositionResult:
                             repr(fit.r2_per_dim[split]),
                             repr(fit.ridge),
                             repr(fit.ridge_absolute),
+                            "",
                         ]
                     )
+        if self.similarity is not None:
+            for kind, row, col, split, n, value in self.similarity.csv_rows():
+                writer.writerow([kind, row, col, split, n, "", "", "", "", repr(float(value))])
         _write_text(path, buf.getvalue())
 
 

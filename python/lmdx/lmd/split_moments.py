@@ -18,6 +18,7 @@ from numpy.typing import NDArray
 
 from .._tensors import as_float64, as_tensor_array
 from ..moments import DEFAULT_CHUNK_ROWS, Moments
+from .norm_moments import NormMoments
 
 __all__ = ["SPLITS", "BlockLayout", "SplitMoments", "check_split"]
 
@@ -107,6 +108,9 @@ class SplitMoments:
         Which split this is (``"train"``, ``"validation"`` or ``"test"``); used in errors.
     chunk_rows
         Passed to :class:`lmdx.Moments`.
+    norms
+        Also accumulate the sums of squared norms that debiased CKA needs
+        (:class:`~lmdx.lmd.norm_moments.NormMoments`, about the same shift).
     """
 
     def __init__(
@@ -116,9 +120,11 @@ class SplitMoments:
         *,
         split: str = "train",
         chunk_rows: int = DEFAULT_CHUNK_ROWS,
+        norms: bool = False,
     ) -> None:
         self.layout = BlockLayout(names, dims)
         self.split = check_split(split)
+        self._norms = NormMoments(self.layout.dims) if norms else None
         # The D-dim accumulator (8·D² bytes) is allocated on first use, so a split that never
         # gets rows costs nothing; a 1-dim one checks chunk_rows now.
         self._chunk_rows = Moments(1, chunk_rows=chunk_rows).chunk_rows
@@ -210,6 +216,8 @@ class SplitMoments:
         for lo, d, a in zip(self.offsets, self.dims, arrays, strict=True):
             np.subtract(a, self._shift[lo : lo + d], out=batch[:, lo : lo + d], casting="unsafe")
         self.moments.update(batch, n_threads=n_threads)
+        if self._norms is not None:
+            self._norms.update(batch)
         return self
 
     def _check_batch(
@@ -264,17 +272,53 @@ class SplitMoments:
                 f"cannot merge moments of models {other.names} {other.dims} into "
                 f"{self.names} {self.dims}"
             )
+        if (self._norms is None) != (other._norms is None):
+            raise ValueError("cannot merge moments with norm sums and moments without them")
         if other._shift is None:
             return self
         if self._shift is None:
             self._shift = other._shift.copy()
         delta = other._shift - self._shift
         n, s, g = other.moments.count, other.moments.sum, other.moments.gram()
+        if self._norms is not None and other._norms is not None:
+            self._norms.add(other._norms.shifted(-delta, n, s, g))
         # Σ (x − c_self)(x − c_self)ᵀ = G + s δᵀ + δ sᵀ + n δ δᵀ with x − c_other summed in G, s.
         g += np.outer(s, delta) + np.outer(delta, s) + n * np.outer(delta, delta)
         moved = Moments.from_state(n, s + n * delta, g, chunk_rows=self.moments.chunk_rows)
         self.moments.merge(moved)
         return self
+
+    @property
+    def has_norms(self) -> bool:
+        """Whether the sums of squared norms are accumulated (``norms=True``)."""
+        return self._norms is not None
+
+    def centered_norms(self) -> NormMoments:
+        """The sums of squared norms of the rows centered on this split's mean (needs
+        ``norms=True``)."""
+        if self._norms is None:
+            raise ValueError(
+                f"split {self.split!r}: no norm sums; create the moments with norms=True"
+            )
+        self._require_rows(1)
+        n, s = self.moments.count, self.moments.sum
+        return self._norms.shifted(s / n, n, s, self.moments.gram())
+
+    def copy(self) -> SplitMoments:
+        """An independent copy (moments, shift and norm sums)."""
+        out = SplitMoments(
+            self.names,
+            self.dims,
+            split=self.split,
+            chunk_rows=self._chunk_rows,
+            norms=self._norms is not None,
+        )
+        if self._moments is not None:
+            out._moments = self._moments.copy()
+        out._shift = None if self._shift is None else self._shift.copy()
+        if self._norms is not None:
+            out._norms = self._norms.copy()
+        return out
 
     def mean(self) -> Array:
         """Mean of the concatenated embeddings, shape (D,)."""
