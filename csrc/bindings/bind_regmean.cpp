@@ -49,15 +49,16 @@ std::tuple<py::array_t<double>, RegMeanInfo> regmean_merge_layer(
 
 void bind_regmean(py::module_& m) {
   py::class_<RegMeanInfo, SolveInfo>(m, "RegMeanInfo",
-                                     "What the solver did for one RegMean layer, and how its "
-                                     "right-hand side was computed.")
+                                     "What the solver did for one RegMean layer, and in which "
+                                     "precision.")
       .def_readonly("precision", &RegMeanInfo::precision,
-                    "'float64', 'float32' (right-hand-side products) or 'identical'\n"
-                    "(equal weights in every model, returned without a solve).")
+                    "'float64', 'float32' (factorization, products and solve) or\n"
+                    "'identical' (equal weights in every model, returned without a solve).")
       .def_readonly("condition_estimate", &RegMeanInfo::condition_estimate,
                     "1-norm condition estimate of the system (0: not estimated).")
-      .def_readonly("float32_error_estimate", &RegMeanInfo::float32_error_estimate,
-                    "Estimated relative error of float32 products (0: not estimated).")
+      .def_readonly("output_error_estimate", &RegMeanInfo::output_error_estimate,
+                    "Certified relative output error ||W - W_float64||_S / ||W_float64||_S\n"
+                    "of a float32 merge (0: float64 or identical).")
       .def_readonly("relative_spread", &RegMeanInfo::relative_spread,
                     "max_i max |W_i - mean| / max |mean|.")
       .def("__repr__", [](const RegMeanInfo& s) {
@@ -67,6 +68,7 @@ void bind_regmean(py::module_& m) {
             << ", escalated=" << (s.escalated ? "True" : "False") << ", attempts=" << s.attempts
             << ", rcond_estimate=" << s.rcond_estimate
             << ", condition_estimate=" << s.condition_estimate
+            << ", output_error_estimate=" << s.output_error_estimate
             << ", relative_spread=" << s.relative_spread << ")";
         return out.str();
       });

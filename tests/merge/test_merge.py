@@ -598,5 +598,12 @@ def test_precision_option_reaches_every_solve_and_is_checked():
         models, "regmean", stats=stats, heads=H.HEADS["bert"], precision="float64", progress=False
     )
     assert {v["precision"] for v in res.report["layers"].values()} == {"float64"}
+    assert {v["output_error_estimate"] for v in res.report["layers"].values()} == {0.0}
+    forced = merge_models(
+        models, "regmean", stats=stats, heads=H.HEADS["bert"], precision="float32", progress=False
+    )
+    layers = forced.report["layers"].values()
+    assert {v["precision"] for v in layers} == {"float32"}
+    assert all(v["output_error_estimate"] > 0.0 for v in layers)
     with pytest.raises(MergeError, match=r"^precision: expected one of .*got 'half'"):
         merge_models(models, "regmean", stats=stats, precision="half", progress=False)

@@ -346,6 +346,7 @@ def solve_group(
         "precision": str(info.precision),
         "rcond_estimate": float(info.rcond_estimate),
         "condition_estimate": float(info.condition_estimate),
+        "output_error_estimate": float(info.output_error_estimate),
         "relative_spread": float(info.relative_spread),
         "rows": min(counts),
         "dim": dim,
