@@ -16,7 +16,7 @@ std::tuple<py::array_t<double>, RegMeanInfo> regmean_merge_layer(
     const std::vector<py::array>& grams, const std::vector<py::array>& weights,
     const std::vector<double>& counts, double alpha,
     const std::optional<std::vector<double>>& coefficients, const std::string& layout,
-    const std::string& precision, double ridge, bool allow_regularization,
+    const std::string& precision, double noise_floor, double ridge, bool allow_regularization,
     const std::string& name, int n_threads) {
   std::vector<ArrayView> g, w;
   for (size_t i = 0; i < grams.size(); ++i) {
@@ -40,7 +40,8 @@ std::tuple<py::array_t<double>, RegMeanInfo> regmean_merge_layer(
   RegMeanInfo info;
   {
     py::gil_scoped_release release;  // the views stay valid: the caller holds the arrays
-    info = lmdx::regmean_merge_layer(g, w, counts, coef, layout, precision, opt, out_data);
+    info = lmdx::regmean_merge_layer(g, w, counts, coef, layout, precision, noise_floor, opt,
+                                     out_data);
   }
   return {out, info};
 }
@@ -61,6 +62,8 @@ void bind_regmean(py::module_& m) {
                     "of a float32 merge (0: float64 or identical).")
       .def_readonly("relative_spread", &RegMeanInfo::relative_spread,
                     "max_i max |W_i - mean| / max |mean|.")
+      .def_readonly("unseen_directions", &RegMeanInfo::unseen_directions,
+                    "Eigendirections below the statistics' noise floor, kept at the average.")
       .def("__repr__", [](const RegMeanInfo& s) {
         std::ostringstream out;
         out.precision(6);
@@ -69,12 +72,13 @@ void bind_regmean(py::module_& m) {
             << ", rcond_estimate=" << s.rcond_estimate
             << ", condition_estimate=" << s.condition_estimate
             << ", output_error_estimate=" << s.output_error_estimate
-            << ", relative_spread=" << s.relative_spread << ")";
+            << ", relative_spread=" << s.relative_spread
+            << ", unseen_directions=" << s.unseen_directions << ")";
         return out.str();
       });
   m.def("regmean_merge_layer", &regmean_merge_layer, py::kw_only(), py::arg("grams"),
         py::arg("weights"), py::arg("counts"), py::arg("alpha"), py::arg("coefficients"),
-        py::arg("layout"), py::arg("precision"), py::arg("ridge"),
+        py::arg("layout"), py::arg("precision"), py::arg("noise_floor"), py::arg("ridge"),
         py::arg("allow_regularization"), py::arg("name"), py::arg("n_threads"),
         "RegMean merge of one linear layer; grams full (d, d) or packed upper triangles.\n"
         "Returns (merged float64 weight in the layout of the inputs, RegMeanInfo).");

@@ -1,5 +1,6 @@
 #include "core/regmean.hpp"
 
+#include <Eigen/Eigenvalues>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -40,6 +41,10 @@ constexpr double kCertificateMargin = 4.0;
 // float64 system; a refinement that changes them by more than this fraction (in the
 // system's norm) means the float32 factor is too inaccurate to certify anything.
 constexpr double kMaxContraction = 0.5;
+// A float64 system gets the eigendecomposition that finds the directions below the noise
+// floor when its smallest squared pivot is within this factor of the floor (every
+// eigenvalue is at most the smallest squared pivot, so above it none are below the floor).
+constexpr double kNoiseFloorTrigger = 1e3;
 
 enum class WeightLayout {
   Linear,  // torch nn.Linear: weight is [out, in]
@@ -234,6 +239,32 @@ double symmetric_norm1(Index d, double alpha, double shift, int threads, const C
   return sums.rowwise().sum().maxCoeff();
 }
 
+// x <- the solution of system x = x (system's lower triangle) restricted to the
+// eigendirections with eigenvalue > floor + sqrt(d) x 2^-52 x the largest eigenvalue (the
+// statistics' noise floor and the eigendecomposition's own rounding); the others get no
+// component (they keep the average). Reports the count of those directions and the
+// system's 2-norm condition over the kept ones.
+void spectral_solve(const MatrixXd& system, double floor, const std::string& name, MatrixXd& x,
+                    RegMeanInfo& info) {
+  const Eigen::SelfAdjointEigenSolver<MatrixXd> eigen(system, Eigen::ComputeEigenvectors);
+  if (eigen.info() != Eigen::Success) {
+    throw std::runtime_error(name + ": the eigendecomposition of the system did not converge");
+  }
+  const VectorXd& values = eigen.eigenvalues();  // ascending
+  const double largest = values.size() > 0 ? std::max(values(values.size() - 1), 0.0) : 0.0;
+  const double threshold = floor + std::sqrt(static_cast<double>(values.size())) *
+                                       std::numeric_limits<double>::epsilon() * largest;
+  Index unseen = 0;
+  while (unseen < values.size() && !(values(unseen) > threshold)) ++unseen;
+  const Index kept = values.size() - unseen;
+  const auto vectors = eigen.eigenvectors().rightCols(kept);
+  MatrixXd projected = vectors.transpose() * x;
+  projected = values.tail(kept).cwiseInverse().asDiagonal() * projected;
+  x.noalias() = vectors * projected;
+  info.unseen_directions = static_cast<int>(unseen);
+  info.condition_estimate = kept > 0 ? values(values.size() - 1) / values(unseen) : 0.0;
+}
+
 // The merge of one layer in float32 -- factorization, the K - 1 right-hand-side products
 // and the solve -- and the certificate of its output error against the float64 formula:
 // with X = W_M^T - W-^T from float32 and E = X - X_64 (X_64 = A^{-1} B in float64, A the
@@ -252,6 +283,7 @@ struct Float32Merge {
   WeightLayout layout;
   const MatrixXd& mean_t;
   MatrixXd& lhs;  // sum_i s_i G_i, lower triangle; run() mirrors it onto the upper one
+  double noise_floor;  // relative, as regmean_merge_layer's
 
   // A v, A = alpha lhs + (1 - alpha) diag(lhs) + ridge I (lhs mirrored).
   MatrixXd system_times(const MatrixXd& v, double alpha, double ridge, int threads) const {
@@ -291,6 +323,10 @@ struct Float32Merge {
       for (Index r = j + 1; r < d_in; ++r) l32(r, j) = static_cast<float>(alpha * lhs(r, j));
     }
     if (blocked_cholesky(l32, mean_diagonal, threads) >= 0) return false;
+    // Directions near the noise floor: the float64 path decides which are unseen.
+    const double smallest = l32.diagonal().minCoeff();
+    const double floor = noise_floor * std::sqrt(static_cast<double>(d_in)) * mean_diagonal;
+    if (floor > 0.0 && smallest * smallest <= kNoiseFloorTrigger * floor) return false;
     mirror_lower(lhs, threads);
 
     // rhs = sum_{i != p} D_i (W_i - W-)^T in float32, and B z = the same times the probes
@@ -390,7 +426,8 @@ struct Float32Merge {
 // (opt.n_threads too).
 RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in, Index d_out,
                              const std::vector<double>& coefficients, WeightLayout layout,
-                             Precision mode, const SolveOptions& opt, MatrixXd& merged_t) {
+                             Precision mode, double noise_floor, const SolveOptions& opt,
+                             MatrixXd& merged_t) {
   const size_t k = models.size();
   if (d_in < 1 || d_out < 1)
     throw std::invalid_argument(opt.name + ": weights: empty weight matrix");
@@ -481,13 +518,28 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
   solve_opt.n_threads = threads;
   const double alpha = opt.alpha;
   if (mode == Precision::Float32 || (mode == Precision::Auto && work >= kSerialWork)) {
-    Float32Merge f32{models, coef, s, pivot, others, d_in, d_out, layout, mean_t, lhs};
+    Float32Merge f32{models, coef,   s,      pivot, others,     d_in,
+                     d_out,  layout, mean_t, lhs,   noise_floor};
     if (f32.run(solve_opt, mode == Precision::Float32, info, merged_t)) return info;
   }
   info.output_error_estimate = 0.0;
 
   MatrixXd l;
   static_cast<SolveInfo&>(info) = spd_factor(lhs, l, solve_opt);
+  // Below the statistics' noise floor: eigendirections of the system whose eigenvalue the
+  // Grams' own rounding could have made (or unmade) are solved as unseen, keeping the
+  // average. Only systems with a pivot near the floor (or that needed a ridge) can have
+  // such directions worth the eigendecomposition: every eigenvalue is <= the smallest
+  // squared pivot.
+  const double floor = noise_floor * std::sqrt(static_cast<double>(d_in)) * info.mean_diagonal;
+  MatrixXd system;
+  if (floor > 0.0 &&
+      (info.escalated || info.min_pivot * info.min_pivot <= kNoiseFloorTrigger * floor)) {
+    system.resize(d_in, d_in);
+    system.triangularView<Eigen::Lower>() = lhs;
+    if (alpha != 1.0) system.triangularView<Eigen::StrictlyLower>() *= alpha;
+    system.diagonal().array() += opt.ridge * info.mean_diagonal;
+  }
   // The condition estimate up to kEstimateDim inputs (O(d^2), negligible there).
   info.condition_estimate = 0.0;
   if (d_in <= kEstimateDim) {
@@ -522,7 +574,15 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
       }
     }
   }
-  cholesky_solve_in_place(l, merged_t, threads);
+  if (system.size() == 0) {
+    cholesky_solve_in_place(l, merged_t, threads);
+  } else {
+    // No ridge beyond the one asked for: the directions it would have propped up are unseen.
+    info.ridge = opt.ridge;
+    info.ridge_absolute = opt.ridge * info.mean_diagonal;
+    info.escalated = false;
+    spectral_solve(system, floor, opt.name, merged_t, info);
+  }
   merged_t += mean_t;
   return info;
 }
@@ -533,9 +593,13 @@ RegMeanInfo regmean_merge_layer(const std::vector<ArrayView>& grams,
                                 const std::vector<ArrayView>& weights,
                                 const std::vector<double>& counts,
                                 const std::vector<double>& coefficients, const std::string& layout,
-                                const std::string& precision, const SolveOptions& opt,
-                                double* out) {
+                                const std::string& precision, double noise_floor,
+                                const SolveOptions& opt, double* out) {
   const std::string& name = opt.name;
+  if (!(noise_floor >= 0.0 && noise_floor < 1.0)) {
+    throw std::invalid_argument(name + ": noise_floor: must be in [0, 1), got " +
+                                std::to_string(noise_floor));
+  }
   const int requested = resolve_threads(opt.n_threads);
   const size_t k = grams.size();
   if (k == 0) throw std::invalid_argument(name + ": grams: need at least one model");
@@ -584,7 +648,8 @@ RegMeanInfo regmean_merge_layer(const std::vector<ArrayView>& grams,
   // its address.
   MatrixXd merged_t(d_in, d_out);
   const RegMeanInfo info =
-      merge_transposed(models, d_in, d_out, coefficients, lay, mode, checked, merged_t);
+      merge_transposed(models, d_in, d_out, coefficients, lay, mode, noise_floor, checked,
+                       merged_t);
   if (lay == WeightLayout::Linear) {
     // W_M^T column-major (d_in x d_out) is W_M row-major [out, in].
     std::copy(merged_t.data(), merged_t.data() + merged_t.size(), out);

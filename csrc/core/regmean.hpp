@@ -46,6 +46,9 @@ struct RegMeanInfo : SolveInfo {
   double output_error_estimate = 0.0;
   /// max_i max |W_i - W-| / max |W-|: how far the models are from their average.
   double relative_spread = 0.0;
+  /// Eigendirections of the system below the statistics' noise floor, solved as unseen
+  /// (they keep the average); 0 where none were looked for or found.
+  int unseen_directions = 0;
 };
 
 /// Merge one layer of K models. `grams`: K float64 views, each either (d_in, d_in) and
@@ -53,14 +56,20 @@ struct RegMeanInfo : SolveInfo {
 /// files store it); `weights`: K float32/float64 views, [out, in] for layout "linear"
 /// (torch nn.Linear) or [in, out] for "conv1d" (Hugging Face GPT-2 Conv1D); `counts`: K row
 /// counts n_i > 0; `coefficients`: empty (all 1) or K values >= 0, not all 0; `precision`:
-/// "auto", "float32" or "float64". Messages start with opt.name. `out` has room for
+/// "auto", "float32" or "float64"; `noise_floor`: the relative rounding of the Grams'
+/// entries (their accumulation precision: 2^-24 for float32 products summed in float64,
+/// 2^-53 for float64; 0: exact Grams), in [0, 1): eigendirections of the system with an
+/// eigenvalue <= sqrt(d_in) x (noise_floor x its mean diagonal + 2^-52 x its largest
+/// eigenvalue) keep the average (an eigendecomposition, only for systems whose
+/// factorization shows a pivot near that floor or needs a ridge). Messages start with
+/// opt.name. `out` has room for
 /// weights[0].size() values and receives the merged weight W_M in the layout of the inputs
 /// (row-major).
 RegMeanInfo regmean_merge_layer(const std::vector<ArrayView>& grams,
                                 const std::vector<ArrayView>& weights,
                                 const std::vector<double>& counts,
                                 const std::vector<double>& coefficients, const std::string& layout,
-                                const std::string& precision, const SolveOptions& opt,
-                                double* out);
+                                const std::string& precision, double noise_floor,
+                                const SolveOptions& opt, double* out);
 
 LMDX_NAMESPACE_END

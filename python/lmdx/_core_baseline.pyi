@@ -163,6 +163,11 @@ class RegMeanInfo(SolveInfo):
         """
         max_i max |W_i - mean| / max |mean|.
         """
+    @property
+    def unseen_directions(self) -> int:
+        """
+        Eigendirections below the statistics' noise floor, kept at the average.
+        """
 
 def compiler() -> str:
     """
@@ -235,6 +240,7 @@ def regmean_merge_layer(
     coefficients: collections.abc.Sequence[typing.SupportsFloat | typing.SupportsIndex] | None,
     layout: str,
     precision: str,
+    noise_floor: typing.SupportsFloat | typing.SupportsIndex,
     ridge: typing.SupportsFloat | typing.SupportsIndex,
     allow_regularization: bool,
     name: str,

@@ -33,6 +33,7 @@ def regmean_merge_layer(
     coefficients: Sequence[float] | None = None,
     layout: Literal["linear", "conv1d"] = "linear",
     precision: Literal["auto", "float32", "float64"] = "auto",
+    noise_floor: float = 0.0,
     ridge: float = 0.0,
     allow_regularization: bool = True,
     name: str = "layer",
@@ -84,6 +85,16 @@ def regmean_merge_layer(
         ``info.precision`` says what was used (``"identical"``: the weights are equal in
         every model and are returned as they are) and ``info.output_error_estimate`` the
         certified estimate (0 for float64 and identical). See ``docs/accuracy.md``.
+    noise_floor
+        The relative rounding of the Grams' entries: their accumulation precision
+        (``2**-24`` for statistics collected with float32 products summed in float64,
+        ``lmdx.merge.methods.GRAM_ROUNDOFF``; 0 for exact Grams). Directions whose eigenvalue
+        of ``Σ c_i G̃_i`` is at most ``√d_in·(noise_floor·mean(diag) + 2⁻⁵²·λ_max)`` are
+        below what the statistics (and the eigendecomposition) can tell from their own
+        rounding: they keep the average,
+        as directions the statistics never saw (an eigendecomposition of the system, only
+        for layers whose factorization shows a pivot near that floor or needs a ridge;
+        ``info.unseen_directions`` counts them).
     ridge, allow_regularization
         As in :func:`lmdx.spd_solve`; a singular sum (an input feature never active in
         any model) is regularized with a warning unless forbidden.
@@ -95,7 +106,7 @@ def regmean_merge_layer(
     RegMeanResult
         ``weight`` (float64, shape of the inputs) and ``info`` (a ``RegMeanInfo``: the
         solver's ``SolveInfo`` fields plus ``precision``, ``condition_estimate``,
-        ``output_error_estimate``, ``relative_spread``).
+        ``output_error_estimate``, ``relative_spread``, ``unseen_directions``).
     """
     grams = list(grams)
     gram_arrays = []
@@ -124,6 +135,7 @@ def regmean_merge_layer(
             coefficients=None if coefficients is None else [float(c) for c in coefficients],
             layout=str(layout),
             precision=str(precision),
+            noise_floor=float(noise_floor),
             ridge=float(ridge),
             allow_regularization=bool(allow_regularization),
             name=str(name),

@@ -195,3 +195,53 @@ def test_small_layers_stay_float64_under_auto_and_bad_precision_is_named(rng):
         ValueError, match=r"layer: precision: expected 'auto', 'float32' or 'float64', got 'half'"
     ):
         lmdx.regmean_merge_layer(grams, weights, [N] * K, precision="half")  # type: ignore[arg-type]
+
+
+def mixed_gram(x):
+    """A Gram accumulated as "mixed" statistics are: float32 products of chunks of 64 rows,
+    summed in float64."""
+    x32 = x.astype(np.float32)
+    return sum(
+        (x32[i : i + 64].T @ x32[i : i + 64]).astype(np.float64) for i in range(0, len(x32), 64)
+    )
+
+
+@pytest.mark.parametrize(("statistics", "roundoff"), [("mixed", 2.0**-24), ("float64", 2.0**-53)])
+def test_directions_below_the_noise_floor_keep_the_average(rng, statistics, roundoff):
+    # A BERT-768 pooler whose statistics hold 48 rows in all (16 per model), merged at
+    # alpha 1: 720 input directions were never seen, and the Grams' own rounding is all
+    # the system holds there.
+    k, d, rows = 3, 768, 16
+    xs = [rng.standard_normal((rows, d)) * rng.uniform(0.5, 2.0, d) for _ in range(k)]
+    grams = [mixed_gram(x) if statistics == "mixed" else x.T @ x for x in xs]
+    weights = fine_tuned(rng, k, d, d, 5e-2)
+    counts = [float(rows)] * k
+    average = sum(w.astype(np.float64) for w in weights) / k
+    vt = np.linalg.svd(np.vstack(xs), full_matrices=True)[2]
+    seen, unseen = vt[: k * rows].T, vt[k * rows :].T  # (d, 48), (d, 720)
+    res = lmdx.regmean_merge_layer(grams, weights, counts, alpha=1.0, noise_floor=roundoff)
+    assert res.info.precision == "float64" and res.info.unseen_directions == d - k * rows
+    moved = res.weight - average
+    assert np.abs(moved @ unseen).max() / np.abs(average).max() <= 1e-6
+    # In the seen directions: the formula on the statistics' range (float64 Grams).
+    s = sum(x.T @ x / rows for x in xs)
+    b = sum(
+        (x.T @ x / rows) @ (w.astype(np.float64) - average).T
+        for x, w in zip(xs, weights, strict=True)
+    )
+    s_seen = seen.T @ s @ seen
+    expected = seen @ np.linalg.solve(s_seen, seen.T @ b)  # (d_in, d_out)
+    tol = 1e-4 if statistics == "mixed" else 1e-9  # the Grams' own rounding, amplified
+    assert np.abs(moved.T - expected).max() / np.abs(expected).max() <= tol
+    # Without a noise floor the rounding is amplified by 1/ridge into those directions.
+    if statistics == "mixed":
+        with pytest.warns(UserWarning, match="layer"):
+            exact = lmdx.regmean_merge_layer(grams, weights, counts, alpha=1.0)
+        assert np.abs((exact.weight - average) @ unseen).max() / np.abs(average).max() > 1e-3
+
+
+def test_noise_floor_must_be_a_fraction(rng):
+    grams = grams_of_condition(rng, "unlike", K, 8, 10.0, N)
+    weights = fine_tuned(rng, K, 6, 8, 1e-2)
+    with pytest.raises(ValueError, match=r"layer: noise_floor: must be in \[0, 1\), got -1"):
+        lmdx.regmean_merge_layer(grams, weights, [N] * K, noise_floor=-1.0)
