@@ -76,7 +76,7 @@ def fine_tuned(rng, k, d_out, d_in, spread):
 @pytest.mark.parametrize("kind", ["alike", "unlike"])
 @pytest.mark.parametrize("alpha", [0.9, 1.0])
 @pytest.mark.parametrize("cond", [1.0, 1e2, 1e4, 1e6, 1e8])
-@pytest.mark.parametrize("spread", [1e-3, 1e-2, 1e-1])
+@pytest.mark.parametrize("spread", [1e-3, 1e-1])
 def test_certificate_bounds_the_output_error(rng, kind, alpha, cond, spread):
     grams = grams_of_condition(rng, kind, K, D_IN, cond, N)
     weights = fine_tuned(rng, K, D_OUT, D_IN, spread)
