@@ -707,6 +707,7 @@ def merge_methods(
                 coefficients=None,
                 layout="linear",
                 precision="float64",
+                noise_floor=0.0,
                 ridge=0.0,
                 allow_regularization=True,
                 name="layer",

@@ -77,6 +77,7 @@ def main() -> None:
                     coefficients=None,
                     layout="linear",
                     precision="float64",
+                    noise_floor=0.0,
                     ridge=0.0,
                     allow_regularization=True,
                     name="l",

@@ -315,6 +315,7 @@ def merge_worker(args: argparse.Namespace) -> None:
         from lmdx import Statistics, merge_models
 
         prefix = "lmdx_incl64" if impl == "lmdx64" else "lmdx_incl"
+        precision = "float64" if impl == "lmdx_f64" else "auto"
 
         def run() -> dict[str, Any]:
             stats = [
@@ -325,6 +326,7 @@ def merge_worker(args: argparse.Namespace) -> None:
                 method="regmean",
                 stats=stats,
                 alpha=_ALPHA[0],
+                precision=precision,
                 progress=False,
                 n_threads=args.threads,
             )
@@ -340,6 +342,9 @@ def merge_worker(args: argparse.Namespace) -> None:
                         precisions.get(v.get("precision", "?"), 0) + 1
                     )
             solver["precision"] = precisions
+            solver["max_output_error_estimate"] = max(
+                (float(v.get("output_error_estimate", 0.0)) for v in layers.values()), default=0.0
+            )
             return res.state_dict
 
     for alpha in args.alphas:
@@ -424,6 +429,39 @@ def reference_merge(
         a += gt
         b += gt @ w.T
     return np.linalg.solve(a, b).T, float(np.linalg.cond(a))
+
+
+def merged_errors(
+    merged: dict[str, np.ndarray], reference: dict[str, np.ndarray], stats: list[Any], alpha: float
+) -> dict[str, Any]:
+    """Per RegMean-merged weight, against ``reference``: the weight error
+    max|E|/max|W| and the output error ‖E‖_S/‖W‖_S (S = Σ G̃_i from ``stats``); max and
+    median over the layers."""
+    weight, output, system = {}, {}, {}
+    for module, info in stats[0].modules.items():
+        key = info["weight"]
+        if key not in merged or key not in reference:
+            continue
+        group = stats[0].group_of(module)
+        if group not in system:
+            s = 0.0
+            for st in stats:
+                g = st.gram(module) / st.count(module)
+                s = s + alpha * g + (1.0 - alpha) * np.diag(np.diag(g))
+            system = {group: s}  # one group at a time (groups are listed together)
+        s = system[group]
+        w = reference[key].astype(np.float64)
+        e = merged[key].astype(np.float64) - w
+        weight[key] = rel_max(merged[key].astype(np.float64), w)
+        output[key] = float(np.sqrt(np.sum((e @ s) * e) / np.sum((w @ s) * w)))
+    return {
+        "weight_max": max(weight.values()),
+        "weight_median": med(list(weight.values())),
+        "output_max": max(output.values()),
+        "output_median": med(list(output.values())),
+        "worst_output": max(output, key=lambda k: output[k]),
+        "layers": len(weight),
+    }
 
 
 def rel_max(a: np.ndarray, ref: np.ndarray) -> float:
@@ -528,7 +566,9 @@ def main() -> None:
     ap.add_argument("--markdown", default=None, help="also write the report here")
     ap.add_argument("--json", default=None, help="also write raw results here")
     # internal: merge worker
-    ap.add_argument("--worker", choices=("fusionbench", "lmdx", "lmdx64"), help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--worker", choices=("fusionbench", "lmdx", "lmdx64", "lmdx_f64"), help=argparse.SUPPRESS
+    )
     args = ap.parse_args()
     if args.worker:
         merge_worker(args)
@@ -653,15 +693,27 @@ def main() -> None:
     # merges
     merges: dict[str, dict[str, Any]] = {}
     agreement: dict[str, dict[str, Any]] = {}
+    from lmdx import Statistics
     from safetensors.numpy import load_file
 
     fb_all = run_merges(args, "fusionbench", workdir)
     lx_all = run_merges(args, "lmdx", workdir)
     l64_all = run_merges(args, "lmdx64", workdir) if args.float64 else None
+    f64_all = run_merges(args, "lmdx_f64", workdir)
+    layer_stats = [
+        Statistics.load(workdir / f"lmdx_incl_{i}.safetensors") for i in range(args.models)
+    ]
+    accuracy: dict[str, dict[str, Any]] = {}
     for alpha in args.alphas:
         merges[f"fusionbench|{alpha}"], merges[f"lmdx|{alpha}"] = fb_all[alpha], lx_all[alpha]
         a_fb = load_file(str(workdir / f"merged_fusionbench_{alpha}.safetensors"))
         a_lx = load_file(str(workdir / f"merged_lmdx_{alpha}.safetensors"))
+        merges[f"lmdx_f64|{alpha}"] = f64_all[alpha]
+        a_f64 = load_file(str(workdir / f"merged_lmdx_f64_{alpha}.safetensors"))
+        accuracy[str(alpha)] = {
+            impl: merged_errors(merged, a_f64, layer_stats, alpha)
+            for impl, merged in (("fusionbench", a_fb), ("lmdx", a_lx))
+        }
         a_64 = None
         if l64_all is not None:
             merges[f"lmdx64|{alpha}"] = l64_all[alpha]
@@ -713,9 +765,9 @@ def main() -> None:
             "names_differ": missing,
             "reference": refs,
         }
-        for impl in ("fusionbench", "lmdx", "lmdx64"):
+        for impl in ("fusionbench", "lmdx", "lmdx64", "lmdx_f64"):
             (workdir / f"merged_{impl}_{alpha}.safetensors").unlink(missing_ok=True)
-        del a_fb, a_lx, a_64
+        del a_fb, a_lx, a_64, a_f64
     total = time.perf_counter() - t_start
 
     # ----------------------------------------------------------------------- report
@@ -800,7 +852,8 @@ def main() -> None:
     gib = lambda k: k / 2**20  # noqa: E731
     mlabels = {
         "fusionbench": "FusionBench `merging_with_regmean_weights`",
-        "lmdx": "lmdx `merge_models`",
+        "lmdx": "lmdx `merge_models` (precision auto)",
+        "lmdx_f64": 'lmdx `merge_models` (precision="float64")',
         "lmdx64": "lmdx `merge_models` (float64-product statistics)",
     }
     for alpha in args.alphas:
@@ -826,8 +879,9 @@ def main() -> None:
             sv = mm.get("solver", {})
             P(
                 f"{key}: {sv.get('layers')} layers solved, regularized (ridge added): "
-                f"{sv.get('regularized') or 'none'}; right-hand-side products per system: "
-                f"{sv.get('precision') or 'not reported'}."
+                f"{sv.get('regularized') or 'none'}; systems per precision: "
+                f"{sv.get('precision') or 'not reported'}; largest certified output error "
+                f"{sv.get('max_output_error_estimate', 0.0):.1e}."
             )
     P(
         f"Peak RSS: {merges[next(iter(merges))]['rss_method']} — the worker's RSS high-water "
@@ -845,6 +899,36 @@ def main() -> None:
         f"{K * ov['fusionbench'] + med(merges[f'fusionbench|{args.alphas[0]}']['times']):.1f} s, "
         f"lmdx {K * ov['lmdx_incl'] + med(merges[f'lmdx|{args.alphas[0]}']['times']):.1f} s."
     )
+    P("")
+    P(
+        "**Merge accuracy** against lmdx's float64 merge (the float64 formula; every merged "
+        f"RegMean weight, {K} models' statistics, padding included). weight = "
+        "max\\|E\\|/max\\|W\\|, output = ‖E‖_S/‖W‖_S with S = Σ G̃_i, ‖A‖²_S = tr(A S Aᵀ); "
+        "every output is stored in float32 (the models' dtype), whose rounding alone is "
+        "≈ 3e-8 (output) here:"
+    )
+    P("")
+    P(
+        "| α | method | weight: max | median | output: max | median | time | "
+        "FusionBench / this | systems per precision |"
+    )
+    P("|---|---|---|---|---|---|---|---|---|")
+    for alpha in args.alphas:
+        tf = med(merges[f"fusionbench|{alpha}"]["times"])
+        for impl in ("fusionbench", "lmdx", "lmdx_f64"):
+            acc = accuracy[str(alpha)].get(impl)
+            t = med(merges[f"{impl}|{alpha}"]["times"])
+            sv = merges[f"{impl}|{alpha}"].get("solver", {})
+            cells = (
+                f"{acc['weight_max']:.1e} | {acc['weight_median']:.1e} | "
+                f"{acc['output_max']:.1e} | {acc['output_median']:.1e}"
+                if acc
+                else "(reference) | | |"
+            )
+            P(
+                f"| {alpha} | {mlabels[impl]} | {cells} | {fmt_t(t)} | {tf / t:.2f}× | "
+                f"{sv.get('precision', '—')} |"
+            )
     P("")
     P("**Agreement**")
     P("")
@@ -918,6 +1002,7 @@ def main() -> None:
                     "per_model": per_model,
                     "merges": merges,
                     "agreement": agreement,
+                    "accuracy": accuracy,
                     "gram_check": gram_check,
                     "real_tokens": real,
                     "model_identity_s": t_hash,

@@ -16,7 +16,7 @@ std::tuple<py::array_t<double>, RegMeanInfo> regmean_merge_layer(
     const std::vector<py::array>& grams, const std::vector<py::array>& weights,
     const std::vector<double>& counts, double alpha,
     const std::optional<std::vector<double>>& coefficients, const std::string& layout,
-    const std::string& precision, double ridge, bool allow_regularization,
+    const std::string& precision, double noise_floor, double ridge, bool allow_regularization,
     const std::string& name, int n_threads) {
   std::vector<ArrayView> g, w;
   for (size_t i = 0; i < grams.size(); ++i) {
@@ -40,7 +40,8 @@ std::tuple<py::array_t<double>, RegMeanInfo> regmean_merge_layer(
   RegMeanInfo info;
   {
     py::gil_scoped_release release;  // the views stay valid: the caller holds the arrays
-    info = lmdx::regmean_merge_layer(g, w, counts, coef, layout, precision, opt, out_data);
+    info = lmdx::regmean_merge_layer(g, w, counts, coef, layout, precision, noise_floor, opt,
+                                     out_data);
   }
   return {out, info};
 }
@@ -49,17 +50,20 @@ std::tuple<py::array_t<double>, RegMeanInfo> regmean_merge_layer(
 
 void bind_regmean(py::module_& m) {
   py::class_<RegMeanInfo, SolveInfo>(m, "RegMeanInfo",
-                                     "What the solver did for one RegMean layer, and how its "
-                                     "right-hand side was computed.")
+                                     "What the solver did for one RegMean layer, and in which "
+                                     "precision.")
       .def_readonly("precision", &RegMeanInfo::precision,
-                    "'float64', 'float32' (right-hand-side products) or 'identical'\n"
-                    "(equal weights in every model, returned without a solve).")
+                    "'float64', 'float32' (factorization, products and solve) or\n"
+                    "'identical' (equal weights in every model, returned without a solve).")
       .def_readonly("condition_estimate", &RegMeanInfo::condition_estimate,
                     "1-norm condition estimate of the system (0: not estimated).")
-      .def_readonly("float32_error_estimate", &RegMeanInfo::float32_error_estimate,
-                    "Estimated relative error of float32 products (0: not estimated).")
+      .def_readonly("output_error_estimate", &RegMeanInfo::output_error_estimate,
+                    "Certified relative output error ||W - W_float64||_S / ||W_float64||_S\n"
+                    "of a float32 merge (0: float64 or identical).")
       .def_readonly("relative_spread", &RegMeanInfo::relative_spread,
                     "max_i max |W_i - mean| / max |mean|.")
+      .def_readonly("unseen_directions", &RegMeanInfo::unseen_directions,
+                    "Eigendirections below the statistics' noise floor, kept at the average.")
       .def("__repr__", [](const RegMeanInfo& s) {
         std::ostringstream out;
         out.precision(6);
@@ -67,12 +71,14 @@ void bind_regmean(py::module_& m) {
             << ", escalated=" << (s.escalated ? "True" : "False") << ", attempts=" << s.attempts
             << ", rcond_estimate=" << s.rcond_estimate
             << ", condition_estimate=" << s.condition_estimate
-            << ", relative_spread=" << s.relative_spread << ")";
+            << ", output_error_estimate=" << s.output_error_estimate
+            << ", relative_spread=" << s.relative_spread
+            << ", unseen_directions=" << s.unseen_directions << ")";
         return out.str();
       });
   m.def("regmean_merge_layer", &regmean_merge_layer, py::kw_only(), py::arg("grams"),
         py::arg("weights"), py::arg("counts"), py::arg("alpha"), py::arg("coefficients"),
-        py::arg("layout"), py::arg("precision"), py::arg("ridge"),
+        py::arg("layout"), py::arg("precision"), py::arg("noise_floor"), py::arg("ridge"),
         py::arg("allow_regularization"), py::arg("name"), py::arg("n_threads"),
         "RegMean merge of one linear layer; grams full (d, d) or packed upper triangles.\n"
         "Returns (merged float64 weight in the layout of the inputs, RegMeanInfo).");

@@ -1,7 +1,10 @@
 #include "core/regmean.hpp"
 
+#include <Eigen/Eigenvalues>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <limits>
 #include <stdexcept>
 #include <string>
 
@@ -20,18 +23,28 @@ constexpr Index kRhsChunk = 1024;
 constexpr double kSerialWork = 2e7;
 // Columns of W_i^T widened per task.
 constexpr Index kWidenColumns = 64;
-// Input dimensions up to which every layer gets a 1-norm condition estimate (beyond, only
-// where float32 products are considered: the estimate's solves stream the factor).
+// Input dimensions up to which a layer solved in float64 gets a 1-norm condition estimate
+// (beyond, its solves streaming the factor cost more than they tell).
 constexpr Index kEstimateDim = 1024;
 // Tiles of the mirrored (upper) triangle.
 constexpr Index kTile = 64;
-// float32 unit roundoff, 2^-24.
-constexpr double kFloat32Roundoff = 5.9604644775390625e-8;
-// The error of float32 products is estimated as cond_1 x roundoff x sqrt(d_in) x spread x
-// (sum_i ||D_i||_1 / ||A||_1, the size of the matrices that multiply the deviations against
-// the system's) x this factor; tests/core/test_regmean.py checks on Grams of condition
-// 1-1e6, alike, proportional and unlike, that the errors stay below 15 % of the estimate.
-constexpr double kFloat32Margin = 4.0;
+// Gaussian probe columns of the float32 certificate, and the factor its estimate is
+// multiplied by. With P = 16 probes, ||E z||^2 summed over the probes is a sum of P
+// chi-square draws weighted by the squared singular values of S^(1/2) E; the worst case is
+// an error (and a merged weight) concentrated in one direction, where the ratio of the two
+// sums is an F(16, 16) variable: it falls below 1/16 (the estimate times kCertificateMargin
+// below the true error) with probability 6e-7. Spread errors (the usual float32 rounding)
+// make it far more accurate. tests/core/test_regmean_precision.py checks the bound.
+constexpr Index kProbes = 16;
+constexpr double kCertificateMargin = 4.0;
+// The probes' errors are solved with the float32 factor and refined once against the
+// float64 system; a refinement that changes them by more than this fraction (in the
+// system's norm) means the float32 factor is too inaccurate to certify anything.
+constexpr double kMaxContraction = 0.5;
+// A float64 system gets the eigendecomposition that finds the directions below the noise
+// floor when its smallest squared pivot is within this factor of the floor (every
+// eigenvalue is at most the smallest squared pivot, so above it none are below the floor).
+constexpr double kNoiseFloorTrigger = 1e3;
 
 enum class WeightLayout {
   Linear,  // torch nn.Linear: weight is [out, in]
@@ -92,10 +105,13 @@ WeightLayout parse_layout(const std::string& layout, const std::string& name) {
                               layout + "'");
 }
 
-bool parse_precision(const std::string& precision, const std::string& name) {
-  if (precision == "auto") return true;
-  if (precision == "float64") return false;
-  throw std::invalid_argument(name + ": precision: expected 'auto' or 'float64', got '" +
+enum class Precision { Auto, Float32, Float64 };
+
+Precision parse_precision(const std::string& precision, const std::string& name) {
+  if (precision == "auto") return Precision::Auto;
+  if (precision == "float32") return Precision::Float32;
+  if (precision == "float64") return Precision::Float64;
+  throw std::invalid_argument(name + ": precision: expected 'auto', 'float32' or 'float64', got '" +
                               precision + "'");
 }
 
@@ -127,6 +143,77 @@ void mirror_lower(MatrixXd& m, int threads) {
   }
 }
 
+// D_i = c_i (G~_i - G~_p) (full, symmetric) into d, from the raw Grams as
+// s_i G_i - (c_i / n_p) G_p with the off-diagonal scaled by alpha.
+void form_difference(const std::vector<RegMeanModel>& models, const std::vector<double>& s,
+                     const std::vector<double>& coef, size_t i, size_t pivot, double alpha,
+                     int threads, MatrixXd& d) {
+  const Index n = d.rows();
+  const double t = coef[i] / models[pivot].count;
+  LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(dynamic, 16))
+  for (Index j = 0; j < n; ++j) {
+    auto col = d.col(j).tail(n - j);
+    axmbz(s[i], models[i].gram.lower_column(j), t, models[pivot].gram.lower_column(j),
+          col.data(), n - j);
+    col.tail(n - j - 1) *= alpha;
+  }
+  mirror_lower(d, threads);
+}
+
+// Columns [c0, c0 + w) of (W_i - W-)^T into delta's first w columns. Called by every thread
+// of a parallel region (an orphaned omp for: the deviations are complete after it).
+void widen_deviations(const ArrayView& weight, const MatrixXd& mean_t, WeightLayout layout,
+                      Index c0, Index w, MatrixXd& delta) {
+  const Index d_in = mean_t.rows(), d_out = mean_t.cols();
+  LMDX_PRAGMA(omp for schedule(static))
+  for (Index s0 = 0; s0 < w; s0 += kWidenColumns) {
+    const Index sw = std::min(kWidenColumns, w - s0);
+    auto part = delta.middleCols(s0, sw);
+    widen_columns(weight, d_in, d_out, layout, c0 + s0, sw, part);
+    part -= mean_t.middleCols(c0 + s0, sw);
+  }
+}
+
+// out = a v (or out += a v), a full d x d, by fixed blocks of rows across the threads.
+void multiply_rows(const MatrixXd& a, const MatrixXd& v, MatrixXd& out, bool accumulate,
+                   int threads) {
+  const Index d = a.rows();
+  const Index row_block = column_block_width(d);
+  const Index n_blocks = (d + row_block - 1) / row_block;
+  if (!accumulate) out.setZero(d, v.cols());
+  LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(dynamic, 1))
+  for (Index b = 0; b < n_blocks; ++b) {
+    const Index r0 = b * row_block;
+    const Index h = std::min(row_block, d - r0);
+    out.middleRows(r0, h).noalias() += a.middleRows(r0, h) * v;
+  }
+}
+
+// Standard normal rows x cols from a fixed seed (splitmix64 and Box-Muller): the same
+// probes on every run and every platform.
+MatrixXd gaussian_probes(Index rows, Index cols) {
+  MatrixXd z(rows, cols);
+  uint64_t state = 0x6C6D6478ull;  // fixed
+  const auto next = [&state] {
+    uint64_t x = (state += 0x9E3779B97F4A7C15ull);
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+  };
+  const auto uniform = [&next] {  // in (0, 1)
+    return (static_cast<double>(next() >> 11) + 0.5) * 0x1.0p-53;
+  };
+  constexpr double kTwoPi = 6.283185307179586;
+  double* data = z.data();
+  for (Index i = 0; i < z.size(); i += 2) {
+    const double r = std::sqrt(-2.0 * std::log(uniform()));
+    const double angle = kTwoPi * uniform();
+    data[i] = r * std::cos(angle);
+    if (i + 1 < z.size()) data[i + 1] = r * std::sin(angle);
+  }
+  return z;
+}
+
 // ||M||_1 of the symmetric d x d matrix whose lower triangle column j (rows j..d-1) is
 // column(j, buffer) (a pointer to d - j values, possibly written into `buffer`, d values of
 // the calling thread), off-diagonal scaled by alpha, plus `shift` on the diagonal. Blocks of
@@ -152,11 +239,194 @@ double symmetric_norm1(Index d, double alpha, double shift, int threads, const C
   return sums.rowwise().sum().maxCoeff();
 }
 
+// x <- the solution of system x = x (system's lower triangle) restricted to the
+// eigendirections with eigenvalue > floor + sqrt(d) x 2^-52 x the largest eigenvalue (the
+// statistics' noise floor and the eigendecomposition's own rounding); the others get no
+// component (they keep the average). Reports the count of those directions and the
+// system's 2-norm condition over the kept ones.
+void spectral_solve(const MatrixXd& system, double floor, const std::string& name, MatrixXd& x,
+                    RegMeanInfo& info) {
+  const Eigen::SelfAdjointEigenSolver<MatrixXd> eigen(system, Eigen::ComputeEigenvectors);
+  if (eigen.info() != Eigen::Success) {
+    throw std::runtime_error(name + ": the eigendecomposition of the system did not converge");
+  }
+  const VectorXd& values = eigen.eigenvalues();  // ascending
+  const double largest = values.size() > 0 ? std::max(values(values.size() - 1), 0.0) : 0.0;
+  const double threshold = floor + std::sqrt(static_cast<double>(values.size())) *
+                                       std::numeric_limits<double>::epsilon() * largest;
+  Index unseen = 0;
+  while (unseen < values.size() && !(values(unseen) > threshold)) ++unseen;
+  const Index kept = values.size() - unseen;
+  const auto vectors = eigen.eigenvectors().rightCols(kept);
+  MatrixXd projected = vectors.transpose() * x;
+  projected = values.tail(kept).cwiseInverse().asDiagonal() * projected;
+  x.noalias() = vectors * projected;
+  info.unseen_directions = static_cast<int>(unseen);
+  info.condition_estimate = kept > 0 ? values(values.size() - 1) / values(unseen) : 0.0;
+}
+
+// The merge of one layer in float32 -- factorization, the K - 1 right-hand-side products
+// and the solve -- and the certificate of its output error against the float64 formula:
+// with X = W_M^T - W-^T from float32 and E = X - X_64 (X_64 = A^{-1} B in float64, A the
+// system, B the right-hand side), A E z = A X z - B z = -r for any probe z, where the
+// residual r is computed in float64 from products with the Gram differences and the system.
+// E z is solved with the float32 factor and refined once in float64; ||E z||_A^2 over
+// Gaussian probes estimates ||E||_A^2 >= ||E||_S^2 (S = A - ridge I), and ||W_M z||_S^2
+// the merged weight's ||W_M||_S^2. O((K + 5) d_in^2 kProbes) float64 work.
+struct Float32Merge {
+  const std::vector<RegMeanModel>& models;
+  const std::vector<double>& coef;
+  const std::vector<double>& s;
+  size_t pivot;
+  const std::vector<size_t>& others;
+  Index d_in, d_out;
+  WeightLayout layout;
+  const MatrixXd& mean_t;
+  MatrixXd& lhs;  // sum_i s_i G_i, lower triangle; run() mirrors it onto the upper one
+  double noise_floor;  // relative, as regmean_merge_layer's
+
+  // A v, A = alpha lhs + (1 - alpha) diag(lhs) + ridge I (lhs mirrored).
+  MatrixXd system_times(const MatrixXd& v, double alpha, double ridge, int threads) const {
+    MatrixXd out;
+    multiply_rows(lhs, v, out, false, threads);
+    if (alpha != 1.0) out *= alpha;
+    const VectorXd diagonal = ((1.0 - alpha) * lhs.diagonal().array() + ridge).matrix();
+    out += diagonal.asDiagonal() * v;
+    return out;
+  }
+
+  // A_32^{-1} r with the float32 factor, r scaled into float32's range first.
+  static MatrixXd solve32(const Eigen::MatrixXf& l32, const MatrixXd& r, int threads) {
+    const double scale = r.cwiseAbs().maxCoeff();
+    if (!(scale > 0.0)) return MatrixXd::Zero(r.rows(), r.cols());
+    Eigen::MatrixXf x = (r / scale).cast<float>();
+    cholesky_solve_in_place(l32, x, threads);
+    return x.cast<double>() * scale;
+  }
+
+  // Merge into merged_t and fill info (precision "float32", output_error_estimate). Returns
+  // false, leaving lhs's lower triangle as it was, when the float32 factorization fails or
+  // (unless forced) the certificate exceeds kOutputErrorTolerance.
+  bool run(const SolveOptions& opt, bool forced, RegMeanInfo& info, MatrixXd& merged_t) {
+    const int threads = opt.n_threads;
+    const double alpha = opt.alpha;
+    const double mean_diagonal = lhs.diagonal().mean();
+    if (!(opt.ridge >= 0.0) || !std::isfinite(opt.ridge) || !(mean_diagonal > 0.0) ||
+        !std::isfinite(mean_diagonal)) {
+      return false;  // the float64 path reports it
+    }
+    const double ridge = opt.ridge * mean_diagonal;
+    Eigen::MatrixXf l32(d_in, d_in);
+    LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(dynamic, 16))
+    for (Index j = 0; j < d_in; ++j) {
+      l32(j, j) = static_cast<float>(lhs(j, j) + ridge);
+      for (Index r = j + 1; r < d_in; ++r) l32(r, j) = static_cast<float>(alpha * lhs(r, j));
+    }
+    if (blocked_cholesky(l32, mean_diagonal, threads) >= 0) return false;
+    // Directions near the noise floor: the float64 path decides which are unseen.
+    const double smallest = l32.diagonal().minCoeff();
+    const double floor = noise_floor * std::sqrt(static_cast<double>(d_in)) * mean_diagonal;
+    if (floor > 0.0 && smallest * smallest <= kNoiseFloorTrigger * floor) return false;
+    mirror_lower(lhs, threads);
+
+    // rhs = sum_{i != p} D_i (W_i - W-)^T in float32, and B z = the same times the probes
+    // in float64.
+    const MatrixXd z = gaussian_probes(d_out, kProbes);
+    Eigen::MatrixXf x32 = Eigen::MatrixXf::Zero(d_in, d_out);
+    MatrixXd bz = MatrixXd::Zero(d_in, kProbes);
+    MatrixXd d_i(d_in, d_in), y(d_in, kProbes);
+    Eigen::MatrixXf d_i32(d_in, d_in);
+    const Index row_block = column_block_width(d_in);
+    const Index n_row_blocks = (d_in + row_block - 1) / row_block;
+    const Index chunk = std::min(kRhsChunk, d_out);
+    MatrixXd delta(d_in, chunk);
+    Eigen::MatrixXf delta32(d_in, chunk);
+    for (size_t i : others) {
+      form_difference(models, s, coef, i, pivot, alpha, threads, d_i);
+      LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(static))
+      for (Index j = 0; j < d_in; ++j) d_i32.col(j) = d_i.col(j).cast<float>();
+      y.setZero();
+      for (Index c0 = 0; c0 < d_out; c0 += chunk) {
+        const Index w = std::min(chunk, d_out - c0);
+        LMDX_PRAGMA(omp parallel num_threads(threads)) {
+          widen_deviations(models[i].weight, mean_t, layout, c0, w, delta);
+          LMDX_PRAGMA(omp for schedule(static))
+          for (Index c = 0; c < w; ++c) delta32.col(c) = delta.col(c).cast<float>();
+          LMDX_PRAGMA(omp for schedule(dynamic, 1))
+          for (Index rb = 0; rb < n_row_blocks; ++rb) {
+            const Index r0 = rb * row_block;
+            const Index h = std::min(row_block, d_in - r0);
+            x32.block(r0, c0, h, w).noalias() += d_i32.middleRows(r0, h) * delta32.leftCols(w);
+            y.middleRows(r0, h).noalias() += delta.block(r0, 0, h, w) * z.middleRows(c0, w);
+          }
+        }
+      }
+      multiply_rows(d_i, y, bz, true, threads);
+    }
+    cholesky_solve_in_place(l32, x32, threads);
+
+    // merged = W- + X; probes of X and of the merged weight.
+    MatrixXd v(d_in, 2 * kProbes);
+    LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(static))
+    for (Index c = 0; c < d_out; ++c) merged_t.col(c) = mean_t.col(c) + x32.col(c).cast<double>();
+    LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(dynamic, 1))
+    for (Index rb = 0; rb < n_row_blocks; ++rb) {
+      const Index r0 = rb * row_block;
+      const Index h = std::min(row_block, d_in - r0);
+      v.block(r0, 0, h, kProbes).noalias() = x32.middleRows(r0, h).cast<double>() * z;
+      v.block(r0, kProbes, h, kProbes).noalias() = merged_t.middleRows(r0, h) * z;
+    }
+    const MatrixXd av = system_times(v, alpha, ridge, threads);
+    const auto u = v.rightCols(kProbes);
+    const double merged_norm2 =
+        u.cwiseProduct(av.rightCols(kProbes)).sum() - ridge * u.squaredNorm();
+    const MatrixXd minus_r = av.leftCols(kProbes) - bz;  // A E z = -r
+    const MatrixXd e1 = solve32(l32, minus_r, threads);
+    const MatrixXd ae1 = system_times(e1, alpha, ridge, threads);
+    const MatrixXd correction = solve32(l32, minus_r - ae1, threads);
+    const MatrixXd ac = system_times(correction, alpha, ridge, threads);
+    const double ee = e1.cwiseProduct(ae1).sum();
+    const double ec = correction.cwiseProduct(ae1).sum();
+    const double cc = std::max(correction.cwiseProduct(ac).sum(), 0.0);
+    // ||E Z||_A after the refinement, plus what a refinement contracting at the observed
+    // rate rho would still change (rho / (1 - rho) times the correction).
+    const double rho = ee > 0.0 ? std::sqrt(cc / ee) : 0.0;
+    const double refined = std::sqrt(std::max(ee + 2.0 * ec + cc, 0.0));
+    const double error_norm =
+        refined + (rho < 1.0 ? rho / (1.0 - rho) : 1.0) * std::sqrt(cc);
+    double estimate = 0.0;
+    if (error_norm > 0.0) {
+      estimate = merged_norm2 > 0.0
+                     ? kCertificateMargin * error_norm / std::sqrt(merged_norm2)
+                     : std::numeric_limits<double>::max();
+    }
+
+    info.ridge = opt.ridge;
+    info.ridge_absolute = ridge;
+    info.mean_diagonal = mean_diagonal;
+    info.attempts = 1;
+    info.escalated = false;
+    info.min_pivot = l32.diagonal().minCoeff();
+    info.max_pivot = l32.diagonal().maxCoeff();
+    const double ratio = info.min_pivot / info.max_pivot;
+    info.rcond_estimate = ratio * ratio;
+    info.condition_estimate = 0.0;
+    if (d_in <= kEstimateDim) {
+      info.condition_estimate = symmetric_norm1(d_in, alpha, ridge, threads,
+                                                [&](Index j, double*) { return &lhs(j, j); }) *
+                                inverse_norm1_estimate(l32);
+    }
+    info.output_error_estimate = estimate;
+    info.precision = "float32";
+    return forced || (rho <= kMaxContraction && estimate <= kOutputErrorTolerance);
+  }
+};
+
 // W_M^T (d_in x d_out, column-major) into merged_t, from models whose shapes are checked
 // (opt.n_threads too).
 RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in, Index d_out,
                              const std::vector<double>& coefficients, WeightLayout layout,
-                             bool auto_precision, const SolveOptions& opt,
+                             Precision mode, double noise_floor, const SolveOptions& opt,
                              MatrixXd& merged_t) {
   const size_t k = models.size();
   if (d_in < 1 || d_out < 1)
@@ -246,105 +516,73 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
   }
   SolveOptions solve_opt = opt;
   solve_opt.n_threads = threads;
+  const double alpha = opt.alpha;
+  if (mode == Precision::Float32 || (mode == Precision::Auto && work >= kSerialWork)) {
+    Float32Merge f32{models, coef,   s,      pivot, others,     d_in,
+                     d_out,  layout, mean_t, lhs,   noise_floor};
+    if (f32.run(solve_opt, mode == Precision::Float32, info, merged_t)) return info;
+  }
+  info.output_error_estimate = 0.0;
+
   MatrixXd l;
   static_cast<SolveInfo&>(info) = spd_factor(lhs, l, solve_opt);
-  const double alpha = opt.alpha;
-
-  // The condition estimate: always up to kEstimateDim inputs (O(d^2), negligible there),
-  // and where float32 products are considered. Precision of those products: layers merged
-  // on one thread always use float64 (their time is not in the products); the pivots give
-  // a lower bound on cond_2, so a layer they already rule out needs no estimate.
-  double lhs_norm1 = 0.0;  // ||sum_i c_i G~_i + ridge I||_1, when first needed
-  const auto system_norm1 = [&] {
-    if (lhs_norm1 == 0.0) {
-      lhs_norm1 = symmetric_norm1(d_in, alpha, info.ridge_absolute, threads,
-                                  [&](Index j, double*) { return &lhs(j, j); });
-    }
-    return lhs_norm1;
-  };
-  const auto estimate = [&] {
-    if (info.condition_estimate == 0.0) {
-      info.condition_estimate = system_norm1() * inverse_norm1_estimate(l);
-    }
-    return info.condition_estimate;
-  };
-  if (d_in <= kEstimateDim) estimate();
-  bool float32 = false;
-  if (auto_precision && work >= kSerialWork) {
-    // The rounding of the products scales with the matrices that multiply the deviations,
-    // D_i = c_i (G~_i - G~_p), so the system's condition is taken times
-    // sum_i ||D_i||_1 / ||sum_i c_i G~_i + ridge I||_1 (small where the models' Grams are
-    // alike). O(K d_in^2), threaded.
-    double differences = 0.0;
-    for (size_t i : others) {
-      const double t = coef[i] / models[pivot].count;
-      differences += symmetric_norm1(d_in, alpha, 0.0, threads, [&](Index j, double* column) {
-        axmbz(s[i], models[i].gram.lower_column(j), t, models[pivot].gram.lower_column(j),
-              column, d_in - j);
-        return column;
-      });
-    }
-    const double per_cond = kFloat32Roundoff * std::sqrt(static_cast<double>(d_in)) *
-                            kFloat32Margin * info.relative_spread * differences / system_norm1();
-    const double pivot_bound = 1.0 / info.rcond_estimate;
-    if (pivot_bound * per_cond <= kFloat32Tolerance) {
-      info.float32_error_estimate = estimate() * per_cond;
-      float32 = info.float32_error_estimate <= kFloat32Tolerance;
-    }
+  // Below the statistics' noise floor: eigendirections of the system whose eigenvalue the
+  // Grams' own rounding could have made (or unmade) are solved as unseen, keeping the
+  // average. Only systems with a pivot near the floor (or that needed a ridge) can have
+  // such directions worth the eigendecomposition: every eigenvalue is <= the smallest
+  // squared pivot.
+  const double floor = noise_floor * std::sqrt(static_cast<double>(d_in)) * info.mean_diagonal;
+  MatrixXd system;
+  if (floor > 0.0 &&
+      (info.escalated || info.min_pivot * info.min_pivot <= kNoiseFloorTrigger * floor)) {
+    system.resize(d_in, d_in);
+    system.triangularView<Eigen::Lower>() = lhs;
+    if (alpha != 1.0) system.triangularView<Eigen::StrictlyLower>() *= alpha;
+    system.diagonal().array() += opt.ridge * info.mean_diagonal;
   }
-  info.precision = float32 ? "float32" : "float64";
+  // The condition estimate up to kEstimateDim inputs (O(d^2), negligible there).
+  info.condition_estimate = 0.0;
+  if (d_in <= kEstimateDim) {
+    info.condition_estimate = symmetric_norm1(d_in, alpha, info.ridge_absolute, threads,
+                                              [&](Index j, double*) { return &lhs(j, j); }) *
+                              inverse_norm1_estimate(l);
+  }
+  info.precision = "float64";
 
   // rhs = sum_{i != p} D_i (W_i - W-)^T with D_i = c_i (G~_i - G~_p), built from the raw
   // Grams as s_i G_i - (c_i / n_p) G_p with the off-diagonal scaled by alpha. D_i reuses
   // lhs's storage (the factor is in l).
   merged_t.setZero();
   MatrixXd& d_i = lhs;
-  Eigen::MatrixXf d_i32;
   const Index row_block = column_block_width(d_in);
   const Index n_row_blocks = (d_in + row_block - 1) / row_block;
   const Index chunk = std::min(kRhsChunk, d_out);
   MatrixXd delta(d_in, chunk);
-  Eigen::MatrixXf delta32;
   for (size_t i : others) {
-    const double t = coef[i] / models[pivot].count;
-    LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(dynamic, 16))
-    for (Index j = 0; j < d_in; ++j) {
-      auto col = d_i.col(j).tail(d_in - j);
-      axmbz(s[i], models[i].gram.lower_column(j), t, models[pivot].gram.lower_column(j),
-            col.data(), d_in - j);
-      col.tail(d_in - j - 1) *= alpha;
-    }
-    mirror_lower(d_i, threads);
-    if (float32) d_i32 = d_i.cast<float>();
+    form_difference(models, s, coef, i, pivot, alpha, threads, d_i);
     for (Index c0 = 0; c0 < d_out; c0 += chunk) {
       const Index w = std::min(chunk, d_out - c0);
       LMDX_PRAGMA(omp parallel num_threads(threads)) {
-        LMDX_PRAGMA(omp for schedule(static))
-        for (Index s0 = 0; s0 < w; s0 += kWidenColumns) {
-          const Index sw = std::min(kWidenColumns, w - s0);
-          auto part = delta.middleCols(s0, sw);
-          widen_columns(models[i].weight, d_in, d_out, layout, c0 + s0, sw, part);
-          part -= mean_t.middleCols(c0 + s0, sw);
-        }  // barrier: the deviations are complete
-        LMDX_PRAGMA(omp single)
-        if (float32) delta32 = delta.leftCols(w).cast<float>();
-        // (implicit barrier after single)
+        widen_deviations(models[i].weight, mean_t, layout, c0, w, delta);
+        // (barrier at the end of its omp for: the deviations are complete)
         LMDX_PRAGMA(omp for schedule(dynamic, 1))
         for (Index rb = 0; rb < n_row_blocks; ++rb) {
           const Index r0 = rb * row_block;
           const Index h = std::min(row_block, d_in - r0);
-          auto out = merged_t.block(r0, c0, h, w);
-          if (float32) {
-            const Eigen::MatrixXf part = d_i32.middleRows(r0, h) * delta32;
-            out += part.cast<double>();
-          } else {
-            out.noalias() += d_i.middleRows(r0, h) * delta.leftCols(w);
-          }
+          merged_t.block(r0, c0, h, w).noalias() += d_i.middleRows(r0, h) * delta.leftCols(w);
         }
       }
     }
   }
-  cholesky_solve_in_place(l, merged_t, threads);
+  if (system.size() == 0) {
+    cholesky_solve_in_place(l, merged_t, threads);
+  } else {
+    // No ridge beyond the one asked for: the directions it would have propped up are unseen.
+    info.ridge = opt.ridge;
+    info.ridge_absolute = opt.ridge * info.mean_diagonal;
+    info.escalated = false;
+    spectral_solve(system, floor, opt.name, merged_t, info);
+  }
   merged_t += mean_t;
   return info;
 }
@@ -355,9 +593,13 @@ RegMeanInfo regmean_merge_layer(const std::vector<ArrayView>& grams,
                                 const std::vector<ArrayView>& weights,
                                 const std::vector<double>& counts,
                                 const std::vector<double>& coefficients, const std::string& layout,
-                                const std::string& precision, const SolveOptions& opt,
-                                double* out) {
+                                const std::string& precision, double noise_floor,
+                                const SolveOptions& opt, double* out) {
   const std::string& name = opt.name;
+  if (!(noise_floor >= 0.0 && noise_floor < 1.0)) {
+    throw std::invalid_argument(name + ": noise_floor: must be in [0, 1), got " +
+                                std::to_string(noise_floor));
+  }
   const int requested = resolve_threads(opt.n_threads);
   const size_t k = grams.size();
   if (k == 0) throw std::invalid_argument(name + ": grams: need at least one model");
@@ -367,7 +609,7 @@ RegMeanInfo regmean_merge_layer(const std::vector<ArrayView>& grams,
                                 std::to_string(weights.size()));
   }
   const WeightLayout lay = parse_layout(layout, name);
-  const bool auto_precision = parse_precision(precision, name);
+  const Precision mode = parse_precision(precision, name);
   std::vector<RegMeanModel> models(k);
   Index d_in = 0, d_out = 0;
   for (size_t i = 0; i < k; ++i) {
@@ -406,7 +648,8 @@ RegMeanInfo regmean_merge_layer(const std::vector<ArrayView>& grams,
   // its address.
   MatrixXd merged_t(d_in, d_out);
   const RegMeanInfo info =
-      merge_transposed(models, d_in, d_out, coefficients, lay, auto_precision, checked, merged_t);
+      merge_transposed(models, d_in, d_out, coefficients, lay, mode, noise_floor, checked,
+                       merged_t);
   if (lay == WeightLayout::Linear) {
     // W_M^T column-major (d_in x d_out) is W_M row-major [out, in].
     std::copy(merged_t.data(), merged_t.data() + merged_t.size(), out);

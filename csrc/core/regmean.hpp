@@ -9,9 +9,15 @@
 // equal in every model come back bit-exact, and directions no statistics reached keep the
 // average instead of being pulled to zero by a ridge. Since sum_i c_i (W_i - W-) = 0, the
 // right-hand side needs K - 1 products: sum_{i != p} c_i (G~_i - G~_p) (W_i - W-)^T
-// for a pivot model p. Those products may run in float32 where an estimate of the error
-// they cause stays below kFloat32Tolerance (precision "auto", layers large enough to be
-// threaded); the factorization and the solve are always float64.
+// for a pivot model p.
+//
+// Precision "float64" factors, multiplies and solves in float64 (the weight error against
+// the formula stays far below 1e-6). "auto" (layers large enough to be threaded) and
+// "float32" do all three in float32, then estimate the relative OUTPUT error
+// ||E||_S / ||W_M||_S (S = sum_i c_i G~_i, ||A||_S^2 = tr(A S A^T), E the difference to the
+// float64 formula) from float64 residuals on a few random probe columns; "auto" keeps the
+// float32 result only where that certificate is <= kOutputErrorTolerance and redoes the
+// layer in float64 otherwise (and wherever the float32 factorization fails).
 #pragma once
 
 #include <string>
@@ -22,23 +28,27 @@
 
 LMDX_NAMESPACE_BEGIN
 
-/// Relative error (max |W - W_float64| / max |W_float64|, estimated) that float32
-/// right-hand-side products may add to a merged layer under precision "auto".
-constexpr double kFloat32Tolerance = 1e-6;
+/// Relative output error ||W - W_float64||_S / ||W_float64||_S up to which precision "auto"
+/// keeps a layer merged in float32.
+constexpr double kOutputErrorTolerance = 1e-6;
 
-/// What the solver did for one layer, and how its right-hand side was computed.
+/// What the solver did for one layer, and in which precision.
 struct RegMeanInfo : SolveInfo {
-  /// "float64", "float32" (right-hand-side products; factorization and solve float64), or
-  /// "identical" (the weights are equal in every model: returned as they are, no solve).
+  /// "float64", "float32" (factorization, right-hand side and solve), or "identical" (the
+  /// weights are equal in every model: returned as they are, no solve).
   std::string precision = "float64";
   /// Estimate of the 1-norm condition number of the regularized system (0: not estimated;
-  /// always estimated up to 1024 inputs, beyond only where float32 products are considered).
+  /// estimated up to 1024 inputs).
   double condition_estimate = 0.0;
-  /// Estimated relative error of float32 products (0: not needed, products in float64
-  /// because the pivots alone already exceed the tolerance, or the weights are identical).
-  double float32_error_estimate = 0.0;
+  /// Certified estimate (safety margin included) of the relative output error
+  /// ||W - W_float64||_S / ||W_float64||_S of a float32 merge; 0 for "float64" (exact to
+  /// float64 rounding) and "identical".
+  double output_error_estimate = 0.0;
   /// max_i max |W_i - W-| / max |W-|: how far the models are from their average.
   double relative_spread = 0.0;
+  /// Eigendirections of the system below the statistics' noise floor, solved as unseen
+  /// (they keep the average); 0 where none were looked for or found.
+  int unseen_directions = 0;
 };
 
 /// Merge one layer of K models. `grams`: K float64 views, each either (d_in, d_in) and
@@ -46,13 +56,20 @@ struct RegMeanInfo : SolveInfo {
 /// files store it); `weights`: K float32/float64 views, [out, in] for layout "linear"
 /// (torch nn.Linear) or [in, out] for "conv1d" (Hugging Face GPT-2 Conv1D); `counts`: K row
 /// counts n_i > 0; `coefficients`: empty (all 1) or K values >= 0, not all 0; `precision`:
-/// "auto" or "float64". Messages start with opt.name. `out` has room for weights[0].size()
-/// values and receives the merged weight W_M in the layout of the inputs (row-major).
+/// "auto", "float32" or "float64"; `noise_floor`: the relative rounding of the Grams'
+/// entries (their accumulation precision: 2^-24 for float32 products summed in float64,
+/// 2^-53 for float64; 0: exact Grams), in [0, 1): eigendirections of the system with an
+/// eigenvalue <= sqrt(d_in) x (noise_floor x its mean diagonal + 2^-52 x its largest
+/// eigenvalue) keep the average (an eigendecomposition, only for systems whose
+/// factorization shows a pivot near that floor or needs a ridge). Messages start with
+/// opt.name. `out` has room for
+/// weights[0].size() values and receives the merged weight W_M in the layout of the inputs
+/// (row-major).
 RegMeanInfo regmean_merge_layer(const std::vector<ArrayView>& grams,
                                 const std::vector<ArrayView>& weights,
                                 const std::vector<double>& counts,
                                 const std::vector<double>& coefficients, const std::string& layout,
-                                const std::string& precision, const SolveOptions& opt,
-                                double* out);
+                                const std::string& precision, double noise_floor,
+                                const SolveOptions& opt, double* out);
 
 LMDX_NAMESPACE_END

@@ -26,9 +26,15 @@ std::string format_double(double v) {
 
 }  // namespace
 
-Index blocked_cholesky(Eigen::Ref<MatrixXd> m, double scale, int n_threads, double* bad_pivot) {
+namespace {
+
+template <typename Scalar>
+using Matrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>;
+
+template <typename Scalar>
+Index blocked_cholesky_impl(Eigen::Ref<Matrix<Scalar>> m, double tiny, int n_threads,
+                            double* bad_pivot) {
   const Index d = m.rows();
-  const double tiny = kSingularPivot * scale;
   const int threads = resolve_threads(n_threads);
   for (Index k = 0; k < d; k += kFactorBlock) {
     const Index kb = std::min(kFactorBlock, d - k);
@@ -36,10 +42,10 @@ Index blocked_cholesky(Eigen::Ref<MatrixXd> m, double scale, int n_threads, doub
     // or leaves a pivot below the threshold, redo the block unblocked from a saved copy to
     // find the exact failing pivot for the error message.
     auto a11 = m.block(k, k, kb, kb);
-    const MatrixXd saved = a11;
+    const Matrix<Scalar> saved = a11;
     bool ok = false;
     {
-      Eigen::LLT<Eigen::Ref<MatrixXd>, Eigen::Lower> llt(a11);
+      Eigen::LLT<Eigen::Ref<Matrix<Scalar>>, Eigen::Lower> llt(a11);
       if (llt.info() == Eigen::Success) {
         const double smallest = a11.diagonal().minCoeff();
         ok = smallest * smallest > tiny && a11.diagonal().allFinite();
@@ -48,12 +54,12 @@ Index blocked_cholesky(Eigen::Ref<MatrixXd> m, double scale, int n_threads, doub
     if (!ok) {
       a11 = saved;
       for (Index j = 0; j < kb; ++j) {
-        const double ajj = a11(j, j) - a11.row(j).head(j).squaredNorm();
+        const Scalar ajj = a11(j, j) - a11.row(j).head(j).squaredNorm();
         if (!(ajj > tiny)) {
           if (bad_pivot != nullptr) *bad_pivot = ajj;
           return k + j;
         }
-        const double ljj = std::sqrt(ajj);
+        const Scalar ljj = std::sqrt(ajj);
         a11(j, j) = ljj;
         const Index below = kb - j - 1;
         if (below > 0) {
@@ -93,6 +99,17 @@ Index blocked_cholesky(Eigen::Ref<MatrixXd> m, double scale, int n_threads, doub
     }
   }
   return -1;
+}
+
+}  // namespace
+
+Index blocked_cholesky(Eigen::Ref<MatrixXd> m, double scale, int n_threads, double* bad_pivot) {
+  return blocked_cholesky_impl<double>(m, kSingularPivot * scale, n_threads, bad_pivot);
+}
+
+Index blocked_cholesky(Eigen::Ref<Eigen::MatrixXf> m, double scale, int n_threads,
+                       double* bad_pivot) {
+  return blocked_cholesky_impl<float>(m, kSingularPivot32 * scale, n_threads, bad_pivot);
 }
 
 Index column_block_width(Index k) {
@@ -165,43 +182,53 @@ SolveInfo spd_factor(const Eigen::Ref<const MatrixXd>& a, MatrixXd& l, const Sol
   return info;
 }
 
-double inverse_norm1_estimate(const MatrixXd& l) {
+namespace {
+
+template <typename Scalar>
+double inverse_norm1_estimate_impl(const Matrix<Scalar>& l) {
+  using Vector = Eigen::Matrix<Scalar, Eigen::Dynamic, 1>;
   const Index d = l.rows();
-  const auto lower = l.triangularView<Eigen::Lower>();
-  const auto solve = [&](VectorXd& v) {  // v <- A^{-1} v (A^{-1} is symmetric)
+  const auto lower = l.template triangularView<Eigen::Lower>();
+  const auto solve = [&](Vector& v) {  // v <- A^{-1} v (A^{-1} is symmetric)
     lower.solveInPlace(v);
     lower.transpose().solveInPlace(v);
   };
-  VectorXd x = VectorXd::Constant(d, 1.0 / static_cast<double>(d));
+  Vector x = Vector::Constant(d, Scalar(1) / static_cast<Scalar>(d));
   double estimate = 0.0;
   Index last = -1;
   for (int iteration = 0; iteration < 5; ++iteration) {
-    VectorXd y = x;
+    Vector y = x;
     solve(y);
-    estimate = std::max(estimate, y.lpNorm<1>());
-    VectorXd z = y.unaryExpr([](double v) { return v >= 0.0 ? 1.0 : -1.0; });
+    estimate = std::max(estimate, static_cast<double>(y.template lpNorm<1>()));
+    Vector z = y.unaryExpr([](Scalar v) { return v >= Scalar(0) ? Scalar(1) : Scalar(-1); });
     solve(z);
     Index j = 0;
-    const double zmax = z.cwiseAbs().maxCoeff(&j);
+    const Scalar zmax = z.cwiseAbs().maxCoeff(&j);
     if (zmax <= z.dot(x) || j == last) break;
     x.setZero();
-    x(j) = 1.0;
+    x(j) = Scalar(1);
     last = j;
   }
   return estimate;
 }
+
+}  // namespace
+
+double inverse_norm1_estimate(const MatrixXd& l) { return inverse_norm1_estimate_impl(l); }
+double inverse_norm1_estimate(const Eigen::MatrixXf& l) { return inverse_norm1_estimate_impl(l); }
 
 namespace {
 
 // L L^T X = B for one block of right-hand-side columns, by blocks of kFactorBlock rows: a
 // small triangular solve on the diagonal block, then a GEMM update of the rest (right-
 // looking), so nearly all the flops run at GEMM speed. Forward L y = b, then L^T x = y.
-void blocked_solve(const MatrixXd& l, Eigen::Ref<MatrixXd> b) {
+template <typename Scalar>
+void blocked_solve(const Matrix<Scalar>& l, Eigen::Ref<Matrix<Scalar>> b) {
   const Index d = l.rows();
   for (Index i0 = 0; i0 < d; i0 += kFactorBlock) {
     const Index ib = std::min(kFactorBlock, d - i0);
     auto bi = b.middleRows(i0, ib);
-    l.block(i0, i0, ib, ib).triangularView<Eigen::Lower>().solveInPlace(bi);
+    l.block(i0, i0, ib, ib).template triangularView<Eigen::Lower>().solveInPlace(bi);
     const Index rest = d - i0 - ib;
     if (rest > 0) b.bottomRows(rest).noalias() -= l.block(i0 + ib, i0, rest, ib) * bi;
   }
@@ -209,7 +236,7 @@ void blocked_solve(const MatrixXd& l, Eigen::Ref<MatrixXd> b) {
   for (Index i0 = last; i0 >= 0; i0 -= kFactorBlock) {
     const Index ib = std::min(kFactorBlock, d - i0);
     auto bi = b.middleRows(i0, ib);
-    l.block(i0, i0, ib, ib).triangularView<Eigen::Lower>().transpose().solveInPlace(bi);
+    l.block(i0, i0, ib, ib).template triangularView<Eigen::Lower>().transpose().solveInPlace(bi);
     if (i0 > 0) b.topRows(i0).noalias() -= l.block(i0, 0, ib, i0).transpose() * bi;
   }
 }
@@ -267,7 +294,14 @@ void cholesky_solve_transposed_in_place(const MatrixXd& l, Eigen::Ref<MatrixXd> 
 
 void cholesky_solve_in_place(const MatrixXd& l, Eigen::Ref<MatrixXd> b, int n_threads) {
   over_rhs_blocks(b.cols(), n_threads, [&](Index c0, Index cols) {
-    blocked_solve(l, b.middleCols(c0, cols));
+    blocked_solve<double>(l, b.middleCols(c0, cols));
+  });
+}
+
+void cholesky_solve_in_place(const Eigen::MatrixXf& l, Eigen::Ref<Eigen::MatrixXf> b,
+                             int n_threads) {
+  over_rhs_blocks(b.cols(), n_threads, [&](Index c0, Index cols) {
+    blocked_solve<float>(l, b.middleCols(c0, cols));
   });
 }
 

@@ -47,6 +47,9 @@ struct SolveOptions {
 
 /// Relative pivot threshold below which a factorization counts as numerically singular.
 constexpr double kSingularPivot = 1e-13;
+/// The same for a float32 factorization (about float32's unit roundoff): below it a pivot
+/// holds no significant bits of the data.
+constexpr double kSingularPivot32 = 1e-7;
 
 /// Factor A_reg (built from `a`, which is read, lower triangle, and not modified) into L.
 /// On success L holds the Cholesky factor in its lower triangle.
@@ -65,9 +68,12 @@ Index column_block_width(Index k);
 /// condition estimators: a few solves with single vectors, O(d^2) each; usually within a
 /// factor 3 of the true norm, never above it). ||A||_1 times this estimates cond_1(A).
 double inverse_norm1_estimate(const MatrixXd& l);
+double inverse_norm1_estimate(const Eigen::MatrixXf& l);
 
 /// Solve L L^T X = B in place (B is d x k, column-major), threaded over column blocks.
 void cholesky_solve_in_place(const MatrixXd& l, Eigen::Ref<MatrixXd> b, int n_threads);
+void cholesky_solve_in_place(const Eigen::MatrixXf& l, Eigen::Ref<Eigen::MatrixXf> b,
+                             int n_threads);
 
 /// The checked entry for row-major callers (the Python binding): `a` a float64 view of
 /// shape (d, d), finite and symmetric; `b` a float64 view of shape (d,) or (d, k), finite;
@@ -89,6 +95,9 @@ void cholesky_solve_transposed_in_place(const MatrixXd& l, Eigen::Ref<MatrixXd> 
 /// relative to `scale`; its value is stored in *bad_pivot). The block partition does not
 /// depend on n_threads.
 Index blocked_cholesky(Eigen::Ref<MatrixXd> m, double scale, int n_threads,
+                       double* bad_pivot = nullptr);
+/// The same in float32, with the threshold kSingularPivot32.
+Index blocked_cholesky(Eigen::Ref<Eigen::MatrixXf> m, double scale, int n_threads,
                        double* bad_pivot = nullptr);
 
 LMDX_NAMESPACE_END

@@ -138,7 +138,7 @@ class SolveInfo:
 
 class RegMeanInfo(SolveInfo):
     """
-    What the solver did for one RegMean layer, and how its right-hand side was computed.
+    What the solver did for one RegMean layer, and in which precision.
     """
     def __repr__(self) -> str: ...
     @property
@@ -147,20 +147,26 @@ class RegMeanInfo(SolveInfo):
         1-norm condition estimate of the system (0: not estimated).
         """
     @property
-    def float32_error_estimate(self) -> float:
+    def output_error_estimate(self) -> float:
         """
-        Estimated relative error of float32 products (0: not estimated).
+        Certified relative output error ||W - W_float64||_S / ||W_float64||_S
+        of a float32 merge (0: float64 or identical).
         """
     @property
     def precision(self) -> str:
         """
-        'float64', 'float32' (right-hand-side products) or 'identical'
-        (equal weights in every model, returned without a solve).
+        'float64', 'float32' (factorization, products and solve) or
+        'identical' (equal weights in every model, returned without a solve).
         """
     @property
     def relative_spread(self) -> float:
         """
         max_i max |W_i - mean| / max |mean|.
+        """
+    @property
+    def unseen_directions(self) -> int:
+        """
+        Eigendirections below the statistics' noise floor, kept at the average.
         """
 
 def compiler() -> str:
@@ -234,6 +240,7 @@ def regmean_merge_layer(
     coefficients: collections.abc.Sequence[typing.SupportsFloat | typing.SupportsIndex] | None,
     layout: str,
     precision: str,
+    noise_floor: typing.SupportsFloat | typing.SupportsIndex,
     ridge: typing.SupportsFloat | typing.SupportsIndex,
     allow_regularization: bool,
     name: str,

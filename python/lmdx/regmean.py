@@ -32,7 +32,8 @@ def regmean_merge_layer(
     alpha: float = 1.0,
     coefficients: Sequence[float] | None = None,
     layout: Literal["linear", "conv1d"] = "linear",
-    precision: Literal["auto", "float64"] = "auto",
+    precision: Literal["auto", "float32", "float64"] = "auto",
+    noise_floor: float = 0.0,
     ridge: float = 0.0,
     allow_regularization: bool = True,
     name: str = "layer",
@@ -44,8 +45,8 @@ def regmean_merge_layer(
 
         W_Mᵀ = (Σ_i c_i G̃_i)⁻¹ Σ_i c_i G̃_i W_iᵀ
 
-    solved by Cholesky in float64 (never an explicit inverse), without forming the K
-    reduced Grams, for the deviation from the coefficient-weighted average
+    solved by Cholesky (never an explicit inverse), without forming the K reduced Grams,
+    for the deviation from the coefficient-weighted average
     ``W̄ = Σ c_i W_i / Σ c_i``::
 
         W_Mᵀ = W̄ᵀ + (Σ_i c_i G̃_i + ridge·I)⁻¹ Σ_i c_i G̃_i (W_i − W̄)ᵀ
@@ -72,13 +73,28 @@ def regmean_merge_layer(
     coefficients
         Optional K non-negative per-model coefficients ``c_i``.
     precision
-        ``"auto"``: the right-hand-side products (most of the work) run in float32 where an
-        estimate of the error that adds (condition estimate × float32 roundoff × the models'
-        spread around their average × how far their Grams differ, relative to the system)
-        stays below ``1e-6`` of the weights' magnitude, else in float64; ``"float64"``
-        always in float64. Factorization and solve are float64.
+        ``"auto"``: layers large enough to be threaded are factored, multiplied and solved
+        in float32, then certified: float64 residuals on 16 random probe columns estimate
+        the relative output error ``‖W − W₆₄‖_S / ‖W₆₄‖_S`` against the float64 formula
+        (``S = Σ c_i G̃_i``, ``‖A‖²_S = tr(A S Aᵀ)``: the relative RMS change of the
+        layer's outputs on the statistics' rows), times a safety margin of 4. The float32
+        result is kept where that estimate is ``<= 1e-6``; otherwise (or where the float32
+        factorization fails) the layer is redone in float64. ``"float32"`` keeps the
+        float32 result whatever its estimate (a failed float32 factorization still falls
+        back to float64); ``"float64"`` solves in float64 (weight error far below 1e-6).
         ``info.precision`` says what was used (``"identical"``: the weights are equal in
-        every model and are returned as they are).
+        every model and are returned as they are) and ``info.output_error_estimate`` the
+        certified estimate (0 for float64 and identical). See ``docs/accuracy.md``.
+    noise_floor
+        The relative rounding of the Grams' entries: their accumulation precision
+        (``2**-24`` for statistics collected with float32 products summed in float64,
+        ``lmdx.merge.methods.GRAM_ROUNDOFF``; 0 for exact Grams). Directions whose eigenvalue
+        of ``Σ c_i G̃_i`` is at most ``√d_in·(noise_floor·mean(diag) + 2⁻⁵²·λ_max)`` are
+        below what the statistics (and the eigendecomposition) can tell from their own
+        rounding: they keep the average,
+        as directions the statistics never saw (an eigendecomposition of the system, only
+        for layers whose factorization shows a pivot near that floor or needs a ridge;
+        ``info.unseen_directions`` counts them).
     ridge, allow_regularization
         As in :func:`lmdx.spd_solve`; a singular sum (an input feature never active in
         any model) is regularized with a warning unless forbidden.
@@ -90,7 +106,7 @@ def regmean_merge_layer(
     RegMeanResult
         ``weight`` (float64, shape of the inputs) and ``info`` (a ``RegMeanInfo``: the
         solver's ``SolveInfo`` fields plus ``precision``, ``condition_estimate``,
-        ``float32_error_estimate``, ``relative_spread``).
+        ``output_error_estimate``, ``relative_spread``, ``unseen_directions``).
     """
     grams = list(grams)
     gram_arrays = []
@@ -119,6 +135,7 @@ def regmean_merge_layer(
             coefficients=None if coefficients is None else [float(c) for c in coefficients],
             layout=str(layout),
             precision=str(precision),
+            noise_floor=float(noise_floor),
             ridge=float(ridge),
             allow_regularization=bool(allow_regularization),
             name=str(name),

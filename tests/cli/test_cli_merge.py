@@ -175,10 +175,12 @@ def _regmean_config(workspace: Path, name: str, alpha: float = 0.9) -> Path:
     )
 
 
-def test_merge_regmean_matches_numpy(workspace: Path) -> None:
+def test_merge_regmean_matches_numpy(workspace: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = _regmean_config(workspace, "regmean.yaml")
     out = workspace / "merged-regmean"
     assert main(["merge", str(cfg), "--out", str(out), "--no-progress"]) == 0
+    # Tiny layers are solved in float64 under precision auto; the summary counts them.
+    assert "lmdx merge: RegMean systems by precision: " in capsys.readouterr().out
     merged = BertForSequenceClassification.from_pretrained(str(out))
     alpha = 0.9
     grams, weights = [], []
@@ -206,6 +208,8 @@ def test_merge_regmean_matches_numpy(workspace: Path) -> None:
         np.testing.assert_array_equal(head["classifier.weight"], own["classifier.weight"])
     record = json.loads((out / "lmdx_merge.json").read_text())
     assert record["config"]["method"] == "regmean" and record["config"]["alpha"] == alpha
+    layer = record["report"]["layers"][MODULE]
+    assert layer["precision"] == "float64" and layer["output_error_estimate"] == 0.0
     assert len(record["inputs"]) == K and all(v["stats_sha256"] for v in record["inputs"].values())
     assert (out / "tokenizer.json").is_file() or (out / "vocab.txt").is_file()
 
@@ -300,7 +304,7 @@ def test_merge_ties_and_dare_match_numpy(
         ("method: average\nalpha: 2\nmodels: [m0, m1]\n", r"alpha must be in \[0, 1\]"),
         (
             "method: average\nprecision: half\nmodels: [m0, m1]\n",
-            "precision must be one of auto, float64",
+            "precision must be one of auto, float32, float64",
         ),
         ("method: task_arithmetic\nmodels: [m0, m1]\n", "needs base"),
         ("method: ties\nmodels: [m0, m1]\n", "ties needs base: "),

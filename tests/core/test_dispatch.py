@@ -68,6 +68,7 @@ def run_variant(core, inp):
         coefficients=[1.0, 2.0],
         layout="linear",
         precision="float64",
+        noise_floor=0.0,
         ridge=0.0,
         allow_regularization=True,
         name="layer",

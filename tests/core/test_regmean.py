@@ -153,6 +153,7 @@ def test_wide_output_uses_chunks_and_row_blocks_and_threads_agree(rng, alpha, la
             alpha=alpha,
             coefficients=coefficients,
             layout=layout,
+            precision="float64",
             n_threads=t,
         )
         for t in (1, 2, 3)
@@ -166,8 +167,12 @@ def test_wide_output_uses_chunks_and_row_blocks_and_threads_agree(rng, alpha, la
 def test_large_input_dimension_uses_blocked_factorization(rng):
     # d_in = 300 > 256: the blocked, threaded Cholesky path.
     grams, counts, weights, _ = make_models(rng, 2, 300, 20)
-    one = lmdx.regmean_merge_layer(grams, weights, counts, alpha=0.9, n_threads=1)
-    two = lmdx.regmean_merge_layer(grams, weights, counts, alpha=0.9, n_threads=2)
+    one, two = (
+        lmdx.regmean_merge_layer(
+            grams, weights, counts, alpha=0.9, precision="float64", n_threads=threads
+        )
+        for threads in (1, 2)
+    )
     assert np.array_equal(one.weight, two.weight)
     assert_merged_close(one.weight, reference_merge(grams, counts, weights, 0.9))
 
@@ -425,84 +430,3 @@ def test_equal_weights_of_a_zero_coefficient_model_do_not_matter(rng):
         grams, [weights[0], weights[0], weights[1]], counts, coefficients=[1.0, 2.0, 0.0]
     )
     assert np.array_equal(res.weight, weights[0]) and res.info.precision == "identical"
-
-
-def ill_conditioned_grams(rng, k, d, cond, n):
-    """K Grams sharing eigenvectors, eigenvalues log-spaced over ``cond``."""
-    q, _ = np.linalg.qr(rng.standard_normal((d, d)))
-    grams = []
-    for _ in range(k):
-        ev = np.logspace(0, -np.log10(cond), d) * rng.uniform(0.5, 2.0, d)
-        g = (q * ev) @ q.T * n
-        grams.append((g + g.T) / 2)
-    return grams
-
-
-def grams_of_kind(rng, kind, k, d, cond, n):
-    """K Grams of condition ≈ cond: each its own ("unlike"), one Gram plus 1 % of another
-    each ("alike"), or one Gram scaled by 1 ± 1 % ("proportional", where the right-hand
-    side's matrices are multiples of the system's)."""
-    if kind == "unlike":
-        return ill_conditioned_grams(rng, k, d, cond, n)
-    base = ill_conditioned_grams(rng, 1, d, cond, n)[0]
-    if kind == "alike":
-        return [base + 0.01 * g for g in ill_conditioned_grams(rng, k, d, cond, n)]
-    return [base * (1 + 0.01 * rng.uniform(-1, 1)) for _ in range(k)]
-
-
-@pytest.mark.parametrize("kind", ["unlike", "alike", "proportional"])
-@pytest.mark.parametrize("alpha", [0.1, 0.9, 1.0])
-@pytest.mark.parametrize("cond", [1.0, 1e1, 1e3, 1e6])
-@pytest.mark.parametrize("spread", [1e-5, 1e-3, 3e-2])
-def test_auto_precision_stays_within_its_tolerance_of_float64(rng, kind, alpha, cond, spread):
-    # Fine-tuned-like weights (W_0 + small deviations) on Grams of the given condition:
-    # "auto" must stay within 1e-6 (max |ΔW| / max |W|) of the float64 formula, whichever
-    # precision it picks; its error estimate must bound the error it made.
-    k, d_in, d_out, n = 3, 320, 300, 1000.0
-    grams = grams_of_kind(rng, kind, k, d_in, cond, n)
-    w0 = rng.standard_normal((d_out, d_in))
-    weights = [
-        (w0 + spread * rng.standard_normal((d_out, d_in))).astype(np.float32) for _ in range(k)
-    ]
-    auto = lmdx.regmean_merge_layer(grams, weights, [n] * k, alpha=alpha)
-    exact = lmdx.regmean_merge_layer(grams, weights, [n] * k, alpha=alpha, precision="float64")
-    assert exact.info.precision == "float64"
-    ref = reference_merge(grams, [n] * k, weights, alpha)
-    scale = np.abs(ref).max()
-    assert np.abs(exact.weight - ref).max() / scale <= 1e-9 * max(cond, 1.0)
-    err = np.abs(auto.weight - exact.weight).max() / np.abs(exact.weight).max()
-    assert err <= 1e-6
-    if auto.info.precision == "float32":
-        assert auto.info.float32_error_estimate <= 1e-6
-        assert err <= auto.info.float32_error_estimate
-        assert err <= 0.15 * auto.info.float32_error_estimate  # the margin the docs state
-    else:
-        assert auto.info.precision == "float64" and err == 0.0
-    if alpha == 0.1 and spread <= 1e-3:  # well conditioned, small deviations: float32 used
-        assert auto.info.precision == "float32"
-    if kind != "unlike" and cond <= 1e3 and spread <= 1e-3:
-        # The products' error scales with the Grams' differences, 1-2 % of the system here.
-        assert auto.info.precision == "float32"
-
-
-@pytest.mark.parametrize("alpha", [0.1, 0.9])
-def test_one_gram_for_every_model_gives_the_weighted_average(rng, alpha):
-    """The same statistics for every model: the right-hand side vanishes (up to the
-    rounding of c_i/n_i against c_i/n_p), the merge is the coefficient-weighted average, and
-    float32 products are estimated harmless."""
-    k, d_in, d_out, n = 3, 320, 300, 1000.0
-    gram = ill_conditioned_grams(rng, 1, d_in, 1e3, n)[0]
-    weights = [rng.standard_normal((d_out, d_in)).astype(np.float32) for _ in range(k)]
-    c = [1.0, 2.0, 0.5]
-    res = lmdx.regmean_merge_layer([gram] * k, weights, [n] * k, alpha=alpha, coefficients=c)
-    average = sum(ci * w.astype(np.float64) for ci, w in zip(c, weights, strict=True)) / sum(c)
-    np.testing.assert_allclose(res.weight, average, rtol=0, atol=1e-12)
-    assert res.info.precision == "float32" and res.info.float32_error_estimate < 1e-15
-
-
-def test_auto_precision_is_float64_for_small_layers_and_can_be_forced(rng):
-    grams, counts, weights, _ = make_models(rng, 3, 8, 6, np.float32)
-    res = lmdx.regmean_merge_layer(grams, weights, counts, alpha=0.1)
-    assert res.info.precision == "float64"
-    with pytest.raises(ValueError, match=r"precision: expected 'auto' or 'float64', got 'half'"):
-        lmdx.regmean_merge_layer(grams, weights, counts, precision="half")

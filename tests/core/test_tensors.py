@@ -274,6 +274,7 @@ def raw_regmean(grams, weights):
         coefficients=None,
         layout="linear",
         precision="float64",
+        noise_floor=0.0,
         ridge=0.0,
         allow_regularization=True,
         name="blk.1",

@@ -43,7 +43,7 @@ def native_calls():
         ),
         "regmean_merge_layer": lambda t: core.regmean_merge_layer(
             grams=[gram, gram], weights=[weight, weight], counts=[4.0, 4.0], alpha=1.0,
-            coefficients=None, layout="linear", precision="float64", ridge=0.0,
+            coefficients=None, layout="linear", precision="float64", noise_floor=0.0, ridge=0.0,
             allow_regularization=True, name="l", n_threads=t,
         ),
         "weighted_average": lambda t: core.weighted_average(

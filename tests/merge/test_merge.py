@@ -33,6 +33,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from lmdx import MergeError, ModelMismatchError, merge_models, save_merged
 from lmdx.files.hf import load_model
+from lmdx.merge.methods import noise_floor
 from lmdx.stats.collect import collect_regmean_stats
 from lmdx.stats.fisher import collect_fisher
 
@@ -598,5 +599,31 @@ def test_precision_option_reaches_every_solve_and_is_checked():
         models, "regmean", stats=stats, heads=H.HEADS["bert"], precision="float64", progress=False
     )
     assert {v["precision"] for v in res.report["layers"].values()} == {"float64"}
+    assert {v["output_error_estimate"] for v in res.report["layers"].values()} == {0.0}
+    forced = merge_models(
+        models, "regmean", stats=stats, heads=H.HEADS["bert"], precision="float32", progress=False
+    )
+    layers = forced.report["layers"].values()
+    assert {v["precision"] for v in layers} == {"float32"}
+    assert all(v["output_error_estimate"] > 0.0 for v in layers)
     with pytest.raises(MergeError, match=r"^precision: expected one of .*got 'half'"):
         merge_models(models, "regmean", stats=stats, precision="half", progress=False)
+
+
+def test_pooler_directions_no_statistics_row_reached_keep_the_average_at_alpha_1():
+    # 5 sequences per model: the pooler's statistics hold 10 rows for its 16 inputs, so 6
+    # input directions lie below the (mixed) statistics' noise floor.
+    _, models = H.family("bert", k=2)
+    stats = [
+        H.collect(m, H.random_batches("bert", 30 + i, n_sequences=5)) for i, m in enumerate(models)
+    ]
+    assert noise_floor(stats) == 2.0**-24
+    res = merge_models(
+        models, "regmean", stats=stats, alpha=1.0, heads=H.HEADS["bert"], progress=False
+    )
+    layer = res.report["layers"]["bert.pooler.dense"]
+    assert layer["precision"] == "float64" and layer["unseen_directions"] == H.HIDDEN - 10
+    notes = {n["module"]: n for n in res.report["poorly_determined"]}
+    assert (
+        "6 input directions below the statistics' noise floor" in notes["bert.pooler.dense"]["why"]
+    )

@@ -163,6 +163,7 @@ def _merge(args: argparse.Namespace, claimed: Claimed) -> int:
         f"{time.perf_counter() - t0:.1f} s; wrote {out} ({size / 1e6:.1f} MB); "
         f"peak RSS {peak_rss_bytes() / 1e9:.2f} GB"
     )
+    _report_precision(report)
     _report_poorly_determined(out / MERGE_RECORD, report)
     _report_not_solved(out / MERGE_RECORD, report)
     if record.get("lora"):
@@ -181,6 +182,23 @@ def _merge(args: argparse.Namespace, claimed: Claimed) -> int:
             f"order): lmdx.load_merged({str(out)!r}, task=i)"
         )
     return 0
+
+
+def _report_precision(report: dict[str, Any]) -> None:
+    """How many RegMean systems each precision solved, and the largest certified output
+    error of the float32 ones (from the merge's ``report``)."""
+    layers = [
+        info for m, info in report.get("layers", {}).items() if info.get("shared_with") is None
+    ]
+    if not layers:
+        return
+    counts: dict[str, int] = {}
+    for info in layers:
+        counts[info["precision"]] = counts.get(info["precision"], 0) + 1
+    parts = ", ".join(f"{n} {p}" for p, n in sorted(counts.items()))
+    worst = max((float(i.get("output_error_estimate", 0.0)) for i in layers), default=0.0)
+    bound = f"; float32 output error <= {worst:.1e} (certified)" if counts.get("float32") else ""
+    print(f"lmdx merge: RegMean systems by precision: {parts}{bound}")
 
 
 def _report_poorly_determined(record: Path, report: dict[str, Any]) -> None:

@@ -388,9 +388,10 @@ def merge_models(
         ε added to every Fisher value.
     ridge, allow_regularization, precision
         Passed to the RegMean solves (see :func:`lmdx.regmean_merge_layer`):
-        ``precision="float64"`` keeps every right-hand-side product in float64;
-        ``"auto"`` uses float32 where the estimated error stays below 1e-6 of the
-        weights. ``report["layers"]`` says per module what was used, and
+        ``precision="float64"`` solves every layer in float64; ``"auto"`` solves a layer
+        in float32 where a certificate bounds its relative output error by 1e-6
+        (``"float32"``: always). ``report["layers"]`` says per module what was used and
+        the certified ``output_error_estimate``, and
         ``report["poorly_determined"]`` lists the systems with too few statistics rows
         per input or a large condition estimate, with what to do;
         ``report["not_solved"]`` the linear weights the statistics could not cover (e.g.

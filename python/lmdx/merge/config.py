@@ -34,8 +34,8 @@ The task-vector methods (``task_arithmetic``, ``ties``, ``dare``, ``dare_ties``)
 (``dare``, ``dare_ties``: the seed of the random drops, default 0) go with the methods
 that use them, ``scaling`` (default 0.3 for ``task_arithmetic`` and ``dare``, 1.0 for
 ``ties`` and ``dare_ties``) with the task-vector methods. ``fisher_eps`` is for
-``fisher``; ``ridge``, ``allow_regularization``, ``precision`` (``auto`` | ``float64``)
-and ``threads`` tune the RegMean solves.
+``fisher``; ``ridge``, ``allow_regularization``, ``precision`` (``auto`` | ``float32`` |
+``float64``) and ``threads`` tune the RegMean solves.
 
 LoRA adapters: ``models: [{adapter: lora/bbc, stats: ...}, ...]`` (PEFT adapter folders)
 with ``base:`` the model folder they adapt (statistics collected on base + adapter:

@@ -272,6 +272,7 @@ def solve_group_low_rank(
     solved = {
         **{k: info[k] for k in ("ridge", "attempts", "precision", "rcond_estimate")},
         "condition_estimate": info["condition_estimate"],
+        "output_error_estimate": 0.0,  # float64 solves (see lmdx.regmean_merge_layer)
         "relative_spread": info["relative_spread"],
         "rows": min(counts),
         "dim": int(base.shape[1]),

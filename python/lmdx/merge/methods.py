@@ -51,11 +51,13 @@ from ..stats.file import Statistics
 from .options import ELECTING_METHODS, RANDOM_METHODS, MergeOptions
 
 __all__ = [
+    "GRAM_ROUNDOFF",
     "average_tensor",
     "cast_merged",
     "checked_finite",
     "dare_keep",
     "fisher_tensor",
+    "noise_floor",
     "poorly_determined",
     "regmean_groups",
     "solve_group",
@@ -257,6 +259,18 @@ def regmean_groups(
     return list(by_group.values())
 
 
+#: Relative rounding of a Gram's entries for each statistics accumulation precision
+#: (``Statistics.extra["precision"]``): float32 products summed in float64 ("mixed"), or
+#: float64 throughout. Statistics that record none are taken as exact.
+GRAM_ROUNDOFF = {"mixed": 2.0**-24, "float64": 2.0**-53}
+
+
+def noise_floor(stats: Sequence[Statistics]) -> float:
+    """The RegMean solves' ``noise_floor``: the coarsest accumulation precision of
+    ``stats`` (see :func:`lmdx.regmean_merge_layer`)."""
+    return max(GRAM_ROUNDOFF.get(str(s.extra.get("precision")), 0.0) for s in stats)
+
+
 #: A RegMean system counts as poorly determined below this many statistics rows per input
 #: dimension, or at a condition estimate of at least CONDITION_LIMIT.
 ROWS_PER_INPUT = 2.0
@@ -279,7 +293,12 @@ def poorly_determined(module: str, layer: Mapping[str, Any]) -> dict[str, Any] |
         reasons.append(f"{rows:g} statistics rows for {dim} inputs")
     if condition >= CONDITION_LIMIT:
         reasons.append(f"condition {bound} {condition:.1e}")
-    if int(layer["attempts"]) > 1:
+    unseen = int(layer.get("unseen_directions", 0))
+    if unseen:
+        reasons.append(
+            f"{unseen} input directions below the statistics' noise floor kept the average"
+        )
+    elif int(layer["attempts"]) > 1:
         reasons.append(f"factored only with a ridge of {float(layer['ridge']):g}")
     if not reasons:
         return None
@@ -332,6 +351,7 @@ def solve_group(
         coefficients=options.coefficients,
         layout=layout,
         precision=options.precision,  # type: ignore[arg-type]
+        noise_floor=noise_floor(stats),
         ridge=options.ridge,
         allow_regularization=options.allow_regularization,
         name=name,
@@ -346,6 +366,8 @@ def solve_group(
         "precision": str(info.precision),
         "rcond_estimate": float(info.rcond_estimate),
         "condition_estimate": float(info.condition_estimate),
+        "output_error_estimate": float(info.output_error_estimate),
+        "unseen_directions": int(info.unseen_directions),
         "relative_spread": float(info.relative_spread),
         "rows": min(counts),
         "dim": dim,

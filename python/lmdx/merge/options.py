@@ -35,7 +35,7 @@ METHODS = (
     "regmean_plusplus",
 )
 HEAD_POLICIES = ("keep", "drop")
-PRECISIONS = ("auto", "float64")
+PRECISIONS = ("auto", "float32", "float64")
 #: Methods that merge task vectors ``θ_i − θ_base`` against a ``base`` model, scaled by λ.
 TASK_VECTOR_METHODS = ("task_arithmetic", "ties", "dare", "dare_ties")
 #: Methods that keep a fraction ``density`` of every task vector's entries.
@@ -83,8 +83,9 @@ class MergeOptions:
     seed
         ``dare``/``dare_ties``: the seed of the random drops (a whole number >= 0).
     precision
-        RegMean's right-hand-side products: ``"auto"`` (float32 where the estimated error
-        stays below 1e-6 of the weights, else float64) or ``"float64"``.
+        RegMean's solves: ``"auto"`` (per layer float32 where a certificate bounds the
+        relative output error by 1e-6, else float64), ``"float32"`` (always, with the
+        estimate reported) or ``"float64"`` (see :func:`lmdx.regmean_merge_layer`).
     dtype
         Writing a folder: ``"auto"`` (each tensor's input dtype) or a float dtype.
     max_shard_size

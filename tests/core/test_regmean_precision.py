@@ -1,0 +1,247 @@
+"""RegMean's per-layer precision: the float32 merge, its certified output error, the
+fallback to float64. Every error is measured here against the paper's formula in float64."""
+
+from __future__ import annotations
+
+import lmdx
+import numpy as np
+import pytest
+import scipy.linalg
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+# d_in^2 (K d_out + d_in) multiply-adds is above the single-thread threshold (2e7), so
+# precision "auto" considers float32 for this shape.
+K, D_IN, D_OUT, N = 3, 200, 240, 1000.0
+
+
+def reduced_grams(grams, counts, alpha):
+    """G̃_i = α Ĝ_i + (1 − α) diag(Ĝ_i) with Ĝ_i = G_i / n_i."""
+    out = []
+    for g, n in zip(grams, counts, strict=True):
+        g_hat = np.asarray(g, dtype=np.float64) / n
+        out.append(alpha * g_hat + (1.0 - alpha) * np.diag(np.diag(g_hat)))
+    return out
+
+
+def formula(grams, counts, weights, alpha, coefficients=None):
+    """W_M = ((Σ c_i G̃_i)⁻¹ Σ c_i G̃_i W_iᵀ)ᵀ in float64, weights [out, in]."""
+    c = np.ones(len(grams)) if coefficients is None else np.asarray(coefficients, float)
+    g_tilde = reduced_grams(grams, counts, alpha)
+    lhs = sum(ci * g for ci, g in zip(c, g_tilde, strict=True))
+    rhs = sum(
+        ci * g @ np.asarray(w, np.float64).T for ci, g, w in zip(c, g_tilde, weights, strict=True)
+    )
+    return scipy.linalg.solve(lhs, rhs, assume_a="pos").T, lhs
+
+
+def output_error(merged, exact, s):
+    """‖E‖_S / ‖W*‖_S with ‖A‖²_S = tr(A S Aᵀ) (weights [out, in])."""
+    e = merged - exact
+    num = np.einsum("oi,ij,oj->", e, s, e)
+    return float(np.sqrt(num / np.einsum("oi,ij,oj->", exact, s, exact)))
+
+
+def weight_error(merged, exact):
+    return float(np.abs(merged - exact).max() / np.abs(exact).max())
+
+
+def grams_of_condition(rng, kind, k, d, cond, n):
+    """K Grams of condition ≈ cond (eigenvalues log-spaced, jittered): "unlike" each with
+    its own eigenvectors, "alike" one Gram plus 1 % of another each."""
+
+    def one(q):
+        ev = np.logspace(0, -np.log10(cond), d) * rng.uniform(0.5, 2.0, d) if cond > 1 else None
+        if ev is None:
+            ev = np.ones(d)
+        g = (q * ev) @ q.T * n
+        return (g + g.T) / 2
+
+    def basis():
+        return np.linalg.qr(rng.standard_normal((d, d)))[0]
+
+    if kind == "unlike":
+        return [one(basis()) for _ in range(k)]
+    q = basis()
+    base = one(q)
+    return [base + 0.01 * one(basis()) for _ in range(k)]
+
+
+def fine_tuned(rng, k, d_out, d_in, spread):
+    """K weights W_0 + deviations of relative size ``spread`` (float32, as checkpoints)."""
+    w0 = rng.standard_normal((d_out, d_in))
+    return [(w0 + spread * rng.standard_normal((d_out, d_in))).astype(np.float32) for _ in range(k)]
+
+
+@pytest.mark.parametrize("kind", ["alike", "unlike"])
+@pytest.mark.parametrize("alpha", [0.9, 1.0])
+@pytest.mark.parametrize("cond", [1.0, 1e2, 1e4, 1e6, 1e8])
+@pytest.mark.parametrize("spread", [1e-3, 1e-1])
+def test_certificate_bounds_the_output_error(rng, kind, alpha, cond, spread):
+    grams = grams_of_condition(rng, kind, K, D_IN, cond, N)
+    weights = fine_tuned(rng, K, D_OUT, D_IN, spread)
+    exact, s = formula(grams, [N] * K, weights, alpha)
+    forced = lmdx.regmean_merge_layer(grams, weights, [N] * K, alpha=alpha, precision="float32")
+    assert forced.info.precision == "float32"
+    full = lmdx.regmean_merge_layer(grams, weights, [N] * K, alpha=alpha, precision="float64")
+    assert full.info.precision == "float64" and full.info.output_error_estimate == 0.0
+    assert weight_error(full.weight, exact) <= 1e-9 * max(cond, 1.0)
+    # What the certificate measures is the float32 merge against the float64 one; both
+    # differ from this reference by float64 rounding as well (its own, and the float64
+    # merge's: ``floor``).
+    floor = 2.0 * output_error(full.weight, exact, s) + 1e-15
+    true = output_error(forced.weight, exact, s)
+    estimate = forced.info.output_error_estimate
+    # The estimate includes its safety margin: never below the true error.
+    assert true <= estimate + floor, f"true {true:.3g} > estimate {estimate:.3g}"
+    if cond <= 1e4 and true > 100 * floor:
+        # Spread rounding errors: the estimate is the margin (4) times the error, within
+        # the probes' sampling (16 probes) and the system norm standing in for S's.
+        assert estimate <= 12.0 * true, f"estimate {estimate:.3g} vs true {true:.3g}"
+
+    auto = lmdx.regmean_merge_layer(grams, weights, [N] * K, alpha=alpha)
+    if auto.info.precision == "float32":
+        assert auto.info.output_error_estimate <= 1e-6
+        assert output_error(auto.weight, exact, s) <= auto.info.output_error_estimate + floor
+        assert np.array_equal(auto.weight, forced.weight)
+    else:
+        assert auto.info.precision == "float64"
+        assert np.array_equal(auto.weight, full.weight), "the fallback is the float64 merge"
+        assert estimate > 1e-6 or cond >= 1e6  # rejected by the estimate or the refinement
+    if cond <= 1e2 and spread <= 1e-2:  # well conditioned: float32 is certified
+        assert auto.info.precision == "float32"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    k=st.integers(2, 4),
+    d_in=st.integers(1, 48),
+    d_out=st.integers(1, 40),
+    alpha=st.sampled_from([0.5, 0.9, 1.0]),
+    log_cond=st.floats(0.0, 7.0),
+    spread=st.sampled_from([1e-3, 1e-2, 1e-1]),
+    coefficients=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_certificate_on_small_layers(k, d_in, d_out, alpha, log_cond, spread, coefficients, seed):
+    # Few output columns make the probes' sampling the coarsest (a single output column is
+    # the rank-one case the margin is sized for).
+    rng = np.random.default_rng(seed)
+    grams = grams_of_condition(rng, "unlike", k, d_in, 10.0**log_cond, N)
+    weights = fine_tuned(rng, k, d_out, d_in, spread)
+    c = list(rng.uniform(0.2, 2.0, k)) if coefficients else None
+    exact, s = formula(grams, [N] * k, weights, alpha, c)
+    res, full = (
+        lmdx.regmean_merge_layer(
+            grams, weights, [N] * k, alpha=alpha, coefficients=c, precision=precision
+        )
+        for precision in ("float32", "float64")
+    )
+    assert res.info.precision == "float32"
+    floor = 2.0 * output_error(full.weight, exact, s) + 1e-15  # float64 rounding
+    assert output_error(res.weight, exact, s) <= res.info.output_error_estimate + floor
+
+
+def test_float32_threads_agree_and_conv1d_is_the_transpose(rng):
+    grams = grams_of_condition(rng, "unlike", K, 300, 1e3, N)
+    weights = fine_tuned(rng, K, 1100, 300, 1e-2)  # two 1024-column chunks, 3 row blocks
+    runs = [
+        lmdx.regmean_merge_layer(grams, weights, [N] * K, alpha=0.9, n_threads=t) for t in (1, 2, 3)
+    ]
+    assert runs[0].info.precision == "float32"
+    for other in runs[1:]:
+        assert np.array_equal(runs[0].weight, other.weight)
+        assert other.info.output_error_estimate == runs[0].info.output_error_estimate
+    conv = lmdx.regmean_merge_layer(
+        grams, [np.ascontiguousarray(w.T) for w in weights], [N] * K, alpha=0.9, layout="conv1d"
+    )
+    assert np.array_equal(conv.weight, runs[0].weight.T)
+
+
+def test_one_gram_for_every_model_gives_the_weighted_average_in_float32(rng):
+    """The same statistics for every model: the right-hand side vanishes (up to the
+    rounding of c_i/n_i against c_i/n_p), the merge is the coefficient-weighted average and
+    the certified error is negligible."""
+    gram = grams_of_condition(rng, "unlike", 1, D_IN, 1e3, N)[0]
+    weights = [rng.standard_normal((D_OUT, D_IN)).astype(np.float32) for _ in range(K)]
+    c = [1.0, 2.0, 0.5]
+    res = lmdx.regmean_merge_layer([gram] * K, weights, [N] * K, alpha=0.9, coefficients=c)
+    average = sum(ci * w.astype(np.float64) for ci, w in zip(c, weights, strict=True)) / sum(c)
+    np.testing.assert_allclose(res.weight, average, rtol=0, atol=1e-12)
+    assert res.info.precision == "float32" and res.info.output_error_estimate < 1e-15
+
+
+def test_failed_float32_factorization_falls_back_to_float64(rng):
+    # Input 0 never active: float32 cannot factor the system; the float64 path regularizes.
+    grams = grams_of_condition(rng, "unlike", K, D_IN, 1e2, N)
+    for g in grams:
+        g[0, :] = g[:, 0] = 0.0
+    weights = fine_tuned(rng, K, D_OUT, D_IN, 1e-2)
+    with pytest.warns(UserWarning, match="layer"):
+        forced = lmdx.regmean_merge_layer(grams, weights, [N] * K, alpha=1.0, precision="float32")
+    with pytest.warns(UserWarning, match="layer"):
+        full = lmdx.regmean_merge_layer(grams, weights, [N] * K, alpha=1.0, precision="float64")
+    assert forced.info.precision == "float64" and forced.info.escalated
+    assert np.array_equal(forced.weight, full.weight)
+
+
+def test_small_layers_stay_float64_under_auto_and_bad_precision_is_named(rng):
+    grams = grams_of_condition(rng, "unlike", K, 8, 10.0, N)
+    weights = fine_tuned(rng, K, 6, 8, 1e-2)
+    assert lmdx.regmean_merge_layer(grams, weights, [N] * K).info.precision == "float64"
+    forced = lmdx.regmean_merge_layer(grams, weights, [N] * K, precision="float32")
+    assert forced.info.precision == "float32" and forced.info.output_error_estimate > 0.0
+    with pytest.raises(
+        ValueError, match=r"layer: precision: expected 'auto', 'float32' or 'float64', got 'half'"
+    ):
+        lmdx.regmean_merge_layer(grams, weights, [N] * K, precision="half")  # type: ignore[arg-type]
+
+
+def mixed_gram(x):
+    """A Gram accumulated as "mixed" statistics are: float32 products of chunks of 64 rows,
+    summed in float64."""
+    x32 = x.astype(np.float32)
+    return sum(
+        (x32[i : i + 64].T @ x32[i : i + 64]).astype(np.float64) for i in range(0, len(x32), 64)
+    )
+
+
+@pytest.mark.parametrize(("statistics", "roundoff"), [("mixed", 2.0**-24), ("float64", 2.0**-53)])
+def test_directions_below_the_noise_floor_keep_the_average(rng, statistics, roundoff):
+    # A BERT-768 pooler whose statistics hold 48 rows in all (16 per model), merged at
+    # alpha 1: 720 input directions were never seen, and the Grams' own rounding is all
+    # the system holds there.
+    k, d, rows = 3, 768, 16
+    xs = [rng.standard_normal((rows, d)) * rng.uniform(0.5, 2.0, d) for _ in range(k)]
+    grams = [mixed_gram(x) if statistics == "mixed" else x.T @ x for x in xs]
+    weights = fine_tuned(rng, k, d, d, 5e-2)
+    counts = [float(rows)] * k
+    average = sum(w.astype(np.float64) for w in weights) / k
+    vt = np.linalg.svd(np.vstack(xs), full_matrices=True)[2]
+    seen, unseen = vt[: k * rows].T, vt[k * rows :].T  # (d, 48), (d, 720)
+    res = lmdx.regmean_merge_layer(grams, weights, counts, alpha=1.0, noise_floor=roundoff)
+    assert res.info.precision == "float64" and res.info.unseen_directions == d - k * rows
+    moved = res.weight - average
+    assert np.abs(moved @ unseen).max() / np.abs(average).max() <= 1e-6
+    # In the seen directions: the formula on the statistics' range (float64 Grams).
+    s = sum(x.T @ x / rows for x in xs)
+    b = sum(
+        (x.T @ x / rows) @ (w.astype(np.float64) - average).T
+        for x, w in zip(xs, weights, strict=True)
+    )
+    s_seen = seen.T @ s @ seen
+    expected = seen @ np.linalg.solve(s_seen, seen.T @ b)  # (d_in, d_out)
+    tol = 1e-4 if statistics == "mixed" else 1e-9  # the Grams' own rounding, amplified
+    assert np.abs(moved.T - expected).max() / np.abs(expected).max() <= tol
+    # Without a noise floor the rounding is amplified by 1/ridge into those directions.
+    if statistics == "mixed":
+        with pytest.warns(UserWarning, match="layer"):
+            exact = lmdx.regmean_merge_layer(grams, weights, counts, alpha=1.0)
+        assert np.abs((exact.weight - average) @ unseen).max() / np.abs(average).max() > 1e-3
+
+
+def test_noise_floor_must_be_a_fraction(rng):
+    grams = grams_of_condition(rng, "unlike", K, 8, 10.0, N)
+    weights = fine_tuned(rng, K, 6, 8, 1e-2)
+    with pytest.raises(ValueError, match=r"layer: noise_floor: must be in \[0, 1\), got -1"):
+        lmdx.regmean_merge_layer(grams, weights, [N] * K, noise_floor=-1.0)
