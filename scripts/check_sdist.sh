@@ -12,7 +12,7 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 PYTHON=${PYTHON:-python3}
 start=$SECONDS
-"$PYTHON" -m pip install --quiet "build>=1"
+"$PYTHON" -m pip install -qq "build>=1"
 "$PYTHON" -m build --sdist --outdir "$work/sdist" . >"$work/sdist.log" 2>&1 ||
   { cat "$work/sdist.log" >&2; exit 1; }
 sdist=$(ls "$work"/sdist/lmdx-*.tar.gz)

