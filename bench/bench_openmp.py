@@ -85,8 +85,22 @@ def role(name: str, threads: int, repeat: int) -> dict:
             start = time.perf_counter()
             fn()
             times[op].append(time.perf_counter() - start)
+    # Within one process (the same load for both): each library's call right after a call
+    # of the other library (whose OpenMP threads may still be awake) against right after a
+    # call of its own.
+    ab: dict[str, list[float]] = {}
+    if use_lmdx and use_torch:
+        for _ in range(repeat):
+            for op, other in (("lmdx gram", "torch matmul"), ("torch matmul", "lmdx gram")):
+                for before in (op, other):
+                    ops[before]()
+                    start = time.perf_counter()
+                    ops[op]()
+                    key = f"{op} after {'itself' if before == op else 'the other'}"
+                    ab.setdefault(key, []).append(1e3 * (time.perf_counter() - start))
     out = {
         "role": name,
+        "after_ms": ab,
         "runtimes": runtimes(),
         "times_ms": {op: [1e3 * x for x in t] for op, t in times.items()},
         "errors": check(results),
@@ -141,8 +155,9 @@ def main() -> None:
             run = json.loads(proc.stdout.splitlines()[-1])
             if name in runs:  # the worst result and fork outcome, all the times
                 kept = runs[name]
-                for op, t in run["times_ms"].items():
-                    kept["times_ms"][op] += t
+                for key in ("times_ms", "after_ms"):
+                    for op, t in run[key].items():
+                        kept[key][op] += t
                 for key in ("errors", "fork_errors"):
                     for op, err in run.get(key, {}).items():
                         kept.setdefault(key, {})[op] = max(kept.get(key, {}).get(op, 0.0), err)
@@ -175,6 +190,16 @@ def main() -> None:
         print(f"| {name} | {libs} | {' | '.join(cells)} | {run.get('fork', '-')} |")
         if run.get("fork") not in (None, "ok"):
             failed.append(f"{name}: forked child {run['fork']}")
+    print("\nin one process: a call right after the other library's / right after its own (best)")
+    print("| process | lmdx gram | torch matmul |\n|---|---|---|")
+    for name in ("torch-first", "lmdx-first"):
+        best = {k: min(t) for k, t in runs[name]["after_ms"].items()}
+        cells = [
+            f"{best[f'{op} after the other']:.1f} / {best[f'{op} after itself']:.1f} ms "
+            f"({best[f'{op} after the other'] / best[f'{op} after itself']:.2f})"
+            for op in ("lmdx gram", "torch matmul")
+        ]
+        print(f"| {name} | {' | '.join(cells)} |")
     if failed:
         sys.exit("bench_openmp: FAILED: " + "; ".join(failed))
     print("bench_openmp: every result within its bound of NumPy float64; no forked child hung")
