@@ -137,7 +137,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--rounds", type=int, default=1, help="run the four processes R times")
-    parser.add_argument("--role", choices=ROLES, help=argparse.SUPPRESS)
+    parser.add_argument("--role", choices=ROLES, help="run one process only (prints JSON)")
     args = parser.parse_args()
     if args.role:
         print(json.dumps(role(args.role, args.threads, args.repeat)))
