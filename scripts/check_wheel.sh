@@ -30,10 +30,10 @@ export PATH="$(dirname "$("$PYTHON" -c 'import sys; print(sys.executable)')"):$P
 "$PYTHON" -m auditwheel repair -w "$work/repaired" "$WHEEL" >"$work/repair.log" 2>&1 ||
   { cat "$work/repair.log" >&2; exit 1; }
 repaired=$(ls "$work"/repaired/lmdx-*.whl)
-"$PYTHON" -m auditwheel show "$repaired" | tee "$work/show.txt"
-"$PYTHON" - "$repaired" "$work/show.txt" <<'PY'
+"$PYTHON" -m auditwheel show "$repaired"
+"$PYTHON" - "$repaired" <<'PY'
 import re, sys, zipfile
-wheel, show = sys.argv[1], open(sys.argv[2]).read()
+wheel = sys.argv[1]
 tags = re.search(r"-(cp\d+)-(cp\d+)-([^/]+)\.whl$", wheel)
 assert tags, f"not a CPython extension wheel: {wheel}"
 platforms = tags.group(3).split(".")
@@ -61,8 +61,7 @@ PY
 "$work/venv/bin/python" -m pip install -qq "$repaired" torch==2.13.0 "transformers>=4.40"
 mkdir "$work/bin"
 for tool in sh uname; do
-  found=$(command -v "$tool" || true)
-  [ -n "$found" ] && ln -s "$found" "$work/bin/$tool"
+  if found=$(command -v "$tool"); then ln -s "$found" "$work/bin/$tool"; fi
 done
 cd "$work"  # away from the source tree
 mkdir "$work/home"
