@@ -1,3 +1,6 @@
+"""``python -m lmdx``: the ``lmdx`` command."""
+
 from .cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # importing the module (pydoc, pkgutil.walk_packages) runs nothing
+    raise SystemExit(main())

@@ -10,9 +10,29 @@ from . import _core
 
 __all__ = ["config", "default_threads", "resolve_threads", "show_config"]
 
+# GNU OpenMP (lmdx's runtime, and torch's) cannot start a parallel region in a child made by
+# fork() once its parent has run one: the child waits for ever for pool threads that fork did
+# not copy. So in a forked child lmdx runs its kernels on one thread, as torch's DataLoader
+# does for torch in its workers (a parent's threads cannot be told apart from NumPy's BLAS
+# pool, so every forked child is treated alike). Workers that want many threads: `spawn` or
+# `forkserver`, or import lmdx after the fork.
+_forked = False
+
+
+def _after_fork_in_child() -> None:
+    global _forked
+    _forked = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
 
 def default_threads() -> int:
-    """Threads used when ``n_threads`` is None: ``$LMDX_NUM_THREADS`` or the CPUs available."""
+    """Threads used when ``n_threads`` is None: ``$LMDX_NUM_THREADS`` or the CPUs available
+    (1 in a process made by ``fork()`` after lmdx was imported: see :func:`resolve_threads`)."""
+    if _forked:
+        return 1
     env = os.environ.get("LMDX_NUM_THREADS")
     if env:
         try:
@@ -30,7 +50,12 @@ def default_threads() -> int:
 
 def resolve_threads(n_threads: int | None) -> int:
     """The thread count for a call into the core: ``None`` is :func:`default_threads`; an
-    integer must be >= 1 (the core enforces the same rule)."""
+    integer must be >= 1 (the core enforces the same rule).
+
+    In a process made by ``fork()`` after lmdx was imported, every count is 1: GNU OpenMP
+    waits for ever there for the thread pool of the parent (lmdx's or torch's), which fork
+    does not copy. Start workers with ``spawn`` or ``forkserver`` to use many threads.
+    """
     if n_threads is None:
         return default_threads()
     if int(n_threads) < 1:
@@ -38,13 +63,13 @@ def resolve_threads(n_threads: int | None) -> int:
             f"n_threads: must be >= 1, got {n_threads}; pass None for the default "
             "(lmdx.default_threads(): $LMDX_NUM_THREADS or the CPUs available)"
         )
-    return int(n_threads)
+    return 1 if _forked else int(n_threads)
 
 
 def config() -> dict[str, Any]:
     """Build and runtime facts as a dict (see :func:`show_config`)."""
     core = _core.core
-    features = core.cpu_features()
+    features = _core.cpu_features()
     return {
         "version": core.__version__,
         "simd_path": core.isa(),
