@@ -174,7 +174,7 @@ void widen_deviations(const ArrayView& weight, const MatrixXd& mean_t, WeightLay
   }
 }
 
-// out = a v (or out += a v), a full d x d, by fixed blocks of rows across the threads.
+// out = a v (or out += a v), a with d rows, by fixed blocks of rows across the threads.
 void multiply_rows(const MatrixXd& a, const MatrixXd& v, MatrixXd& out, bool accumulate,
                    int threads) {
   const Index d = a.rows();
@@ -304,6 +304,29 @@ struct Float32Merge {
     return x.cast<double>() * scale;
   }
 
+  // The certificate's estimate for the float32 factor's error alone: the probes'
+  // right-hand side B z solved with it (x), checked against the float64 system
+  // (A e = A x - B z), relative to ||W_M z||_S with W_M z ~ W- z + x. The products' own
+  // rounding comes on top, so a layer above the tolerance here cannot be certified.
+  double factor_error_estimate(const Eigen::MatrixXf& l32, const MatrixXd& bz, const MatrixXd& z,
+                               double alpha, double ridge, int threads) const {
+    const MatrixXd x = solve32(l32, bz, threads);
+    MatrixXd v(d_in, 2 * kProbes);
+    v.leftCols(kProbes) = x;
+    MatrixXd mean_z;  // W-^T's probes (mean_t is d_in x d_out, like the square a's rows)
+    multiply_rows(mean_t, z, mean_z, false, threads);
+    v.rightCols(kProbes) = mean_z + x;
+    const MatrixXd av = system_times(v, alpha, ridge, threads);
+    const auto u = v.rightCols(kProbes);
+    const double merged_norm2 =
+        u.cwiseProduct(av.rightCols(kProbes)).sum() - ridge * u.squaredNorm();
+    const MatrixXd e = solve32(l32, av.leftCols(kProbes) - bz, threads);
+    const double ee = std::max(e.cwiseProduct(system_times(e, alpha, ridge, threads)).sum(), 0.0);
+    if (!(ee > 0.0)) return 0.0;
+    return merged_norm2 > 0.0 ? kCertificateMargin * std::sqrt(ee / merged_norm2)
+                              : std::numeric_limits<double>::max();
+  }
+
   // Merge into merged_t and fill info (precision "float32", output_error_estimate). Returns
   // false, leaving lhs's lower triangle as it was, when the float32 factorization fails or
   // (unless forced) the certificate exceeds kOutputErrorTolerance.
@@ -329,23 +352,45 @@ struct Float32Merge {
     if (floor > 0.0 && smallest * smallest <= kNoiseFloorTrigger * floor) return false;
     mirror_lower(lhs, threads);
 
-    // rhs = sum_{i != p} D_i (W_i - W-)^T in float32, and B z = the same times the probes
-    // in float64.
+    // B z = sum_{i != p} D_i (W_i - W-)^T z in float64 on the probes, first: with it the
+    // float32 factor's own error on the probes is known before the products are paid for.
     const MatrixXd z = gaussian_probes(d_out, kProbes);
-    Eigen::MatrixXf x32 = Eigen::MatrixXf::Zero(d_in, d_out);
     MatrixXd bz = MatrixXd::Zero(d_in, kProbes);
     MatrixXd d_i(d_in, d_in), y(d_in, kProbes);
-    Eigen::MatrixXf d_i32(d_in, d_in);
     const Index row_block = column_block_width(d_in);
     const Index n_row_blocks = (d_in + row_block - 1) / row_block;
     const Index chunk = std::min(kRhsChunk, d_out);
     MatrixXd delta(d_in, chunk);
+    for (size_t i : others) {
+      form_difference(models, s, coef, i, pivot, alpha, threads, d_i);
+      y.setZero();
+      for (Index c0 = 0; c0 < d_out; c0 += chunk) {
+        const Index w = std::min(chunk, d_out - c0);
+        LMDX_PRAGMA(omp parallel num_threads(threads)) {
+          widen_deviations(models[i].weight, mean_t, layout, c0, w, delta);
+          LMDX_PRAGMA(omp for schedule(dynamic, 1))
+          for (Index rb = 0; rb < n_row_blocks; ++rb) {
+            const Index r0 = rb * row_block;
+            const Index h = std::min(row_block, d_in - r0);
+            y.middleRows(r0, h).noalias() += delta.block(r0, 0, h, w) * z.middleRows(c0, w);
+          }
+        }
+      }
+      multiply_rows(d_i, y, bz, true, threads);
+    }
+    if (!forced && factor_error_estimate(l32, bz, z, alpha, ridge, threads) >
+                       kOutputErrorTolerance) {
+      return false;  // the factor alone already exceeds the tolerance: float64 at once
+    }
+
+    // rhs = sum_{i != p} D_i (W_i - W-)^T in float32.
+    Eigen::MatrixXf x32 = Eigen::MatrixXf::Zero(d_in, d_out);
+    Eigen::MatrixXf d_i32(d_in, d_in);
     Eigen::MatrixXf delta32(d_in, chunk);
     for (size_t i : others) {
       form_difference(models, s, coef, i, pivot, alpha, threads, d_i);
       LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(static))
       for (Index j = 0; j < d_in; ++j) d_i32.col(j) = d_i.col(j).cast<float>();
-      y.setZero();
       for (Index c0 = 0; c0 < d_out; c0 += chunk) {
         const Index w = std::min(chunk, d_out - c0);
         LMDX_PRAGMA(omp parallel num_threads(threads)) {
@@ -357,11 +402,9 @@ struct Float32Merge {
             const Index r0 = rb * row_block;
             const Index h = std::min(row_block, d_in - r0);
             x32.block(r0, c0, h, w).noalias() += d_i32.middleRows(r0, h) * delta32.leftCols(w);
-            y.middleRows(r0, h).noalias() += delta.block(r0, 0, h, w) * z.middleRows(c0, w);
           }
         }
       }
-      multiply_rows(d_i, y, bz, true, threads);
     }
     cholesky_solve_in_place(l32, x32, threads);
 
