@@ -174,6 +174,34 @@ void widen_deviations(const ArrayView& weight, const MatrixXd& mean_t, WeightLay
   }
 }
 
+// The deviations (W_i - W-)^T of one model, kRhsChunk output columns at a time widened into
+// delta (d_in x chunk), and for each chunk: prepare(w) (called by every thread of the
+// chunk's parallel region: an orphaned omp for, or nothing), then block(c0, w, r0, h) for
+// every fixed block of rows [r0, r0 + h) across the threads. The partition depends on the
+// shapes only, so results do not depend on the thread count.
+template <typename Prepare, typename Block>
+void for_each_deviation_block(const ArrayView& weight, const MatrixXd& mean_t,
+                              WeightLayout layout, int threads, MatrixXd& delta,
+                              const Prepare& prepare, const Block& block) {
+  const Index d_in = mean_t.rows(), d_out = mean_t.cols();
+  const Index row_block = column_block_width(d_in);
+  const Index n_row_blocks = (d_in + row_block - 1) / row_block;
+  const Index chunk = delta.cols();
+  for (Index c0 = 0; c0 < d_out; c0 += chunk) {
+    const Index w = std::min(chunk, d_out - c0);
+    LMDX_PRAGMA(omp parallel num_threads(threads)) {
+      widen_deviations(weight, mean_t, layout, c0, w, delta);
+      // (barrier at the end of its omp for: the deviations are complete)
+      prepare(w);
+      LMDX_PRAGMA(omp for schedule(dynamic, 1))
+      for (Index rb = 0; rb < n_row_blocks; ++rb) {
+        const Index r0 = rb * row_block;
+        block(c0, w, r0, std::min(row_block, d_in - r0));
+      }
+    }
+  }
+}
+
 // out = a v (or out += a v), a with d rows, by fixed blocks of rows across the threads.
 void multiply_rows(const MatrixXd& a, const MatrixXd& v, MatrixXd& out, bool accumulate,
                    int threads) {
@@ -357,25 +385,17 @@ struct Float32Merge {
     const MatrixXd z = gaussian_probes(d_out, kProbes);
     MatrixXd bz = MatrixXd::Zero(d_in, kProbes);
     MatrixXd d_i(d_in, d_in), y(d_in, kProbes);
-    const Index row_block = column_block_width(d_in);
-    const Index n_row_blocks = (d_in + row_block - 1) / row_block;
     const Index chunk = std::min(kRhsChunk, d_out);
     MatrixXd delta(d_in, chunk);
+    const auto nothing = [](Index) {};
     for (size_t i : others) {
       form_difference(models, s, coef, i, pivot, alpha, threads, d_i);
       y.setZero();
-      for (Index c0 = 0; c0 < d_out; c0 += chunk) {
-        const Index w = std::min(chunk, d_out - c0);
-        LMDX_PRAGMA(omp parallel num_threads(threads)) {
-          widen_deviations(models[i].weight, mean_t, layout, c0, w, delta);
-          LMDX_PRAGMA(omp for schedule(dynamic, 1))
-          for (Index rb = 0; rb < n_row_blocks; ++rb) {
-            const Index r0 = rb * row_block;
-            const Index h = std::min(row_block, d_in - r0);
-            y.middleRows(r0, h).noalias() += delta.block(r0, 0, h, w) * z.middleRows(c0, w);
-          }
-        }
-      }
+      for_each_deviation_block(models[i].weight, mean_t, layout, threads, delta, nothing,
+                               [&](Index c0, Index w, Index r0, Index h) {
+                                 y.middleRows(r0, h).noalias() +=
+                                     delta.block(r0, 0, h, w) * z.middleRows(c0, w);
+                               });
       multiply_rows(d_i, y, bz, true, threads);
     }
     if (!forced && factor_error_estimate(l32, bz, z, alpha, ridge, threads) >
@@ -391,25 +411,22 @@ struct Float32Merge {
       form_difference(models, s, coef, i, pivot, alpha, threads, d_i);
       LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(static))
       for (Index j = 0; j < d_in; ++j) d_i32.col(j) = d_i.col(j).cast<float>();
-      for (Index c0 = 0; c0 < d_out; c0 += chunk) {
-        const Index w = std::min(chunk, d_out - c0);
-        LMDX_PRAGMA(omp parallel num_threads(threads)) {
-          widen_deviations(models[i].weight, mean_t, layout, c0, w, delta);
-          LMDX_PRAGMA(omp for schedule(static))
-          for (Index c = 0; c < w; ++c) delta32.col(c) = delta.col(c).cast<float>();
-          LMDX_PRAGMA(omp for schedule(dynamic, 1))
-          for (Index rb = 0; rb < n_row_blocks; ++rb) {
-            const Index r0 = rb * row_block;
-            const Index h = std::min(row_block, d_in - r0);
+      for_each_deviation_block(
+          models[i].weight, mean_t, layout, threads, delta,
+          [&](Index w) {
+            LMDX_PRAGMA(omp for schedule(static))
+            for (Index c = 0; c < w; ++c) delta32.col(c) = delta.col(c).cast<float>();
+          },
+          [&](Index c0, Index w, Index r0, Index h) {
             x32.block(r0, c0, h, w).noalias() += d_i32.middleRows(r0, h) * delta32.leftCols(w);
-          }
-        }
-      }
+          });
     }
     cholesky_solve_in_place(l32, x32, threads);
 
     // merged = W- + X; probes of X and of the merged weight.
     MatrixXd v(d_in, 2 * kProbes);
+    const Index row_block = column_block_width(d_in);
+    const Index n_row_blocks = (d_in + row_block - 1) / row_block;
     LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(static))
     for (Index c = 0; c < d_out; ++c) merged_t.col(c) = mean_t.col(c) + x32.col(c).cast<double>();
     LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(dynamic, 1))
@@ -597,25 +614,15 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
   // lhs's storage (the factor is in l).
   merged_t.setZero();
   MatrixXd& d_i = lhs;
-  const Index row_block = column_block_width(d_in);
-  const Index n_row_blocks = (d_in + row_block - 1) / row_block;
-  const Index chunk = std::min(kRhsChunk, d_out);
-  MatrixXd delta(d_in, chunk);
+  MatrixXd delta(d_in, std::min(kRhsChunk, d_out));
   for (size_t i : others) {
     form_difference(models, s, coef, i, pivot, alpha, threads, d_i);
-    for (Index c0 = 0; c0 < d_out; c0 += chunk) {
-      const Index w = std::min(chunk, d_out - c0);
-      LMDX_PRAGMA(omp parallel num_threads(threads)) {
-        widen_deviations(models[i].weight, mean_t, layout, c0, w, delta);
-        // (barrier at the end of its omp for: the deviations are complete)
-        LMDX_PRAGMA(omp for schedule(dynamic, 1))
-        for (Index rb = 0; rb < n_row_blocks; ++rb) {
-          const Index r0 = rb * row_block;
-          const Index h = std::min(row_block, d_in - r0);
-          merged_t.block(r0, c0, h, w).noalias() += d_i.middleRows(r0, h) * delta.leftCols(w);
-        }
-      }
-    }
+    for_each_deviation_block(models[i].weight, mean_t, layout, threads, delta,
+                             [](Index) {},
+                             [&](Index c0, Index w, Index r0, Index h) {
+                               merged_t.block(r0, c0, h, w).noalias() +=
+                                   d_i.middleRows(r0, h) * delta.leftCols(w);
+                             });
   }
   if (system.size() == 0) {
     cholesky_solve_in_place(l, merged_t, threads);
