@@ -10,7 +10,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-PYTHON=${PYTHON:-python3}
+# Absolute (the checks below run away from the source tree); symlinks kept: a venv's python is one.
+PYTHON=$(realpath -s "$(command -v "${PYTHON:-python3}")")
 start=$SECONDS
 "$PYTHON" -m pip install -qq "build>=1"
 "$PYTHON" -m build --sdist --outdir "$work/sdist" . >"$work/sdist.log" 2>&1 ||
