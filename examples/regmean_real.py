@@ -775,6 +775,15 @@ def main() -> None:
         ("fisher", "fisher", {"stats": fishers}),
     ]
     runs += [(f"regmean α={a:g}", "regmean", {"stats": grams, "alpha": a}) for a in alphas]
+    # the same solved in float64 everywhere: precision "auto" (above) must score the same
+    runs += [
+        (
+            f"regmean α={a:g} float64",
+            "regmean",
+            {"stats": grams, "alpha": a, "precision": "float64"},
+        )
+        for a in alphas
+    ]
     # without statistics, from the task vectors against the pre-trained encoder (defaults)
     runs += [
         ("task arithmetic", "task_arithmetic", {"base": pretrained}),
@@ -817,6 +826,15 @@ def main() -> None:
                 else ""
             )
             + (f"; ridge added for {ridges}" if ridges else "")
+            + (
+                "; precision "
+                + ", ".join(
+                    f"{p} {sum(1 for v in solved.values() if v.get('precision') == p)}"
+                    for p in ("float32", "float64", "identical")
+                )
+                if method == "regmean"
+                else ""
+            )
             + f"; frozen tensors {'unchanged' if not moved else f'CHANGED: {len(moved)}'}"
         )
         merged[row] = res
