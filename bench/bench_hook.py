@@ -27,6 +27,7 @@ import time
 import lmdx
 import lmdx.moments
 import lmdx.stats.collect as collect
+import lmdx.stats.collector as collector
 import lmdx.stats.sites as sites
 import numpy as np
 import torch
@@ -118,7 +119,7 @@ def main() -> None:
         collect.collect_regmean_stats(model, batches, progress=False, n_threads=args.threads)
 
     inside = {"seconds": 0.0, "calls": 0}
-    real_accumulate = collect.GramCollector._accumulate
+    real_accumulate = collector.GramCollector._accumulate
 
     def timed_accumulate(self, name, x):
         t0 = time.perf_counter()
@@ -129,14 +130,14 @@ def main() -> None:
             inside["calls"] += 1
 
     def hooks() -> None:
-        real_moments = collect.Moments
-        collect.Moments = _StubMoments  # type: ignore[misc,assignment]
-        collect.GramCollector._accumulate = timed_accumulate  # type: ignore[method-assign]
+        real_moments = collector.Moments
+        collector.Moments = _StubMoments  # type: ignore[misc,assignment]
+        collector.GramCollector._accumulate = timed_accumulate  # type: ignore[method-assign]
         try:
             collect.collect_regmean_stats(model, batches, progress=False, n_threads=args.threads)
         finally:
-            collect.Moments = real_moments  # type: ignore[misc]
-            collect.GramCollector._accumulate = real_accumulate  # type: ignore[method-assign]
+            collector.Moments = real_moments  # type: ignore[misc]
+            collector.GramCollector._accumulate = real_accumulate  # type: ignore[method-assign]
 
     times: dict[str, list[float]] = {"forward": [], "hooks": [], "full": []}
     for _ in range(args.reps):  # interleaved, so the three see the same conditions

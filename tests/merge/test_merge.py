@@ -151,10 +151,10 @@ def test_regmean_float32_models(arch):
 
 @pytest.mark.parametrize("arch", H.ARCHS)
 def test_regmean_float32_models_float64_products(arch):
-    """precision="float64": the Grams of float32 activations are exact, so even α = 1
+    """accumulation="float64": the Grams of float32 activations are exact, so even α = 1
     on these ill-conditioned tiny layers matches the independent reference."""
     _, models, batches = H.cached_family(arch, "float32")
-    stats = _stats(models, batches, precision="float64")
+    stats = _stats(models, batches, accumulation="float64")
     refs = [H.reference_grams(m, list(b), False) for m, b in zip(models, batches, strict=True)]
     for alpha in ALPHAS:
         result = _merge(models, arch=arch, stats=stats, alpha=alpha, coefficients=[1.0, 2.0, 0.5])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -136,9 +137,16 @@ def add_stats_parser(sub: Any) -> None:
         "--no-share-inputs", action="store_true", help="one Gram per module even for q/k/v"
     )
     p.add_argument(
+        "--accumulation",
+        default=None,
+        metavar="{mixed,float64}",
+        help="how Grams are accumulated: mixed (float32 products of chunks of rows summed in "
+        "float64, the default) or float64 (activations multiplied in float64)",
+    )
+    p.add_argument(
         "--float64-products",
         action="store_true",
-        help="multiply activations in float64 (default: float32 chunks summed in float64)",
+        help="deprecated: write --accumulation float64",
     )
     p.add_argument(
         "--labels",
@@ -294,6 +302,7 @@ def _stats_collect(args: argparse.Namespace, claimed: Claimed) -> int:
     out = Path(args.out)
     _check_out_file(out, claimed)
     ray_address = _ray_options(args)
+    accumulation = _accumulation(args)
     if args.max_memory is not None and (args.ray is not None or args.kind != "regmean"):
         raise CliError("--max-memory: only for --kind regmean without --ray")
     model_dir = Path(args.model)
@@ -367,7 +376,7 @@ def _stats_collect(args: argparse.Namespace, claimed: Claimed) -> int:
     regmean_options: dict[str, Any] = {
         "include_padding": args.include_padding,
         "share_inputs": not args.no_share_inputs,
-        "precision": "float64" if args.float64_products else "mixed",
+        "accumulation": accumulation,
     }
     where = ""
     if args.ray:
@@ -404,6 +413,29 @@ def _stats_collect(args: argparse.Namespace, claimed: Claimed) -> int:
         f"{time.perf_counter() - t0:.1f} s; wrote {out} ({size_of(out) / 1e6:.1f} MB)"
     )
     return 0
+
+
+def _accumulation(args: argparse.Namespace) -> str:
+    """``--accumulation``, or its deprecated spelling ``--float64-products`` (with a note)."""
+    from ..stats.collector import ACCUMULATIONS
+
+    if args.accumulation not in (None, *ACCUMULATIONS):
+        raise CliError(
+            f"--accumulation: expected one of {', '.join(ACCUMULATIONS)}, got "
+            f"{printable(args.accumulation)}"
+        )
+    if not args.float64_products:
+        return str(args.accumulation or "mixed")
+    print(
+        "lmdx stats: --float64-products is deprecated; write --accumulation float64",
+        file=sys.stderr,
+    )
+    if args.accumulation not in (None, "float64"):
+        raise CliError(
+            f"--float64-products and --accumulation {args.accumulation} disagree; "
+            "give --accumulation only"
+        )
+    return "float64"
 
 
 def _image_processor(model_dir: Path) -> Any:
@@ -487,6 +519,7 @@ def _stats_show(args: argparse.Namespace) -> int:
     print(f"data:        {printable(stats.data)}")
     if stats.kind == "regmean-gram":
         print(f"padding:     {stats.padding}")
+        print(f"accumulation: {stats.accumulation or 'not recorded'}")
         print(f"modules:     {len(stats.modules)} in {len(stats.groups)} input groups")
         for g, v in stats.groups.items():
             members = [m for m, i in stats.modules.items() if i["group"] == g]

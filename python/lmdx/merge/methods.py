@@ -260,7 +260,7 @@ def regmean_groups(
 
 
 #: Relative rounding of a Gram's entries for each statistics accumulation precision
-#: (``Statistics.extra["precision"]``): float32 products summed in float64 ("mixed"), or
+#: (``Statistics.accumulation``): float32 products summed in float64 ("mixed"), or
 #: float64 throughout. Statistics that record none are taken as exact.
 GRAM_ROUNDOFF = {"mixed": 2.0**-24, "float64": 2.0**-53}
 
@@ -268,7 +268,7 @@ GRAM_ROUNDOFF = {"mixed": 2.0**-24, "float64": 2.0**-53}
 def noise_floor(stats: Sequence[Statistics]) -> float:
     """The RegMean solves' ``noise_floor``: the coarsest accumulation precision of
     ``stats`` (see :func:`lmdx.regmean_merge_layer`)."""
-    return max(GRAM_ROUNDOFF.get(str(s.extra.get("precision")), 0.0) for s in stats)
+    return max(GRAM_ROUNDOFF.get(str(s.accumulation), 0.0) for s in stats)
 
 
 #: A RegMean system counts as poorly determined below this many statistics rows per input

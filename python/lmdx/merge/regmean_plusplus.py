@@ -56,7 +56,7 @@ from .._util import matches, parse_size, progress_bar
 from ..config import resolve_threads
 from ..data.batches import as_kwargs, text_batches
 from ..files.hf import hf_config, model_class
-from ..stats.collect import GramCollector
+from ..stats.collector import GramCollector
 from ..stats.file import Statistics
 from ..stats.sites import find_linear_modules
 from .engine import solve_regmean_step
@@ -655,7 +655,13 @@ class BlockMerger:
         name = self.blocks[index].prefix
         block = self.stack[index]
         self._assign_from(i, index)
-        collector = GramCollector(modules, False, True, "attention_mask", self.n_threads)
+        collector = GramCollector(
+            modules,
+            include_padding=False,
+            share_inputs=True,
+            mask_key="attention_mask",
+            n_threads=self.n_threads,
+        )
         label = self.labels[i]
         try:
             with torch.no_grad():

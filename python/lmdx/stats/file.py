@@ -112,8 +112,20 @@ class Statistics:
         self._sha256: dict[str, str] = {}
         self.source = source
         self.extra = dict(extra or {})
+        if kind == "regmean-gram" and "precision" in self.extra:
+            # older files call the Gram accumulation "precision" (its earlier name)
+            self.extra.setdefault("accumulation", self.extra["precision"])
+            del self.extra["precision"]
 
     # ------------------------------------------------------------------ accessors
+
+    @property
+    def accumulation(self) -> str | None:
+        """Grams: how they were accumulated (``"mixed"``: float32 products summed in
+        float64; ``"float64"``), or None where the statistics do not say (e.g. added
+        from several files). Files that call it ``extra["precision"]`` read the same."""
+        found = self.extra.get("accumulation")
+        return found if isinstance(found, str) else None
 
     @property
     def not_solved(self) -> dict[str, str]:

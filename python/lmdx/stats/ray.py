@@ -30,6 +30,7 @@ from .._util import progress_bar
 from ..files.hf import load_model
 from .add import add_statistics
 from .collect import collect_regmean_stats
+from .collector import accumulation_option
 from .file import Statistics
 
 __all__ = ["collect_regmean_stats_ray", "shard_bounds", "shard_partial"]
@@ -242,10 +243,11 @@ def collect_regmean_stats_ray(
         Show a progress bar over finished shards.
     **collect_kwargs
         Passed on to :func:`lmdx.stats.collect.collect_regmean_stats` (``include``, ``exclude``,
-        ``include_padding``, ``share_inputs``, ``mask_key``, ``precision``,
-        ``description``); ``progress`` and ``n_threads`` are set by this function, and
-        the file-backed collection (``out``, ``max_memory``, ``max_shard_size``) is not
-        available: each worker holds its shard's accumulators in memory.
+        ``include_padding``, ``share_inputs``, ``mask_key``, ``accumulation``,
+        ``description``; the deprecated ``precision`` is read as ``accumulation``);
+        ``progress`` and ``n_threads`` are set by this function, and the file-backed
+        collection (``out``, ``max_memory``, ``max_shard_size``) is not available: each
+        worker holds its shard's accumulators in memory.
 
     Returns
     -------
@@ -276,6 +278,12 @@ def collect_regmean_stats_ray(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
     _check_collect_kwargs(collect_kwargs)
+    if "precision" in collect_kwargs:  # the deprecated spelling, warned about here
+        collect_kwargs["accumulation"] = accumulation_option(
+            collect_kwargs.pop("accumulation", "mixed"),
+            collect_kwargs.pop("precision"),
+            "collect_regmean_stats_ray",
+        )
     if isinstance(batches, Mapping) or hasattr(batches, "dim"):
         raise TypeError(
             "collect_regmean_stats_ray: batches must be a list of batches, got a single batch"
