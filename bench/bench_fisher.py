@@ -68,14 +68,14 @@ def loop_fisher(model, batches) -> tuple[dict[str, np.ndarray], int]:
 
 def fisher_without_kernel(model, batches):
     """lmdx.collect_fisher with the native kernel of linear weights switched off."""
-    from lmdx.stats import fisher
+    from lmdx.stats.fisher_gradients import Contribution
 
-    kernel = fisher._Contribution.add_weight_squares
-    fisher._Contribution.add_weight_squares = lambda self, target: False
+    kernel = Contribution.add_weight_squares
+    Contribution.add_weight_squares = lambda self, target: False  # type: ignore[method-assign]
     try:
         return lmdx.collect_fisher(model, batches, progress=False)
     finally:
-        fisher._Contribution.add_weight_squares = kernel
+        Contribution.add_weight_squares = kernel  # type: ignore[method-assign]
 
 
 def torch_products(g, x):

@@ -12,7 +12,7 @@ The conventions are those of the paper's code (FusionBench's ``regmean_plusplus`
 * Block ``l``, in order: every model ``i``'s own block ``l`` runs on model ``i``'s data,
   whose activations are those of the merged prefix (the averaged embeddings and the
   merged blocks ``< l``); forward pre-hooks on the block's linear modules collect the
-  Grams of their inputs (:class:`lmdx.stats.collect.GramCollector`), so the sub-layers
+  Grams of their inputs (:class:`lmdx.stats.collector.GramCollector`), so the sub-layers
   after the first see model ``i``'s own sub-layer outputs. Padding rows are left out by
   the attention mask, as in every lmdx collection (FusionBench's images have none).
 * The block's linear weights are merged by RegMean with those Grams — ``Ĝ_i = G_i/n_i``,
@@ -40,336 +40,42 @@ mask and position tensors). With ``max_activation_memory`` the batches whose
 activations do not fit are recomputed from the merged prefix for every block instead:
 block ``l`` then costs ``l`` more block forwards per recomputed batch, and the merged
 blocks (one model's blocks) are kept in memory to recompute with.
+
+This module is the block merger; the model skeleton and its blocks are
+:mod:`lmdx.merge.skeleton`, the data :mod:`lmdx.merge.block_data`, how the model calls its
+blocks :mod:`lmdx.merge.block_call`. Their public names are importable from here too.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._errors import MergeError
-from .._tensors import is_tensor, to_torch
-from .._util import matches, parse_size, progress_bar
+from .._tensors import to_torch
+from .._util import matches, progress_bar
 from ..config import resolve_threads
-from ..data.batches import as_kwargs, text_batches
-from ..files.hf import hf_config, model_class
 from ..stats.collector import GramCollector
 from ..stats.file import Statistics
 from ..stats.sites import find_linear_modules
+from ..stats.stop import StopForward, run_until_stopped
+from .block_call import BlockCall, call_difference, hidden_of, same_value, tensor_bytes
+from .block_data import activation_budget, prepare_batches
 from .engine import solve_regmean_step
 from .methods import regmean_groups
 from .options import MergeOptions
 from .plan import Block, Step
+from .skeleton import build_skeleton, find_blocks, model_blocks
 from .source import TensorSource
 
 __all__ = [
     "BlockMerger",
+    "activation_budget",
     "build_skeleton",
     "find_blocks",
     "model_blocks",
     "prepare_batches",
 ]
-
-
-# --------------------------------------------------------------------------- the model
-
-
-@contextlib.contextmanager
-def _parameters_on_meta() -> Iterator[None]:
-    """Modules built inside get their parameters on the meta device (no memory) and their
-    buffers as usual: non-persistent buffers such as rotary frequencies are computed at
-    construction and are in no checkpoint (accelerate's ``init_empty_weights`` with
-    ``include_buffers=False`` does the same)."""
-    import torch
-
-    register = torch.nn.Module.register_parameter
-
-    def on_meta(module: Any, name: str, param: Any) -> None:
-        register(module, name, param)
-        if param is not None:
-            module._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=False)
-
-    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
-    try:
-        yield
-    finally:
-        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
-
-
-def build_skeleton(config: Mapping[str, Any], label: str) -> Any:
-    """The model ``config`` describes (the class its ``architectures`` names), with every
-    parameter on the meta device, in evaluation mode, with caching off."""
-    import transformers
-
-    if not config:
-        raise MergeError(
-            f"{label}: regmean_plusplus runs the models' blocks, so it needs their Hugging Face "
-            "configuration: pass model folders or transformers models, not state dicts"
-        )
-    cfg = hf_config(config, f"of {label}")
-    cfg.use_cache = False
-    cls = model_class(config)
-    with _parameters_on_meta():
-        model = cls.from_config(cfg) if cls is transformers.AutoModel else cls(cfg)  # type: ignore[no-untyped-call]
-    return model.eval()
-
-
-def find_blocks(model: Any) -> tuple[str, Any]:
-    """The model's repeated blocks: its one ``torch.nn.ModuleList`` of modules of one class
-    that hold linear layers (BERT ``encoder.layer``, GPT-2 ``h``, Llama ``layers``), as
-    (name, module list). :class:`MergeError` naming the model's class if it has none or
-    several (e.g. an encoder and a decoder)."""
-    import torch
-
-    found: list[tuple[str, Any]] = []
-    for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.ModuleList) or len(module) == 0:
-            continue
-        if any(name.startswith(f"{outer}.") for outer, _ in found):
-            continue  # inside a block (e.g. a mixture of experts)
-        if len({type(m) for m in module}) != 1:
-            continue
-        if any(n for n in find_linear_modules(module[0])):
-            found.append((name, module))
-    cls = type(model).__name__
-    if not found:
-        raise MergeError(
-            f"regmean_plusplus: found no repeated blocks in {cls} (a ModuleList of identical "
-            "layers holding linear modules, like BERT's encoder.layer, GPT-2's h or Llama's "
-            "layers); merge it with method regmean instead"
-        )
-    if len(found) > 1:
-        raise MergeError(
-            f"regmean_plusplus: {cls} has {len(found)} stacks of blocks "
-            f"({', '.join(n for n, _ in found)}); it merges models with one stack (an encoder "
-            "or a decoder); merge this one with method regmean"
-        )
-    return found[0]
-
-
-def model_blocks(source: TensorSource) -> list[Block]:
-    """The repeated blocks of ``source``'s model, in order, each with its linear modules'
-    input dimensions; checked to be stored in ``source`` under those names."""
-    model = build_skeleton(source.config, source.label)
-    prefix, stack = find_blocks(model)
-    blocks = []
-    for i, block in enumerate(stack):
-        name = f"{prefix}.{i}"
-        for key in block.state_dict():
-            if f"{name}.{key}" not in source:
-                raise MergeError(
-                    f"{source.label} has no tensor {name}.{key!r} that its class "
-                    f"{type(model).__name__} has; re-save the model with save_pretrained"
-                )
-        linear = {
-            f"{name}.{n}": int(m.weight.shape[1 if layout == "linear" else 0])
-            for n, (m, layout) in find_linear_modules(block).items()
-        }
-        blocks.append(Block(name, linear))
-    return blocks
-
-
-# --------------------------------------------------------------------------- data
-
-
-def prepare_batches(
-    sources: Sequence[TensorSource],
-    data: Sequence[Any] | None,
-    tokenizer: Any = None,
-    *,
-    max_texts: int | None = None,
-    max_length: int = 128,
-    batch_size: int = 16,
-) -> list[list[dict[str, Any]]]:
-    """Each model's data as batches for ``model(**batch)``.
-
-    ``data[i]`` is model ``i``'s texts (tokenized with ``tokenizer`` — one for all, or a
-    list with one per model — or else the tokenizer in model ``i``'s folder: at most
-    ``max_texts`` texts, cut at ``max_length`` tokens, ``batch_size`` per batch, padded)
-    or its batches (dicts of tensors, or input-id tensors; used as they are, ``labels``
-    dropped).
-    """
-    if data is None:
-        raise MergeError(
-            "regmean_plusplus needs data=[...]: each model's texts (or batches), in the order "
-            "of the models; their activations are needed at merge time"
-        )
-    data = list(data)
-    if len(data) != len(sources):
-        raise MergeError(f"data: {len(data)} entries for {len(sources)} models")
-    for key, value in (
-        ("max_texts", max_texts),
-        ("max_length", max_length),
-        ("batch_size", batch_size),
-    ):
-        if value is None and key == "max_texts":
-            continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise MergeError(f"{key}: expected a whole number >= 1, got {value!r}")
-    tokenizers = list(tokenizer) if isinstance(tokenizer, (list, tuple)) else None
-    if tokenizers is not None and len(tokenizers) != len(sources):
-        raise MergeError(f"tokenizer: {len(tokenizers)} tokenizers for {len(sources)} models")
-    out = []
-    for i, (source, items) in enumerate(zip(sources, data, strict=True)):
-        if isinstance(items, (str, bytes, os.PathLike)) or not isinstance(items, Sequence):
-            raise MergeError(
-                f"data[{i}] (of {source.label}): expected a list of texts or of batches, got "
-                f"{type(items).__name__}"
-            )
-        if not items:
-            raise MergeError(f"data[{i}] (of {source.label}): no texts or batches")
-        if all(isinstance(x, str) for x in items):
-            tok = tokenizers[i] if tokenizers is not None else tokenizer
-            texts = list(items)[:max_texts] if max_texts else list(items)
-            out.append(
-                text_batches(
-                    texts,
-                    tok if tok is not None else _folder_tokenizer(source, i),
-                    batch_size=int(batch_size),
-                    max_length=int(max_length),
-                )
-            )
-            continue
-        batches = []
-        for item in items:
-            try:
-                kwargs = as_kwargs(item)
-            except TypeError as exc:
-                raise MergeError(f"data[{i}] (of {source.label}): {exc}") from None
-            kwargs.pop("labels", None)
-            batches.append(kwargs)
-        out.append(batches)
-    return out
-
-
-def _folder_tokenizer(source: TensorSource, i: int) -> Any:
-    from transformers import AutoTokenizer
-
-    if source.path is None or not source.path.is_dir():
-        raise MergeError(
-            f"data[{i}] (of {source.label}) holds texts but the model has no folder to load a "
-            "tokenizer from; pass tokenizer=... or batches"
-        )
-    try:
-        return AutoTokenizer.from_pretrained(str(source.path))
-    except (OSError, ValueError) as exc:
-        raise MergeError(
-            f"model {source.path}: no tokenizer to tokenize data[{i}] with ({exc}); pass "
-            "tokenizer=... or batches"
-        ) from None
-
-
-def activation_budget(max_activation_memory: int | str | None) -> int | None:
-    """``max_activation_memory`` in bytes (None: hold every activation)."""
-    if max_activation_memory is None:
-        return None
-    try:
-        return parse_size(max_activation_memory)
-    except ValueError:
-        raise MergeError(
-            f"max_activation_memory: expected e.g. '4GB' or bytes, got {max_activation_memory!r}"
-        ) from None
-
-
-# --------------------------------------------------------------------------- block calls
-
-
-class _Stop(Exception):
-    """Raised by a hook to end a forward pass once it has what it needs."""
-
-
-@dataclass
-class _BlockCall:
-    """How the model calls its blocks for one batch: the arguments besides the hidden
-    states (attention mask, position embeddings, ...), captured at block 0."""
-
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    keyword: bool  # the hidden states are passed as hidden_states=
-
-    @classmethod
-    def capture(cls, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, _BlockCall]:
-        """(hidden states, the rest of the call) from a block's pre-hook arguments."""
-        if args:
-            return args[0], cls(tuple(args[1:]), dict(kwargs), False)
-        rest = dict(kwargs)
-        if "hidden_states" not in rest:
-            raise MergeError(
-                "regmean_plusplus: the model calls its blocks without hidden states (neither "
-                "a first argument nor hidden_states=); this architecture is not supported"
-            )
-        return rest.pop("hidden_states"), cls((), rest, True)
-
-    def run(self, block: Any, hidden: Any) -> Any:
-        """``block``'s output hidden states for input ``hidden``."""
-        if self.keyword:
-            out = block(*self.args, hidden_states=hidden, **self.kwargs)
-        else:
-            out = block(hidden, *self.args, **self.kwargs)
-        return _hidden_of(out)
-
-    def nbytes(self) -> int:
-        return _nbytes(self.args) + _nbytes(self.kwargs)
-
-
-def _hidden_of(out: Any) -> Any:
-    """The hidden states of a block's output (a tensor, or a tuple starting with them)."""
-    if is_tensor(out):
-        return out
-    if hasattr(out, "to_tuple"):
-        out = out.to_tuple()
-    if isinstance(out, (tuple, list)) and out and is_tensor(out[0]):
-        return out[0]
-    raise MergeError(
-        f"regmean_plusplus: a block returned {type(out).__name__}, not hidden states (a tensor "
-        "or a tuple starting with one); this architecture is not supported"
-    )
-
-
-def _nbytes(obj: Any) -> int:
-    if is_tensor(obj):
-        return int(obj.nelement() * obj.element_size())
-    if isinstance(obj, (tuple, list)):
-        return sum(_nbytes(x) for x in obj)
-    if isinstance(obj, Mapping):
-        return sum(_nbytes(x) for x in obj.values())
-    return 0
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Whether two block arguments are the same object or equal values."""
-    import torch
-
-    if a is b:
-        return True
-    if is_tensor(a) and is_tensor(b):
-        return bool(a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b))
-    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (bool, int, float, str)) and isinstance(b, (bool, int, float, str)):
-        return a == b
-    return False
-
-
-def _difference(call: _BlockCall, first: _BlockCall) -> str | None:
-    """The first argument in which ``call`` differs from ``first`` (None: none does)."""
-    if len(call.args) != len(first.args) or call.kwargs.keys() != first.kwargs.keys():
-        return "set of arguments"
-    for i, (a, b) in enumerate(zip(call.args, first.args, strict=True)):
-        if not _same(a, b):
-            return f"positional argument {i + 2}"
-    for key, value in call.kwargs.items():
-        if not _same(value, first.kwargs[key]):
-            return f"{key}="
-    return None
-
-
-# --------------------------------------------------------------------------- the merger
 
 
 class BlockMerger:
@@ -422,7 +128,7 @@ class BlockMerger:
         self.prefix, self.stack = find_blocks(self.model)
         self.n_threads = resolve_threads(options.n_threads)
         self.outside: dict[str, Any] = {}  # merged tensors outside the blocks
-        self.held: dict[tuple[int, int], tuple[Any, _BlockCall]] = {}
+        self.held: dict[tuple[int, int], tuple[Any, BlockCall]] = {}
         self.recomputed: list[tuple[int, int]] = []
         self.next = 0  # the block to merge next
         self.forwards = 0  # block forwards run
@@ -526,7 +232,7 @@ class BlockMerger:
             for i, model_batches in enumerate(self.batches):
                 for j, batch in enumerate(model_batches):
                     hidden, call = self._prefix(batch)
-                    size = _nbytes(hidden) + call.nbytes()
+                    size = tensor_bytes(hidden) + call.nbytes()
                     if self.budget is None or self.held_bytes + size <= self.budget:
                         self.held[(i, j)] = (hidden, call)
                         self.held_bytes += size
@@ -538,13 +244,13 @@ class BlockMerger:
             self.outside.clear()
         self._bar = progress_bar(len(self.stack), "RegMean++ blocks", self.progress, unit="block")
 
-    def _prefix(self, batch: Mapping[str, Any]) -> tuple[Any, _BlockCall]:
+    def _prefix(self, batch: Mapping[str, Any]) -> tuple[Any, BlockCall]:
         """Run the merged prefix on ``batch``: block 0's input and call."""
         captured: dict[str, Any] = {}
 
         def grab(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            captured["call"] = _BlockCall.capture(args, kwargs)
-            raise _Stop
+            captured["call"] = BlockCall.capture(args, kwargs)
+            raise StopForward
 
         handle = self.stack[0].register_forward_pre_hook(grab, with_kwargs=True)
         try:
@@ -564,9 +270,7 @@ class BlockMerger:
         with keys the model does not take) as a :class:`MergeError`."""
         self.prefix_forwards += 1
         try:
-            self.model(**batch)
-        except _Stop:
-            pass
+            run_until_stopped(lambda: self.model(**batch))
         except MergeError:
             raise
         except (RuntimeError, TypeError, ValueError, NotImplementedError) as exc:
@@ -580,24 +284,24 @@ class BlockMerger:
         every block gets block 0's arguments and the previous block's output."""
         import torch
 
-        calls: list[tuple[Any, _BlockCall]] = []
+        calls: list[tuple[Any, BlockCall]] = []
         outputs: list[Any] = []
         last = len(self.stack) - 1
 
         def before(index: int) -> Callable[..., None]:
             def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
                 self._assign_from(0, index)
-                calls.append(_BlockCall.capture(args, kwargs))
+                calls.append(BlockCall.capture(args, kwargs))
 
             return hook
 
         def after(index: int) -> Callable[..., None]:
             def hook(module: Any, args: tuple[Any, ...], output: Any) -> None:
-                outputs.append(_hidden_of(output))
+                outputs.append(hidden_of(output))
                 self._unassign(self._block_names(index))
                 self.forwards += 1
                 if index == last:
-                    raise _Stop
+                    raise StopForward
 
             return hook
 
@@ -621,12 +325,12 @@ class BlockMerger:
             )
         for index in range(1, len(calls)):
             hidden, call = calls[index]
-            if not _same(hidden, outputs[index - 1]):
+            if not same_value(hidden, outputs[index - 1]):
                 raise MergeError(
                     f"regmean_plusplus: in {cls}, block {index}'s input is not block "
                     f"{index - 1}'s output; this architecture is not supported"
                 )
-            differs = _difference(call, calls[0][1])
+            differs = call_difference(call, calls[0][1])
             if differs is not None:
                 raise MergeError(
                     f"regmean_plusplus: {cls} passes block {index} a different {differs} than "
@@ -688,7 +392,7 @@ class BlockMerger:
         finally:
             self._unassign(self._block_names(index))
 
-    def _input(self, i: int, j: int, index: int) -> tuple[Any, _BlockCall]:
+    def _input(self, i: int, j: int, index: int) -> tuple[Any, BlockCall]:
         """Model ``i``'s batch ``j`` at block ``index``'s input: held, or recomputed from
         the merged prefix and the merged blocks before ``index``."""
         held = self.held.get((i, j))

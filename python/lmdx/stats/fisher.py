@@ -31,27 +31,23 @@ a layer whose tensors are not batch-first, or a module that ``vmap`` cannot run.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence, Sized
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from .. import _core
 from .._errors import MergeError
-from .._tensors import as_float64
+from .._tensors import as_float64, is_tensor
 from .._util import matches, progress_bar
 from ..data.batches import as_kwargs
 from ..files.identity import model_identity
 from ..files.peft import is_peft_model
 from ..files.saved import saved_form
 from .file import Statistics
+from .fisher_gradients import accumulate_squares, contribution_of
+from .fisher_plan import FisherPlan
 
 __all__ = ["collect_fisher"]
 
-#: Bytes of per-example gradients made at once (one block of parameter rows).
-_BLOCK_BYTES = 16 << 20
-#: Examples whose float32 squares are summed in float32 before they are added in float64.
-_FLOAT32_TERMS = 16
 #: Largest share of padding tokens in a sub-batch of similar lengths (of the real tokens).
 _PADDING = 0.25
 
@@ -142,7 +138,7 @@ def collect_fisher(
     total = len(batches) if isinstance(batches, Sized) else 0
     bar = progress_bar(total, "Fisher", progress, unit="batch")
     examples = 0
-    plan = _Plan(model, params)
+    plan = FisherPlan(model, params)
     model.eval()
     try:
         for n, p in model.named_parameters():
@@ -197,152 +193,6 @@ def collect_fisher(
     )
 
 
-# --------------------------------------------------------------------------- the plan
-
-
-def _kind(module: Any) -> str | None:
-    """How a module's own parameters get per-example gradients, or None (per-example loop)."""
-    import torch
-
-    cls = type(module)
-    if cls is torch.nn.Linear:
-        return "linear"
-    if cls.__name__ == "Conv1D" and cls.__module__ == "transformers.pytorch_utils":
-        return "conv1d"
-    if cls is torch.nn.Embedding and module.max_norm is None and not module.scale_grad_by_freq:
-        return "embedding"
-    if cls is torch.nn.LayerNorm:
-        return "layer_norm"
-    if next(module.children(), None) is None:
-        return "module"
-    return None
-
-
-@dataclass
-class _Call:
-    """One forward call of a watched module during a batch."""
-
-    module: Any
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    output: Any
-    versions: list[int]
-
-
-@dataclass
-class _Plan:
-    """Which module computes which parameter's per-example gradient, the hooks that record
-    the calls of a batch, and the parameters that need the per-example loop."""
-
-    model: Any
-    params: Mapping[str, Any]
-    #: id(module) -> (module, kind, [(local name, parameter name)])
-    modules: dict[int, tuple[Any, str, list[tuple[str, str]]]] = field(default_factory=dict)
-    #: id(parameter) -> (parameter name, ids of the modules allowed to use it)
-    owners: dict[int, tuple[str, set[int]]] = field(default_factory=dict)
-    loop: set[str] = field(default_factory=set)
-    calls: list[_Call] = field(default_factory=list)
-    active: list[int] = field(default_factory=list)
-    misused: set[str] = field(default_factory=set)
-    recording: bool = False
-    size: int = 0
-    handles: list[Any] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        ids = {id(p): n for n, p in self.params.items()}
-        for module in self.model.modules():
-            for local, p in module.named_parameters(recurse=False):
-                name = ids.get(id(p))
-                if name is None:
-                    continue
-                kind = _kind(module)
-                if kind is None:
-                    self.loop.add(name)
-                    continue
-                entry = self.modules.setdefault(id(module), (module, kind, []))
-                entry[2].append((local, name))
-                self.owners.setdefault(id(p), (name, set()))[1].add(id(module))
-
-    def names(self, module: Any) -> list[str]:
-        return [name for _, name in self.modules[id(module)][2]]
-
-    def attach(self) -> None:
-        for module, _, _ in self.modules.values():
-            self.handles.append(module.register_forward_pre_hook(self._enter))
-            self.handles.append(module.register_forward_hook(self._leave, with_kwargs=True))
-
-    def detach(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
-
-    def _enter(self, module: Any, args: Any) -> None:
-        self.active.append(id(module))
-
-    def _leave(self, module: Any, args: Any, kwargs: Any, output: Any) -> Any:
-        if self.active and self.active[-1] == id(module):
-            self.active.pop()
-        if not self.recording:
-            return None
-        kind = self.modules[id(module)][1]
-        ids: Any = args[0] if args else None
-        if kind == "embedding" and self.size > 1 and _is_tensor(ids) and ids.shape[0] == 1:
-            # one row of ids for the whole batch (position ids): the output is broadcast
-            # over the batch later, which would sum its gradient over examples; an expanded
-            # view (same values) keeps one gradient per example
-            ids = ids.expand(self.size, *ids.shape[1:])
-            output = output.expand(self.size, *output.shape[1:])
-            args = (ids, *args[1:])
-        tensors = [a for a in (*args, *kwargs.values(), output) if _is_tensor(a)]
-        versions = [t._version for t in tensors]
-        self.calls.append(_Call(module, tuple(args), dict(kwargs), output, versions))
-        return output
-
-    def watcher(self) -> Any:
-        """A TorchFunctionMode noting parameters used (with gradient) outside the forward
-        of the modules that own them."""
-        from torch.overrides import TorchFunctionMode
-
-        plan = self
-
-        class _Watch(TorchFunctionMode):
-            def __torch_function__(
-                self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-            ) -> Any:
-                kwargs = kwargs or {}
-                out = func(*args, **kwargs)
-                if _carries_grad(out):
-                    for a in _flat(args, kwargs):
-                        owner = plan.owners.get(id(a))
-                        if owner is not None and not owner[1].intersection(plan.active):
-                            plan.misused.add(owner[0])
-                return out
-
-        return _Watch()
-
-
-def _is_tensor(x: Any) -> bool:
-    import torch
-
-    return isinstance(x, torch.Tensor)
-
-
-def _carries_grad(x: Any) -> bool:
-    if isinstance(x, (tuple, list)):
-        return any(_carries_grad(v) for v in x)
-    return _is_tensor(x) and bool(x.requires_grad)
-
-
-def _flat(args: Any, kwargs: Mapping[str, Any]) -> list[Any]:
-    out: list[Any] = []
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, (tuple, list)):
-            out.extend(a)
-        else:
-            out.append(a)
-    return out
-
-
 # --------------------------------------------------------------------------- log-likelihood
 
 
@@ -371,7 +221,7 @@ def _log_likelihood(logits: Any, gold: Any, labels: str, mask: Any) -> Any:
 
 def _token_mask(kwargs: Mapping[str, Any], mask_key: str, size: int) -> Any:
     mask: Any = kwargs.get(mask_key)
-    if _is_tensor(mask) and mask.dim() == 2 and mask.shape[0] == size:
+    if is_tensor(mask) and mask.dim() == 2 and mask.shape[0] == size:
         return mask
     return None
 
@@ -380,7 +230,7 @@ def _token_mask(kwargs: Mapping[str, Any], mask_key: str, size: int) -> Any:
 
 
 def _batched(
-    plan: _Plan,
+    plan: FisherPlan,
     model: Any,
     kwargs: dict[str, Any],
     gold: Any,
@@ -408,9 +258,9 @@ def _batched(
     bad = set(plan.misused)
     calls = []
     for call in plan.calls:
-        tensors = [a for a in (*call.args, *call.kwargs.values(), call.output) if _is_tensor(a)]
+        tensors = [a for a in (*call.args, *call.kwargs.values(), call.output) if is_tensor(a)]
         names = plan.names(call.module)
-        if [t._version for t in tensors] != call.versions or not _is_tensor(call.output):
+        if [t._version for t in tensors] != call.versions or not is_tensor(call.output):
             bad.update(names)
         elif call.output.requires_grad and not bad.issuperset(names):
             calls.append(call)
@@ -426,7 +276,7 @@ def _batched(
         wanted = {local: name for local, name in entries if name not in plan.loop}
         if not wanted:
             continue
-        contribution = _contribution(kind, call, g.detach(), size, wanted)
+        contribution = contribution_of(kind, call, g.detach(), size, wanted)
         if contribution is None:
             bad.update(wanted.values())
         else:
@@ -434,212 +284,15 @@ def _batched(
     work = [w for w in work if not bad.issuperset(w.wanted.values())]
     for w in work:
         w.wanted = {k: v for k, v in w.wanted.items() if v not in bad}
-    _accumulate(work, size, sums)
+    accumulate_squares(work, size, sums)
     return bad
-
-
-@dataclass
-class _Contribution:
-    """One call's per-example gradients of some parameters, computed a block at a time."""
-
-    kind: str
-    module: Any
-    x: Any
-    g: Any
-    wanted: dict[str, str]  # local name -> parameter name
-    extra: Any = None
-    cached: tuple[int, int, dict[str, Any]] | None = None
-
-    def block(self, local: str, lo: int, hi: int, r0: int, r1: int) -> Any:
-        """Per-example gradients (hi - lo, r1 - r0, ...) of parameter ``local``, examples
-        lo:hi, rows r0:r1 of the parameter."""
-        import torch
-
-        m, c = self.module, hi - lo
-        if self.kind in ("linear", "conv1d"):
-            x = self.x[lo:hi].reshape(c, -1, self.x.shape[-1])
-            g = self.g[lo:hi].reshape(c, -1, self.g.shape[-1])
-            if local == "bias":
-                return g[:, :, r0:r1].sum(1)
-            if self.kind == "linear":  # weight [out, in]: Σ_t g_t x_tᵀ
-                return torch.bmm(g[:, :, r0:r1].transpose(1, 2), x)
-            return torch.bmm(x[:, :, r0:r1].transpose(1, 2), g)  # Conv1D [in, out]
-        if self.kind == "layer_norm":
-            shape = tuple(m.normalized_shape)
-            g = self.g[lo:hi]
-            if local == "weight":
-                g = g * torch.nn.functional.layer_norm(self.x[lo:hi], shape, None, None, m.eps)
-            return g.reshape(c, -1, *shape).sum(1)[:, r0:r1]
-        if self.kind == "embedding":
-            keys, values = self.sparse(lo, hi)
-            rows = int(m.weight.shape[0])
-            example, row = keys // rows - lo, keys % rows
-            keep = (row >= r0) & (row < r1)
-            out = values.new_zeros((c, r1 - r0, values.shape[1]))
-            return out.index_put_((example[keep], row[keep] - r0), values[keep], accumulate=True)
-        if self.cached is None or self.cached[:2] != (lo, hi):
-            self.cached = (lo, hi, self.extra(lo, hi))
-        got = self.cached[2][local]
-        return got if got.dim() == 1 else got[:, r0:r1]  # a 0-d parameter has no rows
-
-    def add_weight_squares(self, target: Any) -> bool:
-        """Add Σ over the examples of the squared per-example gradient of a linear or Conv1D
-        weight into ``target`` (its float64 sums, the weight's shape) with the native kernel
-        (products and up to :data:`_FLOAT32_TERMS` squares summed in the tensors' precision,
-        those sums added in float64, as :func:`_accumulate` does; torch's thread count).
-        False, and nothing added, where it does not apply (not float32 or float64 of one
-        dtype, or not on the CPU)."""
-        import torch
-
-        x, g = self.x, self.g
-        if (
-            x.dtype != g.dtype
-            or x.dtype not in (torch.float32, torch.float64)
-            or x.device.type != "cpu"
-            or g.device.type != "cpu"
-        ):
-            return False
-        c = x.shape[0]
-        xs = x.reshape(c, -1, x.shape[-1]).contiguous().numpy()
-        gs = g.reshape(c, -1, g.shape[-1]).contiguous().numpy()
-        a, b = (gs, xs) if self.kind == "linear" else (xs, gs)  # [out, in] or [in, out]
-        _core.core.sum_squared_products(
-            a=a, b=b, out=target.numpy(), n_threads=torch.get_num_threads()
-        )
-        return True
-
-    def sparse(self, lo: int, hi: int) -> tuple[Any, Any]:
-        """Embedding: (example × rows + row) keys and gradient rows of examples lo:hi."""
-        import torch
-
-        rows = self.module.weight.shape[0]
-        ids = self.x[lo:hi].reshape(hi - lo, -1)
-        g = self.g[lo:hi].reshape(hi - lo, ids.shape[1], -1)
-        keys = ids + rows * torch.arange(lo, hi, device=ids.device).unsqueeze(1)
-        if self.module.padding_idx is None:
-            return keys.reshape(-1), g.reshape(-1, g.shape[-1])
-        keep = ids != self.module.padding_idx  # that row never gets a gradient
-        return keys[keep], g[keep]
-
-
-def _contribution(
-    kind: str, call: _Call, g: Any, size: int, wanted: dict[str, str]
-) -> _Contribution | None:
-    """The per-example gradient source of one call, or None when its tensors are not
-    batch-first (or ``vmap`` cannot run the module)."""
-    if g.dim() == 0 or g.shape[0] != size:
-        return None
-    if kind == "module":
-        extra = _vjp_source(call, g, size, wanted)
-        return None if extra is None else _Contribution(kind, call.module, None, g, wanted, extra)
-    x: Any = call.args[0] if call.args else None
-    if not _is_tensor(x) or x.dim() == 0 or x.shape[0] != size:
-        return None
-    x = x.detach()
-    if kind == "embedding" and tuple(g.shape[: x.dim()]) != tuple(x.shape):
-        return None
-    if kind in ("linear", "conv1d") and x.shape[:-1] != g.shape[:-1]:
-        return None
-    if kind == "layer_norm" and x.shape != g.shape:
-        return None
-    return _Contribution(kind, call.module, x, g, wanted)
-
-
-def _vjp_source(call: _Call, g: Any, size: int, wanted: dict[str, str]) -> Any:
-    """A function (lo, hi) -> {local name: per-example gradients} from the module's own
-    vector-Jacobian product, vmapped over examples; None if vmap cannot run it."""
-    from torch.func import functional_call, vjp, vmap
-
-    module = call.module
-    args, kwargs = list(call.args), dict(call.kwargs)
-    slots = [i for i, a in enumerate(args) if _is_tensor(a) and a.dim() and a.shape[0] == size]
-    keys = [k for k, a in kwargs.items() if _is_tensor(a) and a.dim() and a.shape[0] == size]
-    own = dict(module.named_parameters(recurse=False))
-    params = {local: own[local].detach() for local in wanted}
-
-    def one(ps: Any, xs: Any, ks: Any, gb: Any) -> Any:
-        a, kw = list(args), dict(kwargs)
-        for i, t in zip(slots, xs, strict=True):
-            a[i] = t.unsqueeze(0)
-        for k, t in zip(keys, ks, strict=True):
-            kw[k] = t.unsqueeze(0)
-
-        def f(p: Any) -> Any:
-            return functional_call(module, p, tuple(a), kw)
-
-        pull = vjp(f, ps)[1]
-        return pull(gb.unsqueeze(0))[0]
-
-    def source(lo: int, hi: int) -> Any:
-        xs = [args[i][lo:hi].detach() for i in slots]
-        ks = [kwargs[k][lo:hi].detach() for k in keys]
-        return vmap(one, in_dims=(None, 0, 0, 0))(params, xs, ks, g[lo:hi])
-
-    try:
-        source(0, 1)
-    except Exception:  # a forward vmap cannot run: the per-example loop takes over
-        return None
-    return source
-
-
-def _accumulate(work: list[_Contribution], size: int, sums: dict[str, Any]) -> None:
-    """Per parameter: add its contributions per example, square, sum over examples.
-
-    A linear or Conv1D weight used once is summed by the native kernel
-    (:meth:`_Contribution.add_weight_squares`: no per-example gradient is held). Otherwise
-    per-example gradients are made a block of parameter rows at a time (about
-    :data:`_BLOCK_BYTES`, so that squaring and summing them stays in cache). Float32 squares
-    are summed over at most :data:`_FLOAT32_TERMS` examples in float32 — for positive terms
-    within (n − 1)·2⁻²⁴ < 1e-6 relative — and those partial sums are added in float64;
-    float64 gradients stay float64 throughout.
-    """
-    import torch
-
-    uses: dict[str, list[tuple[_Contribution, str]]] = {}
-    for w in work:
-        for local, name in w.wanted.items():
-            uses.setdefault(name, []).append((w, local))
-    for name, parts in uses.items():
-        target = sums[name]
-        if all(w.kind == "embedding" for w, _ in parts):
-            pieces = [w.sparse(0, size) for w, _ in parts]
-            keys = torch.cat([k for k, _ in pieces])
-            values = torch.cat([v for _, v in pieces])
-            unique, inverse = torch.unique(keys, return_inverse=True)
-            rows = values.new_zeros((unique.numel(), values.shape[1]))
-            rows.index_add_(0, inverse, values)
-            target.index_add_(0, unique % target.shape[0], rows.square().to(torch.float64))
-            continue
-        if len(parts) == 1 and parts[0][0].kind in ("linear", "conv1d") and parts[0][1] == "weight":
-            if parts[0][0].add_weight_squares(target):
-                continue
-        height = int(target.shape[0]) if target.dim() else 1
-        row_bytes = 4 * max(1, target.numel() // max(height, 1))
-        chunk = min(size, _FLOAT32_TERMS)
-        step = max(1, min(height, _BLOCK_BYTES // (row_bytes * chunk)))
-        for lo in range(0, size, chunk):
-            hi = min(size, lo + chunk)
-            for r0 in range(0, height, step):
-                r1 = min(height, r0 + step)
-                total = None
-                for w, local in parts:
-                    t = w.block(local, lo, hi, r0, r1)
-                    total = t if total is None else total + t
-                assert total is not None
-                partial = total.square_().sum(0)
-                if target.dim():
-                    target[r0:r1].add_(partial)
-                else:
-                    target.add_(partial.reshape(()))
-    for w in work:
-        w.cached = None
 
 
 # --------------------------------------------------------------------------- per-example loop
 
 
 def _per_example(
-    plan: _Plan,
+    plan: FisherPlan,
     model: Any,
     kwargs: dict[str, Any],
     gold: Any,
@@ -705,7 +358,7 @@ def _length_groups(
         cut = int(lengths[rows[0]])
         part = {}
         for k, v in both.items():
-            if _is_tensor(v) and v.dim() > 0 and v.shape[0] == size:
+            if is_tensor(v) and v.dim() > 0 and v.shape[0] == size:
                 v = v.index_select(0, index.to(v.device))
                 if v.dim() == 2 and v.shape[1] == width:
                     v = v[:, :cut]
