@@ -49,10 +49,12 @@ read as ``lmdx stats`` reads DATA::
     method: regmean_plusplus
     models:
       - {path: finetuned/bbc, data: bbc-train.jsonl}       # .txt, .jsonl, .csv, corpus:NAME
-      - {path: finetuned/news, data: news.csv, text_field: headline}
+      - {path: finetuned/news, data: news.csv, text_field: headline, max_length: 128}
     alpha: 0.9
     max_texts: 1000            # per model (default: all); then as lmdx stats:
     max_length: 64             # tokens per text (default 128)
+    # a model's own max_texts / max_length (e.g. those its statistics were collected
+    # with) go next to its data and replace these for that model
     batch_size: 16             # texts per forward pass (default 16)
     max_activation_memory: 8GB # beyond it, activations are recomputed (default: held)
 """
@@ -101,6 +103,8 @@ class ModelEntry:
     name: str | None = None
     data: str | None = None  # regmean_plusplus: a text file or corpus:NAME
     text_field: str = "text"
+    max_texts: int | None = None  # regmean_plusplus: this model's own (default: the config's)
+    max_length: int | None = None  # regmean_plusplus: this model's own (default: the config's)
     adapter: bool = False  # path is a PEFT LoRA adapter folder over the config's base
 
 
@@ -177,6 +181,8 @@ class _Model(_Strict):
     name: str | None = None
     data: _Path | None = None
     text_field: Annotated[str, Field(min_length=1)] | None = None
+    max_texts: Annotated[int, Field(ge=1)] | None = None
+    max_length: Annotated[int, Field(ge=1)] | None = None
 
 
 class _Heads(_Strict):
@@ -340,6 +346,7 @@ def _resolved(checked: _ConfigFile, root: Path, where: str) -> MergeConfig:
             entry.data = _data_spec(e.data, resolve, exists, f"{where}: models[{i}].data")
         if e.text_field is not None:
             entry.text_field = e.text_field
+        entry.max_texts, entry.max_length = e.max_texts, e.max_length
         models.append(entry)
     needs_stats = method in ("regmean", "fisher")
     needs_data = method == "regmean_plusplus"
@@ -355,8 +362,10 @@ def _resolved(checked: _ConfigFile, root: Path, where: str) -> MergeConfig:
                 f"{where}: models[{i}].data is required for method regmean_plusplus (the "
                 "model's texts: a .txt/.jsonl/.csv file or corpus:NAME)"
             )
-        if not needs_data and (e.data is not None or e.text_field is not None):
-            key = "data" if e.data is not None else "text_field"
+        own = ("data", "text_field", "max_texts", "max_length")
+        given = [k for k in own if getattr(e, k) is not None]
+        if not needs_data and given:
+            key = given[0]
             raise MergeError(
                 f"{where}: models[{i}].{key} given but method {method} uses no data (only "
                 "regmean_plusplus does)"
@@ -454,7 +463,8 @@ def _texts(cfg: MergeConfig) -> list[list[str]]:
     for i, m in enumerate(cfg.models):
         assert m.data is not None
         try:
-            texts, _, _ = read_data(m.data, text_field=m.text_field, max_texts=cfg.max_texts)
+            limit = cfg.max_texts if m.max_texts is None else m.max_texts
+            texts, _, _ = read_data(m.data, text_field=m.text_field, max_texts=limit)
         except DataError as exc:
             raise MergeError(f"models[{i}].data: {exc}") from None
         out.append(texts)
@@ -465,8 +475,10 @@ def _data_kwargs(cfg: MergeConfig) -> dict[str, Any]:
     """The data arguments of both front doors (``regmean_plusplus``; none otherwise)."""
     if cfg.method != "regmean_plusplus":
         return {}
+    own = [{"max_length": m.max_length} if m.max_length is not None else {} for m in cfg.models]
+    data = [{"texts": t, **o} if o else t for t, o in zip(_texts(cfg), own, strict=True)]
     return {
-        "data": _texts(cfg),
+        "data": data,
         "max_length": cfg.max_length,
         "batch_size": cfg.batch_size,
         "max_activation_memory": cfg.max_activation_memory,
