@@ -221,6 +221,26 @@ def test_two_workers_equal_one_process(
     assert got.count(MODULE) == sum(int(b["attention_mask"].sum()) for b in batches)
 
 
+def test_accumulation_and_its_deprecated_spelling_reach_the_workers(
+    local_ray: Any, workspace: Path, batches: list
+) -> None:
+    """``accumulation`` is passed on to every worker; ``precision=`` (deprecated) is warned
+    about once, on the driver, and read as ``accumulation``."""
+    model = load_model(workspace / "model", progress=False).eval()
+    ref = _hooked_gram(model, batches, MODULE)
+    got = collect_regmean_stats_ray(
+        workspace / "model", batches, num_workers=2, progress=False, accumulation="float64"
+    )
+    assert got.accumulation == "float64"
+    assert _rel(got.gram(MODULE), ref) < 1e-12  # float64 products: exact to rounding
+    with pytest.warns(DeprecationWarning, match="collect_regmean_stats_ray: precision="):
+        old = collect_regmean_stats_ray(
+            workspace / "model", batches, num_workers=2, progress=False, precision="float64"
+        )
+    assert old.accumulation == "float64" and "precision" not in old.extra
+    assert np.array_equal(old.gram(MODULE), got.gram(MODULE))
+
+
 def test_worker_killed_once_is_restarted(
     local_ray: Any, workspace: Path, tmp_path: Path, batches: list, single: Statistics
 ) -> None:
