@@ -52,9 +52,7 @@ read as ``lmdx stats`` reads DATA::
       - {path: finetuned/news, data: news.csv, text_field: headline, max_length: 128}
     alpha: 0.9
     max_texts: 1000            # per model (default: all); then as lmdx stats:
-    max_length: 64             # tokens per text (default 128)
-    # a model's own max_texts / max_length (e.g. those its statistics were collected
-    # with) go next to its data and replace these for that model
+    max_length: 64             # tokens per text (default 128); a model's own beside its data
     batch_size: 16             # texts per forward pass (default 16)
     max_activation_memory: 8GB # beyond it, activations are recomputed (default: held)
 """
@@ -79,6 +77,7 @@ from ..files.parse import parse_json, read_text, read_yaml, schema_message
 from ..files.peft import is_adapter_folder
 from ..files.st import check_same_modules, sentence_transformer
 from .api import merge_models, save_merged, stream_merge
+from .block_data import MODEL_DATA_OPTIONS
 from .options import (
     HEAD_POLICIES,
     METHODS,
@@ -362,10 +361,9 @@ def _resolved(checked: _ConfigFile, root: Path, where: str) -> MergeConfig:
                 f"{where}: models[{i}].data is required for method regmean_plusplus (the "
                 "model's texts: a .txt/.jsonl/.csv file or corpus:NAME)"
             )
-        own = ("data", "text_field", "max_texts", "max_length")
-        given = [k for k in own if getattr(e, k) is not None]
-        if not needs_data and given:
-            key = given[0]
+        own = [k for k in ("data", "text_field", *MODEL_DATA_OPTIONS) if getattr(e, k)]
+        if not needs_data and own:
+            key = own[0]
             raise MergeError(
                 f"{where}: models[{i}].{key} given but method {method} uses no data (only "
                 "regmean_plusplus does)"
@@ -457,8 +455,9 @@ def _data_spec(
     return str(path)
 
 
-def _texts(cfg: MergeConfig) -> list[list[str]]:
-    """Every model's texts (``regmean_plusplus``), read as ``lmdx stats`` reads DATA."""
+def _texts(cfg: MergeConfig) -> list[Any]:
+    """Every model's texts (``regmean_plusplus``), read as ``lmdx stats`` reads DATA (with
+    its own ``max_length``: ``{"texts": [...], "max_length": n}``)."""
     out = []
     for i, m in enumerate(cfg.models):
         assert m.data is not None
@@ -467,7 +466,7 @@ def _texts(cfg: MergeConfig) -> list[list[str]]:
             texts, _, _ = read_data(m.data, text_field=m.text_field, max_texts=limit)
         except DataError as exc:
             raise MergeError(f"models[{i}].data: {exc}") from None
-        out.append(texts)
+        out.append(texts if m.max_length is None else {"texts": texts, "max_length": m.max_length})
     return out
 
 
@@ -475,10 +474,8 @@ def _data_kwargs(cfg: MergeConfig) -> dict[str, Any]:
     """The data arguments of both front doors (``regmean_plusplus``; none otherwise)."""
     if cfg.method != "regmean_plusplus":
         return {}
-    own = [{"max_length": m.max_length} if m.max_length is not None else {} for m in cfg.models]
-    data = [{"texts": t, **o} if o else t for t, o in zip(_texts(cfg), own, strict=True)]
     return {
-        "data": data,
+        "data": _texts(cfg),
         "max_length": cfg.max_length,
         "batch_size": cfg.batch_size,
         "max_activation_memory": cfg.max_activation_memory,
