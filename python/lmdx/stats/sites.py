@@ -7,7 +7,7 @@ fused-experts module (:func:`expert_site`). :func:`find_sites` finds them, selec
 include/exclude patterns over the in-memory and the saved names, and maps each onto the
 weights the model's ``save_pretrained`` folder stores (:mod:`lmdx.files.saved`), so that
 statistics are keyed by the names a merge reads. Weights that cannot be given statistics
-are returned with the reason. :class:`lmdx.stats.collect.GramCollector` hooks the sites.
+are returned with the reason. :class:`lmdx.stats.collector.GramCollector` hooks the sites.
 """
 
 from __future__ import annotations
