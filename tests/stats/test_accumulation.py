@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 from lmdx.cli import main
-from lmdx.stats import Statistics
+from lmdx.stats import Statistics, add_statistics
 from lmdx.stats.collect import collect_regmean_stats
 from lmdx.stats.collector import GramCollector
 from lmdx.stats.format import metadata_sha256
@@ -215,3 +215,22 @@ def test_stop_before_ends_the_forward_pass_there():
     with pytest.raises(RuntimeError, match="boom"):
         run_until_stopped(broken)
     assert issubclass(StopForward, Exception)
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "added"),
+    [("mixed", "mixed", "mixed"), ("float64", "float64", "float64"), ("float64", "mixed", "mixed")],
+)
+def test_added_statistics_keep_the_coarsest_accumulation(first, second, added):
+    _, models, batches = H.cached_family("bert")
+    a = _collect(models[0], list(batches[0]), accumulation=first)
+    b = _collect(models[0], list(batches[0]), accumulation=second)
+    assert add_statistics([a, b]).accumulation == added
+
+
+def test_added_statistics_with_a_part_that_does_not_say_do_not_say():
+    _, models, batches = H.cached_family("bert")
+    a = _collect(models[0], list(batches[0]), accumulation="float64")
+    b = _collect(models[0], list(batches[0]), accumulation="float64")
+    del b.extra["accumulation"]
+    assert add_statistics([a, b]).accumulation is None

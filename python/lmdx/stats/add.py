@@ -23,12 +23,25 @@ def _same(field: str, values: Sequence[Any], names: Sequence[str]) -> None:
             )
 
 
+#: Gram accumulations from the coarsest to the finest (see ``Statistics.accumulation``).
+_ACCUMULATIONS = ("mixed", "float64")
+
+
+def _coarsest(accumulations: Sequence[str | None]) -> str | None:
+    """The coarsest accumulation of the parts, or None if any part does not say."""
+    if any(a not in _ACCUMULATIONS for a in accumulations):
+        return None
+    return min(accumulations, key=_ACCUMULATIONS.index)
+
+
 def add_statistics(parts: Iterable[Statistics], *, data: str | None = None) -> Statistics:
     """Statistics of the union of disjoint data shards: counts, sums and Grams add.
 
     All parts must be of one kind, one model (same weights hash), one padding policy and
     one module/group layout. Tensors are summed lazily when read or saved (one group at a
-    time), so adding large files does not hold them all in memory.
+    time), so adding large files does not hold them all in memory. Grams keep the
+    coarsest accumulation of their parts (``"mixed"`` if any part is), so that a merge
+    from the sum knows the same noise floor as a merge from the parts.
     """
     parts = list(parts)
     if not parts:
@@ -73,6 +86,11 @@ def add_statistics(parts: Iterable[Statistics], *, data: str | None = None) -> S
     not_solved = {n: why for p in parts for n, why in p.not_solved.items()}
     if not_solved:  # what no part could collect stays said
         extra["not_solved"] = not_solved
+    accumulation = (
+        _coarsest([p.accumulation for p in parts]) if first.kind == "regmean-gram" else None
+    )
+    if accumulation is not None:  # the sum is as coarse as its coarsest part
+        extra["accumulation"] = accumulation
     if "experts" in first.extra:
         extra["experts"] = first.extra["experts"]
     return Statistics(

@@ -122,8 +122,9 @@ class Statistics:
     @property
     def accumulation(self) -> str | None:
         """Grams: how they were accumulated (``"mixed"``: float32 products summed in
-        float64; ``"float64"``), or None where the statistics do not say (e.g. added
-        from several files). Files that call it ``extra["precision"]`` read the same."""
+        float64; ``"float64"``), or None where the statistics do not say (files
+        written before lmdx recorded it). Files that call it ``extra["precision"]`` read
+        the same."""
         found = self.extra.get("accumulation")
         return found if isinstance(found, str) else None
 
