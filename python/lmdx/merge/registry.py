@@ -143,7 +143,7 @@ def register_method(method: MergeMethod) -> MergeMethod:
         )
     if method.stats not in (None, "regmean-gram", "fisher"):
         raise MergeError(f"register_method: {method.name}: unknown statistics {method.stats!r}")
-    _METHODS[method.name] = method
+    _builtins()[method.name] = method  # the built-in methods first
     return method
 
 
