@@ -185,6 +185,8 @@ def _merge(args: argparse.Namespace, claimed: Claimed) -> int:
         f"{time.perf_counter() - t0:.1f} s; wrote {out} ({size / 1e6:.1f} MB); "
         f"peak RSS {peak_rss_bytes() / 1e9:.2f} GB"
     )
+    if isinstance(report.get("base"), dict) and report["base"].get("line"):
+        print(f"lmdx merge: {report['base']['line']}")
     _report_precision(report)
     _report_poorly_determined(out / MERGE_RECORD, report)
     _report_not_solved(out / MERGE_RECORD, report)

@@ -148,6 +148,7 @@ class MergePlan:
     baseline_rss: int
     base_class: str | None = None  # head_policy "drop": the backbone's class ...
     base_prefix: str = ""  # ... and the prefix of its parameters
+    notes: list[str] = field(default_factory=list)  # what the method says about the inputs
 
     @property
     def peak_memory(self) -> int:
@@ -176,6 +177,7 @@ class MergePlan:
                 if method_named(self.method).stats is not None and kinds.get("average")
                 else []
             ),
+            *(f"note:     {note}" for note in self.notes),
             f"output:   {len(self.outputs)} tensors, {self.output_bytes / 1e9:.2f} GB in "
             f"{len(self.shards)} shard(s)",
             f"memory:   ~{self.peak_memory / 1e9:.2f} GB peak estimated "
@@ -383,8 +385,9 @@ def make_plan(inputs: MergeInputs, *, folder: bool) -> MergePlan:
         for source, s in zip(sources, inputs.stats, strict=True):
             tied = {**source.aliases(), **check_stats_model(source, s)}
         check_same_entries(inputs.stats, labels)
-    if inputs.base is not None:
-        check_same_layout([ref, inputs.base], body, options.heads)
+    if inputs.base is not None:  # the tensors the base lacks: see inputs.notes["base"]
+        base = inputs.base
+        check_same_layout([ref, base], [n for n in body if n in base], options.heads)
     names = method.order(inputs, names)
     body = [n for n in names if not matches(n, options.heads)]
 
@@ -428,6 +431,7 @@ def make_plan(inputs: MergeInputs, *, folder: bool) -> MergePlan:
         baseline_rss=current_rss_bytes(),
         base_class=base_class,
         base_prefix=prefix,
+        notes=method.plan_notes(inputs),
     )
 
 

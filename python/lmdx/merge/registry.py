@@ -118,6 +118,10 @@ class MergeMethod:
         weights), the float64 result and the cast result."""
         return sizes.k * (sizes.read + sizes.widened) + 8 * sizes.n + sizes.out
 
+    def plan_notes(self, inputs: MergeInputs) -> list[str]:
+        """Lines the plan says about the inputs (``lmdx merge --dry-run``); none by default."""
+        return []
+
     def engine_helper(self, inputs: MergeInputs, plan: MergePlan, progress: bool) -> Any:
         """What the engine hands this method's group steps to, built once the plan is made
         (RegMean++'s block merger, :class:`lmdx.merge.engine.BlockSolver`); None: nothing.

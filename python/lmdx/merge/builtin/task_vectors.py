@@ -11,8 +11,12 @@ import numpy as np
 from numpy.typing import NDArray
 from pydantic import Field
 
+from ..._errors import MergeError
+from ..._util import matches
+from ...files.hf import base_model_info
 from ..methods import task_vector_tensor
 from ..registry import MergeMethod, NoOptions
+from ..source import PrefixedSource, TensorSource
 
 if TYPE_CHECKING:
     from ..inputs import MergeInputs
@@ -28,6 +32,7 @@ __all__ = [
     "TaskVectorOptions",
     "Ties",
     "TiesOptions",
+    "base_as_models_name_it",
 ]
 
 _SCALING = Field(description="λ: θ_base + λ × (merged task vector)")
@@ -76,6 +81,64 @@ class DareTiesOptions(NoOptions):
     seed: Annotated[int, _SEED] = 0
 
 
+def base_as_models_name_it(
+    base: TensorSource, ref: TensorSource, inputs: MergeInputs
+) -> tuple[TensorSource, dict[str, Any]]:
+    """``base`` under the names of the models' tensors, and what to say about it.
+
+    A bare encoder (``BertModel``: ``embeddings.*``) is the base of task classes
+    (``BertForSequenceClassification``: ``bert.embeddings.*``): its names get the models'
+    ``base_model_prefix``, as transformers loads one into the other. The models' tensors
+    the base still lacks are said: task heads (``heads`` patterns) are kept per model or
+    dropped, as always; any other such tensor has no task vector and is averaged (copied
+    from the first model if not floating point)."""
+    prefix, _ = base_model_info(ref.config)
+    names = ref.names()
+    note: dict[str, Any] = {}
+    if prefix and not any(n in base for n in names):
+        mapped = PrefixedSource(base, prefix)
+        if any(n in mapped for n in names):
+            base = mapped
+            note["prefix"] = prefix
+    lacks = [n for n in names if n not in base]
+    if lacks and len(lacks) == len(names):
+        raise MergeError(
+            f"base {base.label} has none of the models' tensors (e.g. {names[0]!r}): it is not "
+            "the model they were fine-tuned from"
+        )
+    heads = inputs.options.heads
+    kinds = {
+        "heads": [n for n in lacks if matches(n, heads)],
+        "averaged": [n for n in lacks if not matches(n, heads) and ref.is_float(n)],
+        "copied": [n for n in lacks if not matches(n, heads) and not ref.is_float(n)],
+    }
+    note.update({k: v for k, v in kinds.items() if v})
+    if note:
+        where = base.label if base.path is None else str(base.path)
+        note["line"] = _said(where, note, inputs.options.head_policy)
+    return base, note
+
+
+def _said(label: str, note: dict[str, Any], head_policy: str) -> str:
+    """The note about the base in one line (the report, ``lmdx merge`` and its dry run)."""
+
+    def some(names: list[str]) -> str:
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        return ", ".join(names[:3]) + more
+
+    parts = []
+    if "prefix" in note:
+        parts.append(f"its tensors read as the models' {note['prefix']}.* (base_model_prefix)")
+    if "heads" in note:
+        done = "kept per model" if head_policy == "keep" else "dropped"
+        parts.append(f"lacks the task heads {some(note['heads'])} ({done})")
+    if "averaged" in note:
+        parts.append(f"lacks {some(note['averaged'])} (averaged over the models: no task vector)")
+    if "copied" in note:
+        parts.append(f"lacks {some(note['copied'])} (copied from the first model)")
+    return f"base {label}: " + "; ".join(parts)
+
+
 class TaskVectorMethod(MergeMethod):
     """A method merging task vectors against ``base``, tensor by tensor. ``sparsify``:
     ``None``, ``"top_k"`` (TIES's trim) or ``"drop"`` (DARE's random drop and rescale);
@@ -84,6 +147,29 @@ class TaskVectorMethod(MergeMethod):
     needs_base: ClassVar[bool] = True
     sparsify: ClassVar[str | None] = None
     elects: ClassVar[bool] = False
+
+    def check(self, inputs: MergeInputs) -> None:
+        """The base as the models name its tensors (:func:`base_as_models_name_it`)."""
+        assert inputs.base is not None
+        inputs.base, note = base_as_models_name_it(inputs.base, inputs.sources[0], inputs)
+        if note:
+            inputs.notes["base"] = note
+
+    def plan_notes(self, inputs: MergeInputs) -> list[str]:
+        note = inputs.notes.get("base")
+        return [note["line"]] if note else []
+
+    def report(self, inputs: MergeInputs) -> dict[str, Any]:
+        """The options, and what the base lacks or how its names were read."""
+        out = super().report(inputs)
+        if "base" in inputs.notes:
+            out["base"] = inputs.notes["base"]
+        return out
+
+    def tensor_kind(self, inputs: MergeInputs, name: str) -> str:
+        """This method, or ``average`` for a tensor the base lacks (no task vector)."""
+        lacks = inputs.notes.get("base", {}).get("averaged", [])
+        return "average" if name in lacks else self.name
 
     def tensor(self, name: str, tensors: Sequence[Any], inputs: MergeInputs) -> NDArray[np.float64]:
         assert inputs.base is not None
