@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, ClassVar
@@ -175,3 +176,29 @@ def test_help_and_card_describe_every_method(capsys: pytest.CaptureFixture[str])
     assert method_named("ties").options().model_dump() == {"scaling": 1.0, "density": 0.2}
     with pytest.raises(MergeError, match=r"method: expected one of .*'keep_first'"):
         method_named("keep_frist")
+
+
+def test_the_development_pages_example_method(folders: list[Path], tmp_path: Path) -> None:
+    """docs/development.md's "Adding a merge method" block, run as written: its method
+    merges through a config file and matches its formula in NumPy."""
+    page = Path(__file__).resolve().parents[2] / "docs" / "development.md"
+    text = page.read_text(encoding="utf-8")
+    section = text[text.index("## Adding a merge method") :]
+    (block,) = re.findall(r"```python\n(.*?)```", section.split("\n## ")[0], flags=re.S)
+    exec(compile(block, str(page), "exec", dont_inherit=True), {"__name__": "power_mean"})
+    config = tmp_path / "power.yaml"
+    models = "\n".join(f"  - {p}" for p in folders)
+    config.write_text(
+        f"method: power_mean\npower: 3\nheads: {{patterns: ['classifier.*']}}\nmodels:\n{models}\n"
+    )
+    assert main(["merge", str(config), "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+    merged = load_file(str(tmp_path / "out" / "model.safetensors"))
+    states = [load_file(str(m / "model.safetensors")) for m in folders]
+    name = "bert.encoder.layer.0.attention.self.query.weight"
+    x = np.stack([s[name].astype(np.float64) for s in states])
+    expected = np.sign(x.sum(axis=0)) * np.cbrt((np.abs(x) ** 3).sum(axis=0) / len(states))
+    np.testing.assert_allclose(merged[name], expected, rtol=1e-6, atol=1e-7)
+    record = json.loads((tmp_path / "out" / "lmdx_merge.json").read_text())
+    assert record["report"]["power"] == 3.0
+    with pytest.raises(MergeError, match=r"^power: input should be greater than 0, got -1"):
+        merge_models(folders, "power_mean", power=-1, progress=False)
