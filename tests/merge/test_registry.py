@@ -202,3 +202,13 @@ def test_the_development_pages_example_method(folders: list[Path], tmp_path: Pat
     assert record["report"]["power"] == 3.0
     with pytest.raises(MergeError, match=r"^power: input should be greater than 0, got -1"):
         merge_models(folders, "power_mean", power=-1, progress=False)
+
+
+def test_where_a_method_runs_is_its_own_declaration(folders: list[Path], tmp_path: Path) -> None:
+    """RegMean++ merges its blocks in order in one process (``ray = "refused"``): Ray
+    workers are refused before any output, naming the method."""
+    assert method_named("regmean_plusplus").ray == "refused"
+    assert method_named("regmean").ray == "groups" and KeepFirst.ray == "local"
+    with pytest.raises(MergeError, match=r"^ray_workers: regmean_plusplus merges in this process"):
+        stream_merge(folders, tmp_path / "o", "regmean_plusplus", ray_workers=2, progress=False)
+    assert not (tmp_path / "o").exists()

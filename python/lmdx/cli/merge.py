@@ -7,6 +7,7 @@ import json
 import shlex
 import shutil
 import sys
+import textwrap
 import time
 import warnings
 from pathlib import Path
@@ -37,19 +38,22 @@ def methods_help() -> str:
     it does), as ``lmdx merge --help`` lists them."""
     from ..merge.registry import methods
 
+    def wrapped(text: str, indent: str) -> list[str]:
+        return textwrap.wrap(text, 96, initial_indent=indent, subsequent_indent=indent + "  ")
+
     lines = ["methods (method: NAME) and their options (top-level keys):"]
     for name, method in methods().items():
-        lines.append(f"  {name}: {method.summary}")
+        lines += wrapped(f"{name}: {method.summary}", "  ")
         needs = [
             *([f"{method.stats} statistics per model (models[].stats)"] if method.stats else []),
-            *(["base:"] if method.needs_base else []),
+            *(["base: (the pre-trained model folder)"] if method.needs_base else []),
             *(["data per model (models[].data)"] if method.takes_data else []),
         ]
         if needs:
-            lines.append(f"      needs: {', '.join(needs)}")
+            lines += wrapped(f"needs: {', '.join(needs)}", "      ")
         for key, f in method.options.model_fields.items():
             default = "none" if f.default is None else f.default
-            lines.append(f"      {key} (default {default}): {f.description or ''}")
+            lines += wrapped(f"{key} (default {default}): {f.description or ''}", "      ")
     return "\n".join(lines)
 
 

@@ -2,8 +2,10 @@
 against their statistics, the steps, the output tensors and shards, the memory needed.
 
 One plan serves both front doors: :func:`lmdx.merge_models` (models in memory) and
-:func:`lmdx.stream_merge` (checkpoints on disk) call :func:`make_plan` on their tensor
-sources, and the engine runs its steps.
+:func:`lmdx.stream_merge` (checkpoints on disk) call :func:`make_plan` on their checked
+inputs (:class:`lmdx.merge.inputs.MergeInputs`), and the engine runs its steps. The steps
+are the method's (:mod:`lmdx.merge.registry`): its group steps, then one step per other
+tensor.
 """
 
 from __future__ import annotations
