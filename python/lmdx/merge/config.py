@@ -507,7 +507,7 @@ def run_merge(
     RegMean groups on Ray actors (streaming only). Both write the same folder.
     ``command`` (the command line) is recorded in ``lmdx_merge.json`` and the model card.
     """
-    out_dir = check_new_folder(out_dir)
+    out_dir = Path(out_dir)
     record: dict[str, Any] = {"config": cfg.to_dict()}
     if command is not None:
         record["command"] = command
@@ -528,6 +528,7 @@ def run_merge(
         return result.out_dir
     if ray_workers:
         raise MergeError("ray_workers: only for the streaming merge")
+    check_new_folder(out_dir)  # before the models are loaded (stream_merge checks its own)
     kwargs = _merge_kwargs(cfg)
     if cfg.base is not None:
         kwargs["base"] = load_model(cfg.base, progress=progress)
