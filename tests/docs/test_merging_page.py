@@ -2,7 +2,8 @@
 written: its shell commands (every ``lmdx`` line of the first bash block, in order), its
 merge.yaml and the Python that predicts with task i's merged classifier, on three tiny BERT
 classifiers standing in for the fine-tuned models, in the folder names and data files the
-page uses; and so do its "Without statistics" section (the base, ties.yaml, lmdx merge) and
+page uses; and so do its "Without statistics" section (ties.yaml over the bare pre-trained
+encoder, lmdx merge) and
 its RegMean++ section (merge-pp.yaml, lmdx merge)."""
 
 from __future__ import annotations
@@ -75,21 +76,24 @@ def test_merging_section_runs(workspace: Path, capsys: pytest.CaptureFixture[str
     assert len(shown) == 2 and set(shown) <= set(MODELS["tweets"]), shown
 
 
-def test_task_vector_section_runs(workspace: Path) -> None:
-    """The "Without statistics" section: its base made as written, its ties.yaml and
-    lmdx merge line; the merged body is the TIES formula of the page's table."""
+def test_task_vector_section_runs(workspace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The "Without statistics" section: its ties.yaml over the bare pre-trained encoder
+    and lmdx merge line; the merged body is the TIES formula of the page's table, against
+    the base's own tensors, and the command says what the base lacks."""
     section = _section("Without statistics: task arithmetic, TIES and DARE")
-    (make_base,) = _blocks(section, "python")
-    exec(compile(make_base, str(PAGE), "exec"), {})
+    assert _blocks(section, "python") == []  # the pre-trained folder is the base as it is
     (yaml_block,) = _blocks(section, "yaml")
     assert yaml_block.startswith("# ties.yaml")
     (workspace / "ties.yaml").write_text(yaml_block)
     (command,) = [shlex.split(line) for line in _blocks(section, "bash")[0].splitlines()]
     assert command[:2] == ["lmdx", "merge"]
     assert main(command[1:]) == 0
+    said = capsys.readouterr().out
+    assert "its tensors read as the models' bert.* (base_model_prefix); lacks the task " in said
     out = workspace / command[command.index("--out") + 1]
     name = "bert.encoder.layer.1.attention.self.query.weight"
-    base = load_file(str(workspace / "pretrained-classifier" / "model.safetensors"))[name]
+    bare = name.removeprefix("bert.")
+    base = load_file(str(workspace / "pretrained" / "model.safetensors"))[bare]
     thetas = [
         load_file(str(workspace / "finetuned" / m / "model.safetensors"))[name] for m in MODELS
     ]

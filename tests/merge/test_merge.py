@@ -606,7 +606,7 @@ def test_precision_option_reaches_every_solve_and_is_checked():
     layers = forced.report["layers"].values()
     assert {v["precision"] for v in layers} == {"float32"}
     assert all(v["output_error_estimate"] > 0.0 for v in layers)
-    with pytest.raises(MergeError, match=r"^precision: expected one of .*got 'half'"):
+    with pytest.raises(MergeError, match=r"^precision: must be one of auto, .*got 'half'"):
         merge_models(models, "regmean", stats=stats, precision="half", progress=False)
 
 

@@ -416,7 +416,7 @@ def test_one_line_errors(folders, tmp_path):
         ({"method": "regmean_plusplus", "data": batches, "batch_size": 0}, "batch_size"),
         (
             {"method": "regmean_plusplus", "data": batches, "max_texts": "ten"},
-            "max_texts: expected a whole number >= 1, got 'ten'",
+            "max_texts: must be a whole number >= 1, got 'ten'",
         ),
         (
             {

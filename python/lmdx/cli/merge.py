@@ -7,6 +7,7 @@ import json
 import shlex
 import shutil
 import sys
+import textwrap
 import time
 import warnings
 from pathlib import Path
@@ -27,9 +28,33 @@ __all__ = ["HELP", "add_merge_parser", "run_merge_cli"]
 
 #: The command's line in ``lmdx --help``.
 HELP = (
-    "merge models fine-tuned from one checkpoint (regmean, average, fisher, task_arithmetic, "
-    "ties, dare, dare_ties, regmean_plusplus) as a config file says"
+    "merge models fine-tuned from one checkpoint (RegMean, RegMean++, averages, Fisher, task "
+    "arithmetic, TIES, DARE, ...; lmdx merge --help lists them) as a config file says"
 )
+
+
+def methods_help() -> str:
+    """Every registered merge method with its line and its options (type, default, what
+    it does), as ``lmdx merge --help`` lists them."""
+    from ..merge.registry import methods
+
+    def wrapped(text: str, indent: str) -> list[str]:
+        return textwrap.wrap(text, 96, initial_indent=indent, subsequent_indent=indent + "  ")
+
+    lines = ["methods (method: NAME) and their options (top-level keys):"]
+    for name, method in methods().items():
+        lines += wrapped(f"{name}: {method.summary}", "  ")
+        needs = [
+            *([f"{method.stats} statistics per model (models[].stats)"] if method.stats else []),
+            *(["base: (the pre-trained model folder)"] if method.needs_base else []),
+            *(["data per model (models[].data)"] if method.takes_data else []),
+        ]
+        if needs:
+            lines += wrapped(f"needs: {', '.join(needs)}", "      ")
+        for key, f in method.options.model_fields.items():
+            default = "none" if f.default is None else f.default
+            lines += wrapped(f"{key} (default {default}): {f.description or ''}", "      ")
+    return "\n".join(lines)
 
 
 def add_merge_parser(sub: Any) -> None:
@@ -38,7 +63,7 @@ def add_merge_parser(sub: Any) -> None:
     p = sub.add_parser(
         "merge",
         help=HELP,
-        description=(config_doc or "").strip(),
+        description=(config_doc or "").strip() + "\n\n" + methods_help(),
         epilog=(
             "examples:\n"
             "  lmdx merge merge.yaml --out merged --dry-run   the plan, memory and disk; "
@@ -109,13 +134,13 @@ def run_merge_cli(args: argparse.Namespace) -> int:
 def _merge(args: argparse.Namespace, claimed: Claimed) -> int:
     from ..files.atomic import existing_parent
     from ..merge.config import load_merge_config, plan_merge, run_merge
+    from ..merge.door import check_new_folder
     from ..merge.lora import lora_errors
     from ..merge.plan import peak_rss_bytes
+    from ..merge.registry import method_named
     from ..merge.sink import HEADS_DIR, MERGE_RECORD, TASKS_DIR
 
-    out = Path(args.out)
-    if out.exists():
-        raise CliError(f"--out {out}: already exists; choose a new folder")
+    out = check_new_folder(args.out)
     if args.ray_workers and args.in_memory:
         raise CliError("--ray-workers: only for the streaming merge; drop --in-memory")
     if args.ray_workers < 0:
@@ -156,13 +181,16 @@ def _merge(args: argparse.Namespace, claimed: Claimed) -> int:
     size = size_of(out)
     record = json.loads((out / MERGE_RECORD).read_text())
     report = record["report"]
-    settings = ", ".join(f"{k} {report[k]}" for k in ("density", "scaling", "seed") if k in report)
+    shown = method_named(cfg.method).headline
+    settings = ", ".join(f"{k} {report[k]}" for k in shown if report.get(k) is not None)
     print(
         f"lmdx merge: {cfg.method}{f' ({settings})' if settings else ''} of "
         f"{len(cfg.models)} models in "
         f"{time.perf_counter() - t0:.1f} s; wrote {out} ({size / 1e6:.1f} MB); "
         f"peak RSS {peak_rss_bytes() / 1e9:.2f} GB"
     )
+    if isinstance(report.get("base"), dict) and report["base"].get("line"):
+        print(f"lmdx merge: {report['base']['line']}")
     _report_precision(report)
     _report_poorly_determined(out / MERGE_RECORD, report)
     _report_not_solved(out / MERGE_RECORD, report)

@@ -8,29 +8,23 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from .registry import methods
+
 __all__ = ["MODEL_CARD", "model_card", "task_card"]
 
 MODEL_CARD = "README.md"
 
-_METHODS = {
-    "regmean": "RegMean (Jin et al., ICLR 2023, arXiv 2212.09849): every linear layer solved "
-    "in closed form from the Gram matrices of its inputs",
-    "average": "a (coefficient-weighted) average of the parameters",
-    "fisher": "Fisher-weighted averaging (Matena & Raffel, 2022)",
-    "task_arithmetic": "task arithmetic (Ilharco et al., 2023): base + λ Σ (θ_i − base)",
-}
-#: Report entries shown as the method's options, where set.
-_OPTIONS = (
-    "alpha",
-    "coefficients",
-    "scaling",
-    "exclude",
-    "heads",
-    "head_policy",
-    "dtype",
-    "precision",
-    "ridge",
-)
+#: Report entries every merge shows as its options, where set (then the method's own).
+_SHARED = ("coefficients", "exclude", "heads", "head_policy", "dtype")
+
+
+def _method(name: str) -> tuple[str, tuple[str, ...]]:
+    """A method's line (its registered summary) and its options' names; a method not
+    registered in this process is named as it is."""
+    found = methods().get(name)
+    if found is None:
+        return name, ()
+    return found.summary, tuple(found.options.model_fields)
 
 
 def _cell(value: Any) -> str:
@@ -53,6 +47,7 @@ def model_card(record: Mapping[str, Any], config: Mapping[str, Any] | None = Non
     report = record.get("report") or {}
     inputs: Mapping[str, Any] = record.get("inputs") or {}
     method = str(report.get("method"))
+    summary, own = _method(method)
     options = {**report, "head_policy": record.get("head_policy"), "dtype": record.get("dtype")}
     merge_config = record.get("config") or {}
     lines = [
@@ -67,12 +62,12 @@ def model_card(record: Mapping[str, Any], config: Mapping[str, Any] | None = Non
         "# Merged model",
         "",
         f"Made by lmdx {record.get('lmdx_version')} on {record.get('created')}: **{method}** "
-        f"of {len(inputs)} models — {_METHODS.get(method, method)}.",
+        f"of {len(inputs)} models — {summary}.",
         "",
         "## Method and options",
         "",
     ]
-    for key in _OPTIONS:
+    for key in (*own, *_SHARED):
         value = options.get(key)
         if value not in (None, [], ()):
             lines.append(f"- `{key}`: {_cell(value)}")

@@ -65,7 +65,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model
 
 from .._errors import DataError, MergeError, MissingFileError
 from .._tensors import OUTPUT_DTYPES
@@ -76,17 +76,14 @@ from ..files.hf import load_model, model_files
 from ..files.parse import parse_json, read_text, read_yaml, schema_message
 from ..files.peft import is_adapter_folder
 from ..files.st import check_same_modules, sentence_transformer
-from .api import merge_models, save_merged, stream_merge
+from .api import merge_models, stream_merge
 from .block_data import MODEL_DATA_OPTIONS
-from .options import (
-    HEAD_POLICIES,
-    METHODS,
-    PRECISIONS,
-    RANDOM_METHODS,
-    SPARSIFYING_METHODS,
-    TASK_VECTOR_METHODS,
-)
+from .door import check_new_folder
+from .inputs import base_users
+from .options import HEAD_POLICIES, OptionError, all_options, method_options
 from .plan import MergePlan
+from .registry import method_named, method_names
+from .save import save_merged
 
 __all__ = ["MergeConfig", "ModelEntry", "load_merge_config", "plan_merge", "run_merge"]
 
@@ -109,19 +106,13 @@ class ModelEntry:
 
 @dataclass
 class MergeConfig:
-    """A validated merge configuration with paths resolved."""
+    """A validated merge configuration with paths resolved; ``options`` are the method's
+    own (its registered pydantic model's fields, defaults filled in), also read as
+    attributes (``cfg.alpha``)."""
 
     method: str
     models: list[ModelEntry]
     base: str | None = None
-    alpha: float = 1.0
-    scaling: float | None = None
-    density: float | None = None
-    seed: int | None = None
-    fisher_eps: float = 1e-8
-    ridge: float = 0.0
-    allow_regularization: bool = True
-    precision: str = "auto"
     exclude: list[str] = field(default_factory=list)
     head_patterns: list[str] = field(default_factory=list)
     head_policy: str = "keep"
@@ -130,13 +121,20 @@ class MergeConfig:
     max_shard_size: str = "2GB"
     lora_rank: int | None = None
     threads: int | None = None
-    max_texts: int | None = None
-    max_length: int = 128
-    batch_size: int = 16
-    max_activation_memory: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "options":
+            raise AttributeError(name)
+        if name in self.options:
+            return self.options[name]
+        raise AttributeError(f"merge config: method {self.method} has no option {name!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The configuration as recorded in ``lmdx_merge.json``: the method's options at
+        the top level, as in the file."""
+        out = asdict(self)
+        return {**out, **out.pop("options")}
 
 
 # --------------------------------------------------------------------------- schema
@@ -196,49 +194,35 @@ class _Output(_Strict):
     lora_rank: Annotated[int, Field(ge=1, le=2**20)] | None = None
 
 
-class _ConfigFile(_Strict):
-    method: Literal[METHODS]  # type: ignore[valid-type]
+class _ConfigBase(_Strict):
+    method: str
     models: Annotated[list[Annotated[_Model, BeforeValidator(_as_entry)]], Field(min_length=2)]
     base: _Path | None = None
-    alpha: Annotated[float, Field(ge=0.0, le=1.0)] = 1.0
-    scaling: float | None = None
-    density: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    seed: Annotated[int, Field(ge=0)] | None = None
-    fisher_eps: Annotated[float, Field(ge=0.0)] = 1e-8
-    ridge: Annotated[float, Field(ge=0.0)] = 0.0
-    allow_regularization: bool = True
-    precision: Literal[PRECISIONS] = "auto"  # type: ignore[valid-type]
     exclude: _Patterns | None = None
     heads: _Heads | None = None
     output: _Output | None = None
     threads: Annotated[int, Field(ge=1, le=MAX_THREADS)] | None = None
-    max_texts: Annotated[int, Field(ge=1)] | None = None
-    max_length: Annotated[int, Field(ge=1)] | None = None
-    batch_size: Annotated[int, Field(ge=1)] | None = None
-    max_activation_memory: Annotated[str, BeforeValidator(_size)] | None = None
+
+
+def _config_schema() -> type[_ConfigBase]:
+    """The file's schema: the keys every merge has and, at the top level, every option of
+    a registered method (checked by that method's model once the method is known)."""
+    extra: Any = {key: (Any, None) for key in all_options()}
+    return create_model("_ConfigFile", __base__=_ConfigBase, **extra)
 
 
 _SECTIONS: dict[str, type[BaseModel]] = {
-    "": _ConfigFile,
     "models": _Model,
     "heads": _Heads,
     "output": _Output,
 }
 _LABELS = {
-    "method": f"must be one of {', '.join(METHODS)}",
     "models": "must be a list of at least 2 entries ({path: ..., ...})",
-    "alpha": "must be in [0, 1]",
-    "density": "must be in (0, 1] (the fraction of each task vector kept)",
-    "seed": "must be a whole number >= 0",
-    "precision": f"must be one of {', '.join(PRECISIONS)}",
     "heads.policy": "must be keep or drop",
     "output.dtype": "must be auto/float32/bfloat16/float16",
     "exclude": "must be a list of name patterns",
     "heads.patterns": "must be a list of name patterns",
     "threads": f"must be a whole number of threads in [1, {MAX_THREADS}]",
-    "max_texts": "must be a whole number >= 1",
-    "max_length": "must be a whole number of tokens >= 1",
-    "batch_size": "must be a whole number >= 1",
     "output.lora_rank": "must be a whole number >= 1",
     "heads.per_task_folders": "must be true or false",
 }
@@ -254,7 +238,8 @@ def _schema_error(exc: ValidationError, where: str) -> MergeError:
         extra = sorted(str(e["loc"][-1]) for e in errors if e["loc"][:-1] == parent)
         section = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parent)
         section = section.lstrip(".")
-        cls = _SECTIONS[str(next((p for p in parent if isinstance(p, str)), ""))]
+        key = str(next((p for p in parent if isinstance(p, str)), ""))
+        cls = _SECTIONS.get(key) or _config_schema()
         allowed = ", ".join(sorted(cls.model_fields))
         return MergeError(
             f"{where}: unknown key(s) {extra} in {section or 'the config'}; allowed: {allowed}"
@@ -280,14 +265,17 @@ def load_merge_config(path: str | os.PathLike[str]) -> MergeConfig:
         raw = read_yaml(path, "config", MergeError)
     if not isinstance(raw, dict):
         raise MergeError(f"{where}: expected a mapping of keys (method, models, ...)")
+    if "method" in raw and raw["method"] not in method_names():
+        got = raw["method"]
+        raise MergeError(f"{where}: method must be one of {', '.join(method_names())}, got {got!r}")
     try:
-        checked = _ConfigFile.model_validate(raw)
+        checked = _config_schema().model_validate(raw)
     except ValidationError as exc:
         raise _schema_error(exc, where) from None
     return _resolved(checked, path.parent, where)
 
 
-def _resolved(checked: _ConfigFile, root: Path, where: str) -> MergeConfig:
+def _resolved(checked: _ConfigBase, root: Path, where: str) -> MergeConfig:
     """The configuration with paths resolved and checked, and the rules across keys."""
 
     def resolve(p: str) -> str:
@@ -347,8 +335,9 @@ def _resolved(checked: _ConfigFile, root: Path, where: str) -> MergeConfig:
             entry.text_field = e.text_field
         entry.max_texts, entry.max_length = e.max_texts, e.max_length
         models.append(entry)
-    needs_stats = method in ("regmean", "fisher")
-    needs_data = method == "regmean_plusplus"
+    spec = method_named(method)
+    needs_stats = spec.stats is not None
+    needs_data = spec.takes_data
     for i, (entry, e) in enumerate(zip(models, checked.models, strict=True)):
         if needs_stats and entry.stats is None:
             raise MergeError(f"{where}: models[{i}].stats is required for method {method}")
@@ -358,43 +347,34 @@ def _resolved(checked: _ConfigFile, root: Path, where: str) -> MergeConfig:
             )
         if needs_data and entry.data is None:
             raise MergeError(
-                f"{where}: models[{i}].data is required for method regmean_plusplus (the "
+                f"{where}: models[{i}].data is required for method {method} (the "
                 "model's texts: a .txt/.jsonl/.csv file or corpus:NAME)"
             )
-        own = [k for k in ("data", "text_field", *MODEL_DATA_OPTIONS) if getattr(e, k)]
-        if not needs_data and own:
-            key = own[0]
+        named = [k for k in ("data", "text_field", *MODEL_DATA_OPTIONS) if getattr(e, k)]
+        if not needs_data and named:
+            key = named[0]
+            users = [m for m in method_names() if method_named(m).takes_data]
             raise MergeError(
                 f"{where}: models[{i}].{key} given but method {method} uses no data (only "
-                "regmean_plusplus does)"
+                f"{', '.join(users)} does)"
             )
-    data_keys = ("max_texts", "max_length", "batch_size", "max_activation_memory")
-    data_given = [k for k in data_keys if getattr(checked, k) is not None]
-    if data_given and not needs_data:
-        raise MergeError(f"{where}: {data_given[0]} is only used by method regmean_plusplus")
+    values = {k: getattr(checked, k) for k in all_options()}
+    try:
+        own = method_options(method, values)
+    except OptionError as exc:
+        raise MergeError(f"{where}: {exc.in_file()}") from None
     coefs = [m.coefficient for m in models]
     if any(c is not None for c in coefs) and any(c is None for c in coefs):
         raise MergeError(f"{where}: give a coefficient for every model or for none")
     cfg = MergeConfig(
         method=method,
         models=models,
-        alpha=checked.alpha,
-        scaling=checked.scaling,
-        density=checked.density,
-        seed=checked.seed,
-        fisher_eps=checked.fisher_eps,
-        ridge=checked.ridge,
-        allow_regularization=checked.allow_regularization,
-        precision=checked.precision,
         threads=checked.threads,
         exclude=list(checked.exclude or []),
-        max_texts=checked.max_texts,
-        max_length=checked.max_length or 128,
-        batch_size=checked.batch_size or 16,
-        max_activation_memory=checked.max_activation_memory,
+        options=own.model_dump(),
     )
     adapters = [i for i, m in enumerate(models) if m.adapter]
-    if method in TASK_VECTOR_METHODS or adapters:
+    if spec.needs_base or adapters:
         if checked.base is None:
             if adapters:
                 raise MergeError(
@@ -408,15 +388,8 @@ def _resolved(checked: _ConfigFile, root: Path, where: str) -> MergeConfig:
     elif checked.base is not None:
         raise MergeError(
             f"{where}: base is only used by LoRA adapters (models[].adapter) and by "
-            f"{', '.join(TASK_VECTOR_METHODS)}, not by {method} of full models"
+            f"{', '.join(base_users())}, not by {method} of full models"
         )
-    for key, users in (
-        ("scaling", TASK_VECTOR_METHODS),
-        ("density", SPARSIFYING_METHODS),
-        ("seed", RANDOM_METHODS),
-    ):
-        if method not in users and getattr(checked, key) is not None:
-            raise MergeError(f"{where}: {key} is only used by {', '.join(users)}, not {method}")
     if checked.heads is not None:
         cfg.head_patterns = list(checked.heads.patterns or [])
         cfg.head_policy = checked.heads.policy
@@ -462,7 +435,7 @@ def _texts(cfg: MergeConfig) -> list[Any]:
     for i, m in enumerate(cfg.models):
         assert m.data is not None
         try:
-            limit = cfg.max_texts if m.max_texts is None else m.max_texts
+            limit = cfg.options.get("max_texts") if m.max_texts is None else m.max_texts
             texts, _, _ = read_data(m.data, text_field=m.text_field, max_texts=limit)
         except DataError as exc:
             raise MergeError(f"models[{i}].data: {exc}") from None
@@ -471,15 +444,10 @@ def _texts(cfg: MergeConfig) -> list[Any]:
 
 
 def _data_kwargs(cfg: MergeConfig) -> dict[str, Any]:
-    """The data arguments of both front doors (``regmean_plusplus``; none otherwise)."""
-    if cfg.method != "regmean_plusplus":
+    """The data argument of both front doors (methods that take data; none otherwise)."""
+    if not method_named(cfg.method).takes_data:
         return {}
-    return {
-        "data": _texts(cfg),
-        "max_length": cfg.max_length,
-        "batch_size": cfg.batch_size,
-        "max_activation_memory": cfg.max_activation_memory,
-    }
+    return {"data": _texts(cfg)}
 
 
 def _merge_kwargs(cfg: MergeConfig) -> dict[str, Any]:
@@ -488,24 +456,17 @@ def _merge_kwargs(cfg: MergeConfig) -> dict[str, Any]:
     coefficients = (
         None if cfg.models[0].coefficient is None else [m.coefficient or 0.0 for m in cfg.models]
     )
-    stats = [m.stats for m in cfg.models] if cfg.method in ("regmean", "fisher") else None
+    stats = [m.stats for m in cfg.models] if method_named(cfg.method).stats else None
     return {
         "method": cfg.method,
         "stats": stats,
-        "alpha": cfg.alpha,
         "coefficients": coefficients,
         "exclude": cfg.exclude,
         "heads": cfg.head_patterns,
         "base": cfg.base,
-        "scaling": cfg.scaling,
-        "density": cfg.density,
-        "seed": cfg.seed,
-        "fisher_eps": cfg.fisher_eps,
-        "ridge": cfg.ridge,
-        "allow_regularization": cfg.allow_regularization,
-        "precision": cfg.precision,
         "labels": labels,
         "n_threads": cfg.threads,
+        **cfg.options,
     }
 
 
@@ -554,8 +515,6 @@ def run_merge(
     ``command`` (the command line) is recorded in ``lmdx_merge.json`` and the model card.
     """
     out_dir = Path(out_dir)
-    if out_dir.exists():
-        raise MergeError(f"output {out_dir}: already exists; choose a new directory")
     record: dict[str, Any] = {"config": cfg.to_dict()}
     if command is not None:
         record["command"] = command
@@ -576,6 +535,7 @@ def run_merge(
         return result.out_dir
     if ray_workers:
         raise MergeError("ray_workers: only for the streaming merge")
+    check_new_folder(out_dir)  # before the models are loaded (stream_merge checks its own)
     kwargs = _merge_kwargs(cfg)
     if cfg.base is not None:
         kwargs["base"] = load_model(cfg.base, progress=progress)

@@ -12,23 +12,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._util import progress_bar
 from ..config import default_threads
 from ..stats.file import Statistics
 from .lora import LoraExport, low_rank_inputs, solve_group_low_rank
-from .methods import (
-    average_tensor,
-    cast_merged,
-    fisher_tensor,
-    poorly_determined,
-    solve_group,
-    task_vector_tensor,
-)
+from .methods import cast_merged, poorly_determined, solve_group
 from .options import MergeOptions
 from .plan import MergePlan, Step
+from .registry import method_named
 from .source import TensorSource
+
+if TYPE_CHECKING:
+    from .inputs import MergeInputs
 
 __all__ = [
     "BlockSolver",
@@ -69,30 +66,29 @@ class Sink(Protocol):
 
 
 class Executor:
-    """Computes merged tensors on demand, one step at a time.
+    """Computes merged tensors on demand, one step at a time, each by the registered
+    method its kind names (:meth:`lmdx.merge.registry.MergeMethod.compute`).
 
     ``report["layers"]`` collects the RegMean solver's information per module,
     ``report["poorly_determined"]`` the RegMean systems that are poorly determined (too
-    few statistics rows per input, ill-conditioned) with what to do, and
-    ``report["fisher_weighted"]`` the Fisher-weighted tensors. With ``lora``, every merged
-    tensor is also offered to that LoRA of the merged update (in float64).
+    few statistics rows per input, ill-conditioned) with what to do. With ``inputs.lora``,
+    every merged tensor is also offered to that LoRA of the merged update (in float64).
+    ``remote`` solves RegMean groups elsewhere (Ray); ``blocks`` merges RegMean++'s
+    blocks and is handed every merged tensor outside them.
     """
 
     def __init__(
         self,
-        sources: Sequence[TensorSource],
-        stats: Sequence[Statistics] | None,
-        base: TensorSource | None,
+        inputs: MergeInputs,
         plan: MergePlan,
-        options: MergeOptions,
         report: dict[str, Any],
         remote: GroupSolver | None = None,
         blocks: BlockSolver | None = None,
-        lora: LoraExport | None = None,
     ) -> None:
-        self.sources, self.stats, self.base = sources, stats, base
-        self.options, self.report, self.remote = options, report, remote
-        self.blocks, self.lora = blocks, lora
+        self.inputs = inputs
+        self.sources, self.stats = inputs.sources, inputs.stats
+        self.options, self.report, self.remote = inputs.options, report, remote
+        self.blocks, self.lora = blocks, inputs.lora
         self.labels = plan.labels
         self.step_of = {t: s for s in plan.steps for t in s.tensors}
         self.ready: dict[str, Any] = {}
@@ -106,9 +102,6 @@ class Executor:
             self._run(name)
         return self.ready.pop(name)
 
-    def _cast(self, name: str, value: Any) -> Any:
-        return cast_merged(name, value, self.sources[0].dtype(name))
-
     def _run(self, name: str) -> None:
         step = self.step_of.get(name)
         if step is None:  # a head tensor (kept from the first model)
@@ -116,62 +109,54 @@ class Executor:
             if self.lora is not None:
                 self.lora.observe(name, self.ready[name])
             return
-        if step.kind == "regmean":
-            self._regmean(step)
-            return
-        if step.kind == "regmean_plusplus":
-            self._block(step)
-            return
-        self.ready[name] = self._tensor(name, step.kind)
-        if self.blocks is not None:
+        if step.kind == "copy":
+            self.ready[name] = self.merge_tensor(name, "copy")
+        else:
+            method_named(step.kind).compute(step, self)
+        if self.blocks is not None and step.block is None:
             self.blocks.record(name, self.ready[name])
 
-    def _tensor(self, name: str, kind: str) -> Any:
-        """Merged tensor ``name`` by a one-tensor method (``kind``)."""
+    def merge_tensor(self, name: str, kind: str) -> Any:
+        """Merged tensor ``name`` by the one-tensor method ``kind`` (or ``"copy"``: the
+        first model's), cast to its input dtype."""
         reads = [s.read(name) for s in self.sources]
         if kind == "copy":  # e.g. integer buffers: the first model's, as a copy
             return reads[0].clone() if hasattr(reads[0], "clone") else reads[0]
-        if kind == "average":
-            value = average_tensor(name, reads, self.options)
-        elif kind == "fisher":
-            assert self.stats is not None
-            self.report.setdefault("fisher_weighted", []).append(name)
-            value = fisher_tensor(name, reads, self.stats, self.options)
-        else:  # a task-vector method: task arithmetic, TIES, DARE, DARE-TIES
-            assert self.base is not None
-            value = task_vector_tensor(name, self.base.read(name), reads, self.options)
+        value = method_named(kind).tensor(name, reads, self.inputs)
         if self.lora is not None:
             self.lora.observe(name, value)
-        return self._cast(name, value)
+        return cast_merged(name, value, self.sources[0].dtype(name))
 
-    def _regmean(self, step: Step) -> None:
+    def regmean_step(self, step: Step) -> None:
+        """One RegMean group, solved here or by ``remote``."""
         assert self.stats is not None
         if self.remote is not None:
             stored, layers = self.remote.result(step)
-            self._record(step.modules[0], layers)
+            self.record(step.modules[0], layers)
             self.ready.update(stored)
             return
         solved, layers = solve_regmean_step(
             step, self.sources, self.stats, self.labels, self.options, self.lora
         )
-        self._record(step.modules[0], layers)
+        self.record(step.modules[0], layers)
         self.ready.update(solved)
 
-    def _block(self, step: Step) -> None:
+    def block_step(self, step: Step) -> None:
         """A whole block (RegMean++): its linear modules solved on Grams from the merged
         prefix, the rest averaged (or copied, if not floating point)."""
         assert self.blocks is not None
         merged, groups = self.blocks.solve(step)
         for members, layers in groups:
-            self._record(members[0], layers)
+            self.record(members[0], layers)
         for name in step.tensors:
             if name not in merged:
                 kind = "average" if self.sources[0].is_float(name) else "copy"
-                merged[name] = self._tensor(name, kind)
+                merged[name] = self.merge_tensor(name, kind)
         self.blocks.finish(step, merged)
         self.ready.update(merged)
 
-    def _record(self, module: str, layers: dict[str, Any]) -> None:
+    def record(self, module: str, layers: dict[str, Any]) -> None:
+        """The solver's report of a RegMean group (``module``: its first member)."""
         self.report["layers"].update(layers)
         note = poorly_determined(module, layers[module])
         if note is not None:

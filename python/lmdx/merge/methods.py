@@ -48,7 +48,8 @@ from .._util import matches
 from ..average import fisher_average, weighted_average
 from ..regmean import regmean_merge_layer
 from ..stats.file import Statistics
-from .options import ELECTING_METHODS, RANDOM_METHODS, MergeOptions
+from .options import MergeOptions
+from .registry import method_named
 
 __all__ = [
     "GRAM_ROUNDOFF",
@@ -129,38 +130,43 @@ def task_vector_tensor(
     name: str, base: Any, tensors: Sequence[Any], options: MergeOptions
 ) -> NDArray[np.float64]:
     """One tensor merged from its task vectors ``τ_i = θ_i − θ_0`` (``base`` is ``θ_0``) by
-    ``options.method`` (``task_arithmetic``, ``ties``, ``dare`` or ``dare_ties``; see the
-    module's description), in float64: ``θ_0 + λ Σ c_i τ_i``, with ``τ_i`` sparsified
+    ``options.method`` (``task_arithmetic``, ``ties``, ``dare``, ``dare_ties`` or another
+    registered :class:`~lmdx.merge.builtin.task_vectors.TaskVectorMethod`; see the module's
+    description), in float64: ``θ_0 + λ Σ c_i τ_i``, with ``τ_i`` sparsified
     first (``ties``, ``dare``, ``dare_ties``) and the sum replaced by the mean of the
     entries agreeing with the elected sign (``ties``, ``dare_ties``)."""
+    method = method_named(options.method)
+    sparsify = getattr(method, "sparsify", None)
     theta0 = as_float64(base, f"base: {name}")
     coefficients = options.coefficients or (1.0,) * len(tensors)
     taus = (
-        _sparsified(name, i, as_float64(t, name) - theta0, options) for i, t in enumerate(tensors)
+        _sparsified(name, i, as_float64(t, name) - theta0, options, sparsify)
+        for i, t in enumerate(tensors)
     )
-    if options.method in ELECTING_METHODS:
+    if getattr(method, "elects", False):
         delta = _elected_mean(taus, coefficients)
     else:
         delta = np.zeros_like(theta0)
         for ci, tau in zip(coefficients, taus, strict=True):
             tau *= ci  # in place: every task vector here is a new array of this function's
             delta += tau
-    return theta0 + options.scaling * delta
+    merged: NDArray[np.float64] = theta0 + options.scaling * delta
+    return merged
 
 
 def _sparsified(
-    name: str, i: int, tau: NDArray[np.float64], options: MergeOptions
+    name: str, i: int, tau: NDArray[np.float64], options: MergeOptions, sparsify: str | None
 ) -> NDArray[np.float64]:
-    """Model ``i``'s task vector of tensor ``name`` as ``options.method`` sparsifies it:
-    TIES's top-k, DARE's drop and rescale, or unchanged (task arithmetic)."""
-    if options.method == "task_arithmetic":
+    """Model ``i``'s task vector of tensor ``name`` sparsified: ``"top_k"`` (TIES's trim),
+    ``"drop"`` (DARE's drop and rescale) or None (unchanged: task arithmetic)."""
+    if sparsify is None:
         return tau
     if not np.isfinite(tau).all():  # a dropped or trimmed NaN would vanish silently
         raise MergeError(
             f"tensor {name!r}: the task vector of model {i} (its values minus the base's) is "
             "not finite; check that model and the base for NaN/Inf"
         )
-    if options.method in RANDOM_METHODS:
+    if sparsify == "drop":
         if options.density >= 1.0:
             return tau
         keep = dare_keep(name, i, tau.shape, options.density, options.seed)
@@ -350,7 +356,7 @@ def solve_group(
         alpha=options.alpha,
         coefficients=options.coefficients,
         layout=layout,
-        precision=options.precision,  # type: ignore[arg-type]
+        precision=options.precision,
         noise_floor=noise_floor(stats),
         ridge=options.ridge,
         allow_regularization=options.allow_regularization,

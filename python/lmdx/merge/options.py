@@ -1,56 +1,146 @@
-"""The options of one merge, checked once for both front doors (in memory and streaming)."""
+"""The options of one merge, checked once for both front doors (in memory and streaming).
+
+The options every method shares (coefficients, patterns, output) are :class:`MergeOptions`'s
+own fields; a method's own options are its pydantic model (:attr:`lmdx.merge.registry.
+MergeMethod.options`), the single definition of their types, defaults, checks and help, from
+which the front doors' keyword arguments, the configuration schema and the report follow.
+"""
 
 from __future__ import annotations
 
 import math
-import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ValidationError
 
 from .._errors import MergeError
 from .._tensors import OUTPUT_DTYPES
 from .._util import parse_size
+from .registry import NoOptions, method_named, method_names, methods, option_users
 
 __all__ = [
-    "DEFAULT_DENSITY",
-    "DEFAULT_SCALING",
-    "ELECTING_METHODS",
     "HEAD_POLICIES",
-    "METHODS",
     "PRECISIONS",
-    "RANDOM_METHODS",
-    "SPARSIFYING_METHODS",
-    "TASK_VECTOR_METHODS",
     "MergeOptions",
+    "OptionError",
+    "all_options",
+    "check_output",
+    "method_options",
+    "option_error",
+    "unused_option",
 ]
 
-METHODS = (
-    "regmean",
-    "average",
-    "fisher",
-    "task_arithmetic",
-    "ties",
-    "dare",
-    "dare_ties",
-    "regmean_plusplus",
-)
 HEAD_POLICIES = ("keep", "drop")
 PRECISIONS = ("auto", "float32", "float64")
-#: Methods that merge task vectors ``θ_i − θ_base`` against a ``base`` model, scaled by λ.
-TASK_VECTOR_METHODS = ("task_arithmetic", "ties", "dare", "dare_ties")
-#: Methods that keep a fraction ``density`` of every task vector's entries.
-SPARSIFYING_METHODS = ("ties", "dare", "dare_ties")
-#: Methods that drop entries at random (seeded by ``seed``): DARE.
-RANDOM_METHODS = ("dare", "dare_ties")
-#: Methods that elect a sign per entry and average the agreeing entries (TIES).
-ELECTING_METHODS = ("ties", "dare_ties")
-#: λ when none is given: where task vectors are summed, lmdx's task-arithmetic default 0.3
-#: (also FusionBench's DARE config), so that DARE at density 1 is task arithmetic; where
-#: they are averaged (sign election), the TIES paper's recommended λ = 1.
-DEFAULT_SCALING = {"task_arithmetic": 0.3, "dare": 0.3, "ties": 1.0, "dare_ties": 1.0}
-#: ``density`` when none is given: the TIES paper's top 20 %; FusionBench's DARE configs
-#: (sparsity ratio 0.5).
-DEFAULT_DENSITY = {"ties": 0.2, "dare": 0.5, "dare_ties": 0.5}
+
+
+def __getattr__(name: str) -> Any:
+    """``METHODS`` (every registered method's name) and ``TASK_VECTOR_METHODS`` (those
+    that take task vectors against a base), read from the registry when asked for."""
+    if name == "METHODS":
+        return method_names()
+    if name == "TASK_VECTOR_METHODS":
+        return tuple(m.name for m in methods().values() if m.needs_base)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class OptionError(MergeError):
+    """A merge option the method refuses: ``key``, what is wrong (``what``) and the
+    ``value`` given. Its message is the front doors' (``key: what, got value``);
+    :meth:`in_file` words it as a configuration file's key."""
+
+    def __init__(self, key: str, what: str, value: Any, unused: bool = False) -> None:
+        self.key, self.what, self.value, self.unused = key, what, value, unused
+        if unused:
+            super().__init__(f"{key}: only {what}; leave it out")
+        else:
+            super().__init__(f"{key}: {what[:1].lower()}{what[1:]}, got {value!r}")
+
+    def in_file(self) -> str:
+        """The message for a configuration file: ``key what, got value``."""
+        if self.unused:
+            return f"{self.key} is only {self.what}"
+        shown = repr(self.value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        return f"{self.key} {self.what[:1].lower()}{self.what[1:]}, got {shown}"
+
+
+def option_error(key: str, model: type[BaseModel], exc: ValidationError) -> OptionError:
+    """The first problem pydantic found in option ``key`` of ``model``: the field's
+    ``label`` (its ``json_schema_extra``), else pydantic's words, and the value."""
+    err = exc.errors(include_url=False)[0]
+    extra = model.model_fields[key].json_schema_extra if key in model.model_fields else None
+    label = extra.get("label") if isinstance(extra, dict) else None
+    msg = str(label) if label else str(err["msg"]).removeprefix("Value error, ")
+    return OptionError(key, msg, err.get("input"))
+
+
+def unused_option(key: str, method: str) -> OptionError:
+    """Option ``key`` given to a method that does not take it."""
+    users = option_users(key)
+    who = f"method {users[0]}" if len(users) == 1 else ", ".join(users)
+    return OptionError(key, f"used by {who}, not {method}", None, unused=True)
+
+
+def _ignored_elsewhere(key: str) -> bool:
+    """Whether option ``key`` is accepted, and ignored, by methods that do not take it
+    (``json_schema_extra={"elsewhere": "ignored"}``, as the RegMean solve's options)."""
+    for m in methods().values():
+        f = m.options.model_fields.get(key)
+        extra = None if f is None else f.json_schema_extra
+        if isinstance(extra, dict) and extra.get("elsewhere") == "ignored":
+            return True
+    return False
+
+
+def _plain(value: Any) -> Any:
+    """NumPy scalars as Python numbers (the options' schema is strict)."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _check_one(model: type[BaseModel], key: str, value: Any) -> None:
+    """Option ``key`` of ``model`` checked alone (its error names it)."""
+    try:
+        model.model_validate({key: value})
+    except ValidationError as exc:
+        raise option_error(key, model, exc) from None
+
+
+def method_options(method: str, given: Mapping[str, Any]) -> BaseModel:
+    """``method``'s options from the ``given`` keys (None: the default), checked by its
+    pydantic model; keys other methods take are refused (or, for the solver's, ignored)."""
+    model = method_named(method).options
+    own: dict[str, Any] = {}
+    for key, value in given.items():
+        if value is None:
+            continue
+        if key in model.model_fields:
+            own[key] = _plain(value)
+        elif not option_users(key):
+            raise MergeError(f"unknown option {key!r}; the options are {sorted(all_options())}")
+        else:  # a valid value of another method's option: refused, or ignored here
+            _check_one(method_named(option_users(key)[0]).options, key, _plain(value))
+            if not _ignored_elsewhere(key):
+                raise unused_option(key, method)
+    for key, value in own.items():
+        _check_one(model, key, value)
+    try:
+        return model.model_validate(own)
+    except ValidationError as exc:  # a check across fields
+        raise MergeError(f"method {method}: {option_error('', model, exc)}") from None
+
+
+def all_options() -> dict[str, Any]:
+    """Every method option of the registered methods: name -> its pydantic field (the first
+    method's that declares it)."""
+    out: dict[str, Any] = {}
+    for m in methods().values():
+        for key, f in m.options.model_fields.items():
+            out.setdefault(key, f)
+    return out
 
 
 @dataclass(frozen=True)
@@ -60,11 +150,10 @@ class MergeOptions:
     Attributes
     ----------
     method
-        ``"regmean"``, ``"average"``, ``"fisher"``, ``"task_arithmetic"``, ``"ties"``,
-        ``"dare"``, ``"dare_ties"`` or ``"regmean_plusplus"``
-        (:mod:`lmdx.merge.regmean_plusplus`).
-    alpha
-        RegMean's (and RegMean++'s) off-diagonal scale in [0, 1].
+        The registered method's name (``"regmean"``, ``"average"``, ``"fisher"``,
+        ``"task_arithmetic"``, ``"ties"``, ``"dare"``, ``"dare_ties"``,
+        ``"regmean_plusplus"`` or one registered with
+        :func:`lmdx.merge.registry.register_method`).
     coefficients
         Per-model non-negative coefficients (None: all equal).
     exclude
@@ -73,43 +162,34 @@ class MergeOptions:
         ``fnmatch`` patterns of parameter names that are task heads (not merged).
     head_policy
         Writing a folder: ``"keep"`` every model's head or ``"drop"`` them.
-    scaling, fisher_eps, ridge, allow_regularization
-        λ of the task-vector methods (:data:`DEFAULT_SCALING` when not given); ε of
-        Fisher averaging; the RegMean solves' relative ridge and whether the solver may
-        raise it.
-    density
-        ``ties``: the fraction of each task vector's entries kept (largest magnitudes);
-        ``dare``/``dare_ties``: the probability of keeping each entry. In (0, 1].
-    seed
-        ``dare``/``dare_ties``: the seed of the random drops (a whole number >= 0).
-    precision
-        RegMean's solves: ``"auto"`` (per layer float32 where a certificate bounds the
-        relative output error by 1e-6, else float64), ``"float32"`` (always, with the
-        estimate reported) or ``"float64"`` (see :func:`lmdx.regmean_merge_layer`).
     dtype
         Writing a folder: ``"auto"`` (each tensor's input dtype) or a float dtype.
     max_shard_size
         Writing a folder: largest output shard, bytes.
     n_threads
         Threads of the native kernels (None: :func:`lmdx.default_threads`).
+    method_options
+        The method's own options (its pydantic model); read as attributes of this object
+        too (``options.alpha``).
     """
 
     method: str = "regmean"
-    alpha: float = 1.0
     coefficients: tuple[float, ...] | None = None
     exclude: tuple[str, ...] = ()
     heads: tuple[str, ...] = ()
     head_policy: str = "keep"
-    scaling: float = 0.3
-    density: float = 1.0
-    seed: int = 0
-    fisher_eps: float = 1e-8
-    ridge: float = 0.0
-    allow_regularization: bool = True
-    precision: str = "auto"
     dtype: str = "auto"
     max_shard_size: int = 2 * 10**9
-    n_threads: int | None = field(default=None)
+    n_threads: int | None = None
+    method_options: BaseModel = field(default_factory=NoOptions)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "method_options":
+            raise AttributeError(name)
+        own = self.method_options
+        if name in type(own).model_fields:
+            return getattr(own, name)
+        raise AttributeError(f"method {self.method!r} has no option {name!r}")
 
     @classmethod
     def checked(
@@ -117,62 +197,48 @@ class MergeOptions:
         k: int,
         *,
         method: str = "regmean",
-        alpha: float = 1.0,
         coefficients: Sequence[float] | None = None,
         exclude: Sequence[str] = (),
         heads: Sequence[str] = (),
         head_policy: str = "keep",
-        scaling: float | None = None,
-        density: float | None = None,
-        seed: int | None = None,
-        fisher_eps: float = 1e-8,
-        ridge: float = 0.0,
-        allow_regularization: bool = True,
-        precision: str = "auto",
         dtype: str = "auto",
         max_shard_size: int | str = "2GB",
         n_threads: int | None = None,
+        **options: Any,
     ) -> MergeOptions:
         """Options for merging ``k`` models; :class:`MergeError` names what is wrong.
 
-        ``scaling``, ``density`` and ``seed`` are None for the method's default and refused
-        by methods that do not use them."""
-        if method not in METHODS:
-            raise MergeError(f"method: expected one of {METHODS}, got {method!r}")
-        if head_policy not in HEAD_POLICIES:
-            raise MergeError(f"head_policy: expected 'keep' or 'drop', got {head_policy!r}")
-        if dtype not in OUTPUT_DTYPES:
-            raise MergeError(f"dtype: expected one of {OUTPUT_DTYPES}, got {dtype!r}")
-        if not 0.0 <= alpha <= 1.0:
-            raise MergeError(f"alpha: must be in [0, 1], got {alpha}")
-        if precision not in PRECISIONS:
-            raise MergeError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
+        ``options`` are the method's own (None: the default); those of other methods are
+        refused."""
+        own = method_options(method, options)
+        shard = check_output(head_policy, dtype, max_shard_size)
         if k < 2:
             raise MergeError(f"need at least 2 models to merge, got {k}")
-        try:
-            shard = parse_size(max_shard_size)
-        except ValueError:
-            raise MergeError(
-                f"max_shard_size: expected e.g. '2GB' or bytes, got {max_shard_size!r}"
-            ) from None
         return cls(
             method=method,
-            alpha=float(alpha),
             coefficients=_coefficients(coefficients, k),
             exclude=tuple(exclude),
             heads=tuple(heads),
             head_policy=head_policy,
-            scaling=_scaling(method, scaling),
-            density=_density(method, density),
-            seed=_seed(method, seed),
-            fisher_eps=float(fisher_eps),
-            ridge=float(ridge),
-            allow_regularization=bool(allow_regularization),
-            precision=precision,
             dtype=dtype,
             max_shard_size=shard,
             n_threads=n_threads,
+            method_options=own,
         )
+
+
+def check_output(head_policy: str, dtype: str, max_shard_size: int | str) -> int:
+    """Check the options of writing a folder; returns the shard size in bytes."""
+    if head_policy not in HEAD_POLICIES:
+        raise MergeError(f"head_policy: expected 'keep' or 'drop', got {head_policy!r}")
+    if dtype not in OUTPUT_DTYPES:
+        raise MergeError(f"dtype: expected one of {OUTPUT_DTYPES}, got {dtype!r}")
+    try:
+        return parse_size(max_shard_size)
+    except ValueError:
+        raise MergeError(
+            f"max_shard_size: expected e.g. '2GB' or bytes, got {max_shard_size!r}"
+        ) from None
 
 
 def _coefficients(coefficients: Sequence[float] | None, k: int) -> tuple[float, ...] | None:
@@ -184,39 +250,3 @@ def _coefficients(coefficients: Sequence[float] | None, k: int) -> tuple[float, 
     if any(not math.isfinite(c) or c < 0 for c in coef) or sum(coef) <= 0:
         raise MergeError(f"coefficients: must be finite, >= 0 and not all 0, got {list(coef)}")
     return coef
-
-
-def _unused(key: str, method: str, users: Sequence[str]) -> MergeError:
-    return MergeError(f"{key}: only used by {', '.join(users)}, not {method!r}; leave it out")
-
-
-def _scaling(method: str, scaling: float | None) -> float:
-    if scaling is None:
-        return DEFAULT_SCALING.get(method, MergeOptions.scaling)
-    if method not in TASK_VECTOR_METHODS:
-        raise _unused("scaling", method, TASK_VECTOR_METHODS)
-    if isinstance(scaling, bool) or not math.isfinite(scaling):
-        raise MergeError(f"scaling: expected a finite number, got {scaling!r}")
-    return float(scaling)
-
-
-def _density(method: str, density: float | None) -> float:
-    if density is None:
-        return DEFAULT_DENSITY.get(method, MergeOptions.density)
-    if method not in SPARSIFYING_METHODS:
-        raise _unused("density", method, SPARSIFYING_METHODS)
-    if isinstance(density, bool) or not 0.0 < density <= 1.0:
-        raise MergeError(
-            f"density: must be in (0, 1] (the fraction of each task vector kept), got {density!r}"
-        )
-    return float(density)
-
-
-def _seed(method: str, seed: int | None) -> int:
-    if seed is None:
-        return MergeOptions.seed
-    if method not in RANDOM_METHODS:
-        raise _unused("seed", method, RANDOM_METHODS)
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
-        raise MergeError(f"seed: expected a whole number >= 0, got {seed!r}")
-    return int(seed)

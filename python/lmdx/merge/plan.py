@@ -2,8 +2,10 @@
 against their statistics, the steps, the output tensors and shards, the memory needed.
 
 One plan serves both front doors: :func:`lmdx.merge_models` (models in memory) and
-:func:`lmdx.stream_merge` (checkpoints on disk) call :func:`make_plan` on their tensor
-sources, and the engine runs its steps.
+:func:`lmdx.stream_merge` (checkpoints on disk) call :func:`make_plan` on their checked
+inputs (:class:`lmdx.merge.inputs.MergeInputs`), and the engine runs its steps. The steps
+are the method's (:mod:`lmdx.merge.registry`): its group steps, then one step per other
+tensor.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -27,15 +29,18 @@ from ..files.checkpoint import SINGLE_FILE
 from ..files.hf import base_model_info, model_files
 from ..files.identity import describe_mismatch
 from ..stats.file import Statistics
-from .methods import regmean_groups
-from .options import ELECTING_METHODS, TASK_VECTOR_METHODS, MergeOptions
+from .registry import method_named
 from .source import AdapterSource, TensorSource
+
+if TYPE_CHECKING:
+    from .inputs import MergeInputs
 
 __all__ = [
     "Block",
     "MergePlan",
     "Output",
     "Step",
+    "StepSizes",
     "check_same_entries",
     "check_same_layout",
     "check_stats_model",
@@ -44,6 +49,7 @@ __all__ = [
     "make_plan",
     "open_stats",
     "peak_rss_bytes",
+    "plan_outputs",
     "tensor_hashes",
 ]
 
@@ -67,14 +73,43 @@ def current_rss_bytes() -> int:
 class Step:
     """One unit of work: a RegMean input group, one tensor, or (RegMean++) one block."""
 
-    # "regmean" | "average" | "fisher" | "copy" | "regmean_plusplus" | a task-vector method
-    kind: str
+    kind: str  # the registered method that runs it, or "copy"
     tensors: list[str]  # input tensor names (RegMean: the members' weights; a block: all its)
     modules: list[str] = field(default_factory=list)
     layout: str = "linear"
     dim: int = 0
     memory: int = 0  # estimated bytes while the step runs
     block: int | None = None  # regmean_plusplus: the index of the block
+
+
+@dataclass(frozen=True)
+class StepSizes:
+    """What a step's memory estimate is made of: K models, the step's ``n`` elements,
+    ``read`` bytes per model (+ ``widened``: float32 copies of 16-bit weights), ``out``
+    bytes of its cast result, and whether Grams are ``packed`` (read from files)."""
+
+    ref: TensorSource
+    k: int
+    out_size: int  # bytes per output element (0: the input's dtype)
+    packed: bool
+    n: int
+    read: int
+    widened: int
+    out: int
+
+    @classmethod
+    def of_step(
+        cls, step: Step, ref: TensorSource, k: int, out_size: int, packed: bool
+    ) -> StepSizes:
+        n = sum(int(np.prod(ref.shape(t))) for t in step.tensors)
+        read = sum(ref.nbytes(t) for t in step.tensors)
+        half = any(ref.dtype(t) in ("bfloat16", "float16") for t in step.tensors)
+        out = n * out_size if out_size else read
+        return cls(ref, k, out_size, packed, n, read, 4 * n if half else 0, out)
+
+    def of(self, step: Step, *, packed: bool) -> StepSizes:
+        """The sizes of another ``step`` of the same merge."""
+        return StepSizes.of_step(step, self.ref, self.k, self.out_size, packed)
 
 
 class Block(NamedTuple):
@@ -115,6 +150,7 @@ class MergePlan:
     baseline_rss: int
     base_class: str | None = None  # head_policy "drop": the backbone's class ...
     base_prefix: str = ""  # ... and the prefix of its parameters
+    notes: list[str] = field(default_factory=list)  # what the method says about the inputs
 
     @property
     def peak_memory(self) -> int:
@@ -140,9 +176,10 @@ class MergePlan:
                     "(biases, norms, embeddings, what was excluded); a tensor equal in every "
                     "model, such as a frozen layer, comes back as it is and needs no statistics"
                 ]
-                if self.method in ("regmean", "fisher") and kinds.get("average")
+                if method_named(self.method).stats is not None and kinds.get("average")
                 else []
             ),
+            *(f"note:     {note}" for note in self.notes),
             f"output:   {len(self.outputs)} tensors, {self.output_bytes / 1e9:.2f} GB in "
             f"{len(self.shards)} shard(s)",
             f"memory:   ~{self.peak_memory / 1e9:.2f} GB peak estimated "
@@ -281,15 +318,15 @@ def content_sha256(source: TensorSource) -> str:
 
 
 def open_stats(
-    stats: Sequence[Any] | None, method: str, k: int, labels: Sequence[str]
+    stats: Sequence[Any] | None, kind: str | None, method: str, k: int, labels: Sequence[str]
 ) -> list[Statistics] | None:
-    """The K statistics a method needs (None for methods without), loaded and checked for
-    kind and a common padding policy; not yet checked against the models."""
-    if method not in ("regmean", "fisher"):
+    """The K statistics of ``kind`` method ``method`` needs (None for methods without),
+    loaded and checked for kind and a common padding policy; not yet checked against the
+    models."""
+    if kind is None:
         if stats:
             raise MergeError(f"method {method!r} takes no statistics")
         return None
-    kind = "regmean-gram" if method == "regmean" else "fisher"
     if stats is None or len(stats) != k:
         raise MergeError(
             f"method {method!r} needs one {kind} statistics per model ({k}), got "
@@ -328,79 +365,63 @@ def check_same_entries(stats: Sequence[Statistics], labels: Sequence[str]) -> No
 # --------------------------------------------------------------------------- plan
 
 
-def make_plan(
-    sources: Sequence[TensorSource],
-    options: MergeOptions,
-    stats: Sequence[Statistics] | None,
-    base: TensorSource | None,
-    *,
-    folder: bool,
-    blocks: Sequence[Block] | None = None,
-) -> MergePlan:
-    """Check the inputs and plan the merge of ``sources``.
+def make_plan(inputs: MergeInputs, *, folder: bool) -> MergePlan:
+    """Check the inputs against each other and plan their merge by ``inputs.method``.
 
     ``folder``: the merged model is written as a ``save_pretrained`` folder (outputs named
     and cast as ``options.head_policy`` and ``options.dtype`` say, shards planned);
-    otherwise it stays in memory (every non-head tensor in its input dtype).
-    ``blocks``: for ``regmean_plusplus``, the models' repeated blocks in order; each is one
-    step, and the outputs are ordered block by block after every tensor outside them.
+    otherwise it stays in memory (every non-head tensor in its input dtype). The method's
+    group steps come first (RegMean groups, RegMean++'s blocks), every other tensor is
+    one step of the method :meth:`~lmdx.merge.registry.MergeMethod.tensor_kind` names (or
+    a copy, if not floating point).
     """
-    labels = [s.label for s in sources]
+    sources, options, method = inputs.sources, inputs.options, inputs.method
+    labels = inputs.labels
     ref = sources[0]
     names = ref.names()
     head_names = [n for n in names if matches(n, options.heads)]
     body = [n for n in names if not matches(n, options.heads)]
     check_same_layout(sources, body, options.heads)
     tied = ref.aliases()
-    if stats is not None:
-        for source, s in zip(sources, stats, strict=True):
+    if inputs.stats is not None:
+        for source, s in zip(sources, inputs.stats, strict=True):
             tied = {**source.aliases(), **check_stats_model(source, s)}
-        check_same_entries(stats, labels)
-    if options.method in TASK_VECTOR_METHODS:
-        if base is None:
-            raise MergeError(f"{options.method} needs base= (the pre-trained model)")
-        check_same_layout([ref, base], body, options.heads)
-    elif base is not None:
-        raise MergeError(f"method {options.method!r} takes no base model")
-    if options.method == "regmean_plusplus":
-        if not blocks:
-            raise MergeError("regmean_plusplus needs the models' blocks (blocks=[...])")
-        names = _block_order(names, blocks)
-        body = [n for n in names if not matches(n, options.heads)]
+        check_same_entries(inputs.stats, labels)
+    if inputs.base is not None:  # the tensors the base lacks: see inputs.notes["base"]
+        base = inputs.base
+        check_same_layout([ref, base], [n for n in body if n in base], options.heads)
+    names = method.order(inputs, names)
+    body = [n for n in names if not matches(n, options.heads)]
 
-    steps = _steps(ref, body, stats, set(tied) | set(tied.values()), options, labels, blocks)
+    steps = method.group_steps(inputs, body, set(tied) | set(tied.values()))
+    covered = {t for s in steps for t in s.tensors}
+    for n in body:
+        if n not in covered:
+            steps.append(Step(method.tensor_kind(inputs, n) if ref.is_float(n) else "copy", [n]))
     out_size = 0 if options.dtype == "auto" or not folder else itemsize(options.dtype)
-    packed = stats is not None and all(s.source for s in stats)  # read from files
+    packed = inputs.stats is not None and all(s.source for s in inputs.stats)  # from files
     for step in steps:
-        step.memory = _step_memory(step, ref, len(sources), out_size, packed, blocks)
-
-    base_class = None
-    prefix = ""
-    outputs = []
-    if folder:
-        if ref.path is not None and ref.path.is_dir():
-            model_files(ref.path)  # refuse what would be copied unsafely, before any work
-        if options.head_policy == "drop":
-            prefix, base_class = base_model_info(ref.config)
-        for n in names:
-            if n in head_names and options.head_policy == "drop":
-                continue
-            out_name = n
-            if options.head_policy == "drop" and prefix:
-                if not n.startswith(prefix + "."):
-                    continue
-                out_name = n.removeprefix(prefix + ".")
-            src_dtype = ref.dtype(n)
-            keep = options.dtype == "auto" or src_dtype not in FLOAT_DTYPES
-            outputs.append(Output(out_name, n, src_dtype if keep else options.dtype, ref.shape(n)))
-    else:
-        outputs = [Output(n, n, ref.dtype(n), ref.shape(n)) for n in body]
-    shards = _shards(outputs, options.max_shard_size) if folder else []
+        sizes = StepSizes.of_step(step, ref, len(sources), out_size, packed)
+        if step.kind == "copy":
+            step.memory = method_named("average").memory(step, sizes, inputs)
+        else:
+            step.memory = method_named(step.kind).memory(step, sizes, inputs)
+    if folder and ref.path is not None and ref.path.is_dir():
+        model_files(ref.path)  # refuse what would be copied unsafely, before any work
+    outputs, shards, prefix, base_class = plan_outputs(
+        ref,
+        names,
+        head_names,
+        folder=folder,
+        head_policy=options.head_policy,
+        dtype=options.dtype,
+        max_shard_size=options.max_shard_size,
+    )
     output_bytes = sum(o.nbytes for o in outputs)
     if folder and options.head_policy == "keep":
         output_bytes += sum(s.nbytes(h) for s in sources for h in head_names)
     return MergePlan(
-        method=options.method,
+        method=method.name,
         labels=labels,
         steps=steps,
         outputs=outputs,
@@ -412,128 +433,42 @@ def make_plan(
         baseline_rss=current_rss_bytes(),
         base_class=base_class,
         base_prefix=prefix,
+        notes=method.plan_notes(inputs),
     )
 
 
-def _steps(
+def plan_outputs(
     ref: TensorSource,
-    body: Sequence[str],
-    stats: Sequence[Statistics] | None,
-    tied: set[str],
-    options: MergeOptions,
-    labels: Sequence[str],
-    blocks: Sequence[Block] | None,
-) -> list[Step]:
-    steps: list[Step] = []
-    covered: set[str] = set()
-    if options.method == "regmean_plusplus":
-        assert blocks is not None
-        for index, block in enumerate(blocks):
-            inside = [n for n in body if n.startswith(block.prefix + ".")]
-            steps.append(
-                Step(
-                    "regmean_plusplus",
-                    inside,
-                    list(block.linear),
-                    dim=max(block.linear.values(), default=0),
-                    block=index,
-                )
-            )
-            covered.update(inside)
-    if options.method == "regmean":
-        assert stats is not None
-        for members in regmean_groups(stats, set(body), tied, options):
-            info = stats[0].modules[members[0]]
-            for i, s in enumerate(stats):
-                if s.count(members[0]) <= 0:
-                    raise MergeError(
-                        f"statistics {s.source or labels[i]} (of {labels[i]}): module "
-                        f"{members[0]!r} saw no rows; collect them on data that reaches it, "
-                        "or exclude it"
-                    )
-            step = Step(
-                "regmean",
-                [stats[0].modules[m]["weight"] for m in members],
-                members,
-                info["layout"],
-                int(stats[0].groups[stats[0].group_of(members[0])]["dim"]),
-            )
-            steps.append(step)
-            covered.update(step.tensors)
-    for n in body:
-        if n in covered:
+    names: Sequence[str],
+    head_names: Sequence[str],
+    *,
+    folder: bool,
+    head_policy: str,
+    dtype: str,
+    max_shard_size: int,
+) -> tuple[list[Output], list[tuple[str, list[int]]], str, str | None]:
+    """The merged model's tensors (in the order of ``names``), shards, and, with heads
+    dropped, the backbone's prefix and class. In memory: every non-head tensor as it is."""
+    if not folder:
+        heads = set(head_names)
+        outputs = [Output(n, n, ref.dtype(n), ref.shape(n)) for n in names if n not in heads]
+        return outputs, [], "", None
+    prefix, base_class = "", None
+    if head_policy == "drop":
+        prefix, base_class = base_model_info(ref.config)
+    outputs = []
+    for n in names:
+        if n in head_names and head_policy == "drop":
             continue
-        if not ref.is_float(n):
-            kind = "copy"
-        elif options.method == "fisher" and stats is not None and n in stats[0].parameters:
-            kind = "fisher"
-        elif options.method in TASK_VECTOR_METHODS:
-            kind = options.method
-        else:
-            kind = "average"
-        steps.append(Step(kind, [n]))
-    return steps
-
-
-def _step_memory(
-    step: Step,
-    ref: TensorSource,
-    k: int,
-    out_size: int,
-    packed: bool,
-    blocks: Sequence[Block] | None = None,
-) -> int:
-    """Estimated bytes while ``step`` runs: K reads (+ widened copies of 16-bit weights),
-    the float64 result (+ Fisher weights) and the cast result; for RegMean also the joined
-    members, K Grams (packed triangles from files, full matrices from memory) and the
-    core's buffers; for the task-vector methods also the base's read, ``θ_0``, the sum and
-    the float64 work arrays: one task vector at a time (task arithmetic, DARE: the vector,
-    its random draws and rescaled copy) or all K sparsified vectors at once (TIES and
-    DARE-TIES: the sign election and mean need them together). A RegMean++ block: one
-    model's block (the one running), the merged block, K full Grams per linear module and
-    the solve of its largest module (the activations are not included: see
-    :mod:`lmdx.merge.regmean_plusplus`)."""
-    n = sum(int(np.prod(ref.shape(t))) for t in step.tensors)
-    read = sum(ref.nbytes(t) for t in step.tensors)
-    widened = 4 * n if any(ref.dtype(t) in ("bfloat16", "float16") for t in step.tensors) else 0
-    out = n * out_size if out_size else read  # 0: the input's dtype
-    if step.kind == "regmean_plusplus":
-        assert blocks is not None and step.block is not None
-        dims = blocks[step.block].linear
-        weights = [f"{m}.weight" for m in dims if f"{m}.weight" in step.tensors]
-        largest = max(weights, key=ref.nbytes, default=None)
-        solve = 0
-        if largest is not None:
-            module = largest.removesuffix(".weight")
-            solve = _step_memory(
-                Step("regmean", [largest], [module], dim=dims[module]), ref, k, out_size, False
-            )
-        return 2 * read + widened + k * sum(8 * d * d for d in dims.values()) + solve
-    if step.kind == "regmean":
-        d = step.dim
-        joined = 4 * n if len(step.tensors) > 1 else 0
-        gram = 4 * d * (d + 1) if packed else 8 * d * d
-        # The core: the summed system and its factor (+ a float32 copy of one difference
-        # of Grams), the float64 average, deviations (chunks of 1024 outputs), result and
-        # its copy out of the core.
-        core = 8 * d * d * 2 + 4 * d * d + 8 * n * 3 + 8 * d * min(1024, max(n // d, 1))
-        return k * (read + widened + joined + gram) + core + out
-    if step.kind in TASK_VECTOR_METHODS:
-        work = k + 7 if step.kind in ELECTING_METHODS else 6
-        return (k + 1) * (read + widened) + 8 * n * work + out
-    extra = 2 * k * 8 * n if step.kind == "fisher" else 0
-    return k * (read + widened) + 8 * n + extra + out
-
-
-def _block_order(names: Sequence[str], blocks: Sequence[Block]) -> list[str]:
-    """``names`` with every tensor outside the blocks first, then block by block (each
-    in its original order): the order RegMean++ produces them in."""
-    index = {}
-    for i, block in enumerate(blocks):
-        for n in names:
-            if n.startswith(block.prefix + "."):
-                index[n] = i
-    return sorted(names, key=lambda n: index.get(n, -1))
+        out_name = n
+        if head_policy == "drop" and prefix:
+            if not n.startswith(prefix + "."):
+                continue
+            out_name = n.removeprefix(prefix + ".")
+        src_dtype = ref.dtype(n)
+        keep = dtype == "auto" or src_dtype not in FLOAT_DTYPES
+        outputs.append(Output(out_name, n, src_dtype if keep else dtype, ref.shape(n)))
+    return outputs, _shards(outputs, max_shard_size), prefix, base_class
 
 
 def _shards(outputs: Sequence[Output], max_shard: int) -> list[tuple[str, list[int]]]:

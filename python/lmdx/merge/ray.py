@@ -13,15 +13,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from .. import _ray
-from .._errors import LmdxError, MissingFileError, RayClusterError
+from .._errors import LmdxError, MergeError, MissingFileError, RayClusterError
 from ..files.checkpoint import Checkpoint
 from ..stats.file import Statistics
 from .engine import solve_regmean_step
 from .options import MergeOptions
-from .plan import Step
+from .plan import MergePlan, Step
+
+if TYPE_CHECKING:
+    from .inputs import MergeInputs
 
 __all__ = ["RayGroupSolver"]
 
@@ -82,7 +86,7 @@ class RayGroupSolver:
         self.started = _ray.start_ray(address, workers)
         self.task = ray.remote(num_cpus=1, max_retries=1)(_solve)
         self.inputs = ray.put((models, stats, labels, options))
-        step_of = {t: st for st in steps if st.kind == "regmean" for t in st.tensors}
+        step_of = {t: st for st in steps if st.modules for t in st.tensors}
         seen: set[int] = set()
         self.queue: list[Step] = []
         for name in order:  # groups in the order their first member is written
@@ -94,6 +98,28 @@ class RayGroupSolver:
         self.next = 0
         self.workers = workers
         self.window = 2 * workers
+
+    @classmethod
+    def for_merge(
+        cls, inputs: MergeInputs, plan: MergePlan, workers: int, address: str | None
+    ) -> RayGroupSolver:
+        """The solver of a streaming merge's RegMean groups (checkpoints and statistics
+        files: every worker opens them itself)."""
+        stats = inputs.stats
+        assert stats is not None
+        paths = [s.source for s in stats]
+        if any(p is None or not Path(p).exists() for p in paths):
+            raise MergeError("ray_workers: the statistics must be files or folders (paths)")
+        return cls(
+            [str(Path(str(c.path)).absolute()) for c in inputs.sources],
+            [str(Path(str(p)).absolute()) for p in paths],
+            plan.labels,
+            inputs.options,
+            plan.steps,
+            [o.source for o in plan.outputs],
+            workers,
+            address,
+        )
 
     @staticmethod
     def check_address(address: str | None) -> None:

@@ -31,7 +31,6 @@ from ..files.hf import copy_model_files
 from ..files.safetensors import SafetensorsWriter, TensorSpec, read_safetensors_header
 from .card import MODEL_CARD, model_card, task_card
 from .methods import cast_merged
-from .options import MergeOptions
 from .plan import MergePlan
 from .source import TensorSource
 
@@ -269,34 +268,36 @@ class FolderSink:
 
 
 def output_config(
-    config: Mapping[str, Any], plan: MergePlan, options: MergeOptions
+    config: Mapping[str, Any], plan: MergePlan, *, dtype: str, head_policy: str
 ) -> dict[str, Any]:
     """The first model's configuration for the merged folder: the output dtype, and the
     backbone's class when the heads are dropped."""
     cfg = dict(config)
     if not cfg:
         return cfg
-    if options.dtype != "auto":
+    if dtype != "auto":
         key = "torch_dtype" if "torch_dtype" in cfg and "dtype" not in cfg else "dtype"
-        cfg[key] = options.dtype
-    if options.head_policy == "drop" and plan.base_class:
+        cfg[key] = dtype
+    if head_policy == "drop" and plan.base_class:
         cfg["architectures"] = [plan.base_class]
     return cfg
 
 
 def merge_record(
     report: Mapping[str, Any],
-    options: MergeOptions,
     inputs: Mapping[str, Any],
     extra: Mapping[str, Any] | None,
+    *,
+    dtype: str,
+    head_policy: str,
 ) -> dict[str, Any]:
     """The contents of ``lmdx_merge.json``: version, time, output options, the merge's
     report, the inputs (paths, sizes, statistics hashes) and the caller's ``extra``."""
     return {
         "lmdx_version": core.__version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "head_policy": options.head_policy,
-        "dtype": options.dtype,
+        "head_policy": head_policy,
+        "dtype": dtype,
         "report": dict(report),
         "inputs": dict(inputs),
         **(dict(extra) if extra else {}),

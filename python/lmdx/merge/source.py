@@ -23,7 +23,7 @@ from ..files.identity import tensor_sha256
 from ..files.peft import LoraAdapter, is_peft_model
 from ..files.saved import saved_state
 
-__all__ = ["AdapterSource", "StateDictSource", "TensorSource", "model_source"]
+__all__ = ["AdapterSource", "PrefixedSource", "StateDictSource", "TensorSource", "model_source"]
 
 
 class TensorSource(Protocol):
@@ -287,3 +287,58 @@ class AdapterSource:
 
     def total_bytes(self) -> int:
         return self.base.total_bytes() + self.adapter.total_bytes()
+
+
+class PrefixedSource:
+    """A bare model's tensors under the names its task classes give them,
+    ``PREFIX.name`` (the class's ``base_model_prefix``, as transformers maps a
+    ``BertModel`` checkpoint into ``BertForSequenceClassification``: ``embeddings.*`` is
+    ``bert.embeddings.*``)."""
+
+    def __init__(self, inner: TensorSource, prefix: str) -> None:
+        self.inner, self.prefix = inner, prefix
+        self.label, self.config = inner.label, inner.config
+
+    @property
+    def path(self) -> Path | None:
+        return self.inner.path
+
+    def _inner(self, name: str) -> str:
+        return name.removeprefix(self.prefix + ".")
+
+    def names(self) -> list[str]:
+        return [f"{self.prefix}.{n}" for n in self.inner.names()]
+
+    def __contains__(self, name: str) -> bool:
+        return name.startswith(self.prefix + ".") and self._inner(name) in self.inner
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.inner.shape(self._inner(name))
+
+    def dtype(self, name: str) -> str:
+        return self.inner.dtype(self._inner(name))
+
+    def is_float(self, name: str) -> bool:
+        return self.inner.is_float(self._inner(name))
+
+    def nbytes(self, name: str) -> int:
+        return self.inner.nbytes(self._inner(name))
+
+    def where(self, name: str) -> str:
+        return self.inner.where(self._inner(name))
+
+    def read(self, name: str) -> Any:
+        return self.inner.read(self._inner(name))
+
+    def sha256(self, name: str) -> str:
+        return self.inner.sha256(self._inner(name))
+
+    def architecture(self) -> str | None:
+        return self.inner.architecture()
+
+    def aliases(self) -> dict[str, str]:
+        p = self.prefix
+        return {f"{p}.{a}": f"{p}.{b}" for a, b in self.inner.aliases().items()}
+
+    def total_bytes(self) -> int:
+        return self.inner.total_bytes()

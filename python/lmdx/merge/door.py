@@ -1,0 +1,114 @@
+"""The setup both front doors share (:func:`lmdx.merge_models` in memory,
+:func:`lmdx.stream_merge` on disk): options checked, inputs opened and checked, the plan
+made, the report started, the engine run; the doors differ only in where tensors come from
+and go to."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .._errors import MergeError
+from .engine import Executor, GroupSolver, Sink, run
+from .inputs import MergeInputs, open_inputs
+from .options import MergeOptions
+from .plan import MergePlan, make_plan
+from .source import TensorSource
+
+__all__ = ["PreparedMerge", "check_new_folder", "merge_options", "prepare_merge"]
+
+
+def check_new_folder(out: str | os.PathLike[str]) -> Path:
+    """``out`` as a path; :class:`MergeError` if it exists (a merge never writes into an
+    existing folder). Every front door calls this before any work."""
+    path = Path(out)
+    if path.exists():
+        raise MergeError(f"output {path}: already exists; choose a new directory")
+    return path
+
+
+def merge_options(k: int, method: str, given: Mapping[str, Any]) -> MergeOptions:
+    """The checked options of a merge of ``k`` models by ``method`` from the door's
+    keyword arguments ``given`` (the shared ones and the method's own)."""
+    return MergeOptions.checked(k, method=method, **given)
+
+
+@dataclass
+class PreparedMerge:
+    """A merge checked and planned, ready to run."""
+
+    inputs: MergeInputs
+    plan: MergePlan
+
+    def report(self, streaming: bool) -> dict[str, Any]:
+        """The merge report as it starts: method, models, the shared options, the method's
+        entries (:meth:`lmdx.merge.registry.MergeMethod.report`)."""
+        inputs, plan = self.inputs, self.plan
+        options = inputs.options
+        report: dict[str, Any] = {
+            "method": options.method,
+            "streaming": streaming,
+            "models": plan.labels,
+            "coefficients": None if options.coefficients is None else list(options.coefficients),
+            "exclude": list(options.exclude),
+            "heads": list(options.heads),
+            "head_tensors": plan.heads,
+            "layers": {},
+        }
+        if plan.tied:
+            report["tied"] = plan.tied
+        report.update(inputs.method.report(inputs))
+        return report
+
+    def run(
+        self,
+        report: dict[str, Any],
+        sink: Sink,
+        progress: bool,
+        remote: GroupSolver | None = None,
+        streaming: bool = False,
+    ) -> None:
+        """Every output of the plan into ``sink``; ``report`` gets the engine's entries."""
+        method = self.inputs.method
+        helper = method.engine_helper(self.inputs, self.plan, progress)
+        executor = Executor(self.inputs, self.plan, report, remote, blocks=helper)
+        desc = f"merge ({method.name}{', streaming' if streaming else ''})"
+        run(self.plan, executor.result, sink, desc, progress and helper is None)
+        summary = getattr(helper, "summary", None)
+        if summary is not None:
+            report[method.name] = summary()
+
+
+def prepare_merge(
+    models: Sequence[Any],
+    options: MergeOptions,
+    *,
+    labels: Sequence[str],
+    stats: Sequence[Any] | None,
+    base: Any,
+    open_model: Callable[[Any, str], TensorSource],
+    folder: bool,
+    data: Sequence[Any] | None = None,
+    tokenizer: Any = None,
+    lora_rank: int | None = None,
+    before_plan: Callable[[MergeInputs], None] | None = None,
+) -> PreparedMerge:
+    """The input step and the plan, shared by both doors (``before_plan``: the door's own
+    checks on the opened inputs)."""
+    inputs = open_inputs(
+        models,
+        options,
+        labels=labels,
+        stats=stats,
+        base=base,
+        open_model=open_model,
+        data=data,
+        tokenizer=tokenizer,
+        lora_rank=lora_rank,
+    )
+    if before_plan is not None:
+        before_plan(inputs)
+    return PreparedMerge(inputs, make_plan(inputs, folder=folder))

@@ -1,0 +1,180 @@
+"""The input step both front doors share: the models opened as tensor sources, the
+statistics, base and data a method needs checked against what the registry says it
+takes, before any work; and the record of the inputs written to ``lmdx_merge.json``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .._errors import MergeError
+from ..files.identity import file_sha256
+from ..files.peft import LoraAdapter, is_adapter_folder
+from ..files.st import check_same_modules, sentence_transformer
+from ..stats.file import Statistics
+from ..stats.format import INDEX_NAME
+from .lora import LoraExport, check_lora_export
+from .options import MergeOptions
+from .plan import Block, content_sha256, open_stats
+from .registry import MergeMethod, method_named, methods
+from .source import AdapterSource, TensorSource
+
+__all__ = ["MergeInputs", "inputs_record", "model_labels", "open_inputs", "st_files"]
+
+
+@dataclass
+class MergeInputs:
+    """Everything a merge reads, checked: the method and its options, the models as
+    tensor sources with their names, the statistics (one per model, for methods that need
+    them), the base (for methods that merge task vectors), the data (methods that take
+    data) and what the method prepared (RegMean++'s blocks)."""
+
+    method: MergeMethod
+    options: MergeOptions
+    sources: list[TensorSource]
+    labels: list[str]
+    stats: list[Statistics] | None = None
+    base: TensorSource | None = None
+    data: Sequence[Any] | None = None
+    tokenizer: Any = None
+    lora: LoraExport | None = None
+    blocks: list[Block] | None = None
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def adapters(self) -> bool:
+        """Whether any model is a LoRA adapter over the base."""
+        return any(isinstance(s, AdapterSource) for s in self.sources)
+
+
+def model_labels(models: Sequence[Any], labels: Sequence[str] | None) -> list[str]:
+    """The models' names for messages and the report: ``labels``, or their paths (or
+    ``model0``...)."""
+    if labels is None:
+        return [
+            str(m) if isinstance(m, (str, os.PathLike)) else f"model{i}"
+            for i, m in enumerate(models)
+        ]
+    if len(labels) != len(models):
+        raise MergeError(f"labels: {len(labels)} names for {len(models)} models")
+    return list(labels)
+
+
+def _open_models(
+    models: Sequence[Any],
+    labels: Sequence[str],
+    base: TensorSource | None,
+    open_model: Callable[[Any, str], TensorSource],
+) -> list[TensorSource]:
+    """Every model as a tensor source: a PEFT LoRA adapter folder over ``base``
+    (:class:`AdapterSource`), anything else by ``open_model(model, label)``."""
+    sources: list[TensorSource] = []
+    for i, (m, label) in enumerate(zip(models, labels, strict=True)):
+        if isinstance(m, (str, os.PathLike)) and is_adapter_folder(m):
+            if base is None:
+                raise MergeError(
+                    f"models[{i}] {m}: a LoRA adapter folder; give base= (the model folder it "
+                    "adapts; in a merge config: base:)"
+                )
+            sources.append(AdapterSource(base, LoraAdapter.load(m, label), label))
+        else:
+            sources.append(open_model(m, label))
+    return sources
+
+
+def base_users() -> list[str]:
+    """The registered methods that take a base model."""
+    return [m.name for m in methods().values() if m.needs_base]
+
+
+def open_inputs(
+    models: Sequence[Any],
+    options: MergeOptions,
+    *,
+    labels: Sequence[str],
+    stats: Sequence[Any] | None,
+    base: Any,
+    open_model: Callable[[Any, str], TensorSource],
+    data: Sequence[Any] | None = None,
+    tokenizer: Any = None,
+    lora_rank: int | None = None,
+) -> MergeInputs:
+    """The input step: open ``models`` (and ``base``) with ``open_model`` and check that
+    the method gets the statistics, base and data it takes, and nothing else."""
+    method = method_named(options.method)
+    base_source = None if base is None else open_model(base, "base")
+    sources = _open_models(models, labels, base_source, open_model)
+    adapters = any(isinstance(s, AdapterSource) for s in sources)
+    if base is not None and not method.needs_base and not adapters:
+        raise MergeError(
+            f"base: used by LoRA adapters (models that are adapter folders) and by "
+            f"{', '.join(base_users())}, not by {method.name} of full models"
+        )
+    lora = (
+        None if lora_rank is None else LoraExport(check_lora_export(sources, lora_rank), lora_rank)
+    )
+    stat_objs = open_stats(stats, method.stats, method.name, len(sources), labels)
+    if method.needs_base and base_source is None:
+        raise MergeError(f"{method.name} needs base= (the pre-trained model)")
+    if data is not None and not method.takes_data:
+        users = [m.name for m in methods().values() if m.takes_data]
+        raise MergeError(f"data: only method {', '.join(users)} takes data, not {method.name!r}")
+    inputs = MergeInputs(
+        method,
+        options,
+        sources,
+        list(labels),
+        stat_objs,
+        base_source if method.needs_base else None,
+        data,
+        tokenizer,
+        lora,
+    )
+    method.check(inputs)
+    return inputs
+
+
+def st_files(folders: Sequence[Any], labels: Sequence[str]) -> dict[str, bytes]:
+    """The sentence-transformers files a merged folder gets (none for other models); the
+    models' modules must agree (:func:`lmdx.files.st.check_same_modules`)."""
+    found = [
+        sentence_transformer(f) if isinstance(f, (str, os.PathLike)) and Path(f).is_dir() else None
+        for f in folders
+    ]
+    check_same_modules(found, labels)
+    return {} if found[0] is None else found[0].output_files()
+
+
+def _stats_sha256(stats: Statistics | None) -> str | None:
+    """SHA-256 of a statistics file, or of a sharded folder's index (which names every
+    shard and the collection id each shard carries)."""
+    if stats is None or not stats.source:
+        return None
+    path = Path(stats.source)
+    if path.is_dir():
+        path = path / INDEX_NAME
+    return file_sha256(path) if path.is_file() else None
+
+
+def inputs_record(inputs: MergeInputs) -> dict[str, Any]:
+    """Per input model: path (and, for an adapter, its base's), architecture, size,
+    content hash (:func:`lmdx.merge.plan.content_sha256`), statistics file and its hash."""
+    out = {}
+    stats = list(inputs.stats) if inputs.stats else [None] * len(inputs.sources)
+    for src, s in zip(inputs.sources, stats, strict=True):
+        entry = {
+            "path": None if src.path is None else os.path.abspath(src.path),
+            "architecture": src.architecture(),
+            "bytes": src.total_bytes(),
+            "weights_sha256": content_sha256(src),
+            "stats": None if s is None else s.source,
+            "stats_sha256": _stats_sha256(s),
+        }
+        if isinstance(src, AdapterSource):
+            base = src.base.path
+            entry["base"] = None if base is None else os.path.abspath(base)
+        out[src.label] = entry
+    return out
