@@ -27,6 +27,7 @@ from .methods import (
     task_vector_tensor,
 )
 from .options import MergeOptions
+from .output_blocks import output_block_size, solve_in_output_blocks
 from .plan import MergePlan, Step
 from .source import TensorSource
 
@@ -201,11 +202,15 @@ def solve_regmean_step(
                 lora.add_update(w, update)
     else:
         # The K models' weights and Grams are read, and the Grams checked against their
-        # SHA-256, on the CPUs available: reading and hashing release the GIL.
+        # SHA-256, on the CPUs available: reading and hashing release the GIL. A group too
+        # large for the solve's memory budget is read and solved in blocks of output rows.
+        block = None if lora is not None else output_block_size(step, sources)
         with ThreadPoolExecutor(min(len(stats), default_threads()), "lmdx-read") as pool:
             grams_read = pool.map(lambda s: s.gram_stored(step.modules[0]), stats)
-            weights = [[s.read(w) for w in step.tensors] for s in sources]
+            weights = [] if block else [[s.read(w) for w in step.tensors] for s in sources]
             grams = list(grams_read)
+        if block:
+            return solve_in_output_blocks(step, sources, stats, grams, labels, options, block)
         solved, layers = solve_group(step.modules, weights, grams, stats, labels, options)
         del weights, grams
         if lora is not None:
