@@ -18,10 +18,11 @@ from hypothesis import strategies as st
 from lmdx import MergeError
 from lmdx.files import Checkpoint
 from lmdx.merge import stream_merge
-from lmdx.merge.methods import solve_group
+from lmdx.merge.methods import average_tensor, solve_group
 from lmdx.merge.options import MergeOptions
 from lmdx.merge.output_blocks import (
     SOLVE_MEMORY_ENV,
+    average_in_blocks,
     output_block_rows,
     output_block_size,
     solve_in_output_blocks,
@@ -189,3 +190,32 @@ def test_stream_merge_in_blocks_equals_the_whole_merge(tmp_path, monkeypatch):
     for n in a.names():
         x, y = np.asarray(a.read(n), np.float64), np.asarray(b.read(n), np.float64)
         assert np.abs(x - y).max() <= 1e-6 * max(np.abs(x).max(), 1e-30), n
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    k=st.integers(1, 4),
+    shape=st.tuples(st.integers(1, 40), st.integers(1, 7)),
+    budget=st.integers(1, 4000),
+    weighted=st.booleans(),
+)
+def test_averages_in_blocks_equal_the_formula_and_the_whole_average(
+    seed, k, shape, budget, weighted
+):
+    rng = np.random.default_rng(seed)
+    values = [rng.standard_normal(shape) for _ in range(k)]
+    sources = [StateDictSource({"e": torch.from_numpy(v)}, f"m{i}") for i, v in enumerate(values)]
+    coef = tuple(rng.uniform(0.1, 2.0, k)) if weighted else None
+    options = MergeOptions(method="average", coefficients=coef, n_threads=1)
+    got = average_in_blocks("e", sources, options, budget)
+    c = np.ones(k) if coef is None else np.asarray(coef)
+    ref = sum(ci * v for ci, v in zip(c, values, strict=True)) / c.sum()
+    row = shape[1] * (k * 12 + 16)
+    if row * shape[0] <= budget:
+        assert got is None
+        return
+    assert got is not None and got.dtype == np.float64
+    assert np.abs(got - ref).max() <= 1e-14 * max(np.abs(ref).max(), 1.0)
+    whole = average_tensor("e", values, options)
+    assert got.tobytes() == whole.tobytes()

@@ -27,7 +27,7 @@ from .methods import (
     task_vector_tensor,
 )
 from .options import MergeOptions
-from .output_blocks import output_block_size, solve_in_output_blocks
+from .output_blocks import average_in_blocks, output_block_size, solve_in_output_blocks
 from .plan import MergePlan, Step
 from .source import TensorSource
 
@@ -129,6 +129,10 @@ class Executor:
 
     def _tensor(self, name: str, kind: str) -> Any:
         """Merged tensor ``name`` by a one-tensor method (``kind``)."""
+        if kind == "average" and self.lora is None:  # large ones in blocks of rows
+            blocked = average_in_blocks(name, self.sources, self.options)
+            if blocked is not None:
+                return blocked
         reads = [s.read(name) for s in self.sources]
         if kind == "copy":  # e.g. integer buffers: the first model's, as a copy
             return reads[0].clone() if hasattr(reads[0], "clone") else reads[0]

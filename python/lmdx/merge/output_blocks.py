@@ -8,6 +8,10 @@ whole solve's to rounding (tests/merge/test_output_blocks.py, against NumPy floa
 each block refactors the system, which costs at most a sixth of its products (a block has
 at least as many rows as the layer has inputs).
 
+Averaged tensors larger than the budget (a Llama-3.1-8B's embeddings: 128256 × 4096) are
+averaged the same way, block by block of rows; an average is element-wise, so the blocks
+give the whole average's numbers.
+
 Peak memory while a group is solved is about ``(4K + 24)·d²`` bytes for the K packed
 input Grams and the solver's ``d × d`` matrices, plus ``d·(K·(b + 4) + 30)`` bytes per
 output row solved at once (``b``: the stored bytes per weight). The budget is
@@ -28,7 +32,7 @@ from .._errors import MergeError
 from .._util import parse_size
 from ..files import Checkpoint
 from ..stats.file import Statistics
-from .methods import cast_merged, solve_group
+from .methods import average_tensor, cast_merged, solve_group
 from .options import MergeOptions
 from .plan import Step
 from .source import StateDictSource, TensorSource
@@ -36,6 +40,7 @@ from .source import StateDictSource, TensorSource
 __all__ = [
     "DEFAULT_SOLVE_MEMORY",
     "SOLVE_MEMORY_ENV",
+    "average_in_blocks",
     "output_block_rows",
     "output_block_size",
     "solve_in_output_blocks",
@@ -151,3 +156,31 @@ def solve_in_output_blocks(
             parts[m].append(info)
         n_blocks += 1
     return merged, {m: _combined(infos, n_blocks) for m, infos in parts.items()}
+
+
+def average_in_blocks(
+    name: str, sources: Sequence[TensorSource], options: MergeOptions, budget: int | None = None
+) -> NDArray[Any] | None:
+    """The coefficient-weighted average of tensor ``name``, cast to its stored dtype,
+    computed block by block of rows within ``budget`` bytes (:func:`solve_memory` when
+    None), each block's rows read alone; None when the whole average fits (or the tensor
+    has fewer than two dimensions, or a source is neither a checkpoint nor in memory)."""
+    first = sources[0]
+    shape = tuple(int(n) for n in first.shape(name))
+    if len(shape) < 2 or not all(isinstance(s, (Checkpoint, StateDictSource)) for s in sources):
+        return None
+    stored = max(_STORED_BYTES.get(s.dtype(name), 8) for s in sources)
+    per_row = int(np.prod(shape[1:])) * (len(sources) * (stored + 4) + 8 + stored)
+    budget = solve_memory() if budget is None else budget
+    if per_row * shape[0] <= budget:
+        return None
+    block = max(1, budget // per_row)
+    merged: NDArray[Any] | None = None
+    for r0 in range(0, shape[0], block):
+        r1 = min(shape[0], r0 + block)
+        value = average_tensor(name, [_rows(s, name, r0, r1) for s in sources], options)
+        part = cast_merged(name, value, first.dtype(name))
+        if merged is None:
+            merged = np.empty(shape, dtype=part.dtype)
+        merged[r0:r1] = part
+    return merged
