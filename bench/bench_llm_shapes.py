@@ -23,6 +23,13 @@ Steps, each a separate process whose wall time and peak RSS come from ``/usr/bin
    solver's float32/float64 choice per group, and whether the Ray merge's output equals
    the local one bit for bit.
 
+Each merge step's peak RSS (a RegMean group, or one tensor) comes from ``VmHWM``, reset
+before the step (``/proc/self/clear_refs``; this also resets what ``/usr/bin/time``
+reports, so a merge's peak is the largest step's). ``--step prepare`` (build + statistics)
+and ``--step merges`` (the merges, the check, the report) run the halves apart;
+``--no-ray`` leaves out the Ray merge; ``--extrapolate RESULTS_JSON`` prints the planning
+table of a full 32-layer merge for K = 2-8.
+
     python bench/bench_llm_shapes.py --workdir /tmp/lmdx-llm --scale 1   # the 8B shapes
     python bench/bench_llm_shapes.py --workdir /tmp/lmdx-llm --scale 2   # half: ~1/8 the work
 
