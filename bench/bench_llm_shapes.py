@@ -280,7 +280,7 @@ def _memory(d: int, m: int, k: int) -> tuple[float, int]:
     return (4 * k + 24) * d * d + d * (6 * k + 30) * block, -(-m // block)
 
 
-def extrapolate(path: Path, layers: int = 32, cores: int = 32) -> None:
+def extrapolate(path: Path, name: str = "merged-auto", layers: int = 32, cores: int = 32) -> None:
     """The planning table: a full 32-layer 8B merge of K models, each RegMean group's time
     and peak RSS measured (``results.json`` of a run, K = 3) and scaled to the full shapes
     and to K by its flops and by its memory as lmdx budgets it; the steps outside RegMean
@@ -288,15 +288,17 @@ def extrapolate(path: Path, layers: int = 32, cores: int = 32) -> None:
     the budget). Core-seconds: the wall times times the cores the merge process got on
     average (its CPU time / its wall time: a shared machine); a machine of c cores of
     this speed to itself: core-seconds / c (perfect scaling assumed); N such servers on
-    Ray: that / N (the groups spread evenly), but no less than lm_head (one group)."""
+    Ray: that / N (the groups spread evenly), but no less than lm_head (one group).
+    ``name``: the merge run (``NAME.json`` and ``NAME.log`` beside ``results.json``)."""
     res = json.loads(path.read_text())
     measured, full = res["shapes"], _shapes(1)
-    run = res["merged-auto"]
-    cpu = run.get("cpu_seconds")
-    if cpu is None:  # a results file from before cpu_seconds was recorded
-        text = (path.parent / "merged-auto.log").read_text()
-        cpu = sum(float(x) for x in re.findall(r"(?:User|System) time \(seconds\): ([\d.]+)", text))
-    busy = cpu / run["seconds"]  # cores the process had on average
+    run = json.loads((path.parent / f"{name}.json").read_text())
+    run["peak_rss"] = max(run["step_peaks"].values())
+    log = (path.parent / f"{name}.log").read_text()  # /usr/bin/time -v of the merge
+    cpu = sum(float(x) for x in re.findall(r"(?:User|System) time \(seconds\): ([\d.]+)", log))
+    wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): ([\d:.]+)", log)
+    assert wall is not None
+    busy = cpu / sum(float(x) * 60**i for i, x in enumerate(reversed(wall.group(1).split(":"))))
     shape_of = {**_groups(measured), "lm_head": (measured["hidden"], measured["vocab"])}
     full_of = {**_groups(full), "lm_head": (full["hidden"], full["vocab"])}
     baseline = min(run["step_peaks"].values())
@@ -350,7 +352,7 @@ def main() -> None:
     ap.add_argument("--extrapolate", metavar="RESULTS_JSON", help="print the planning table")
     args = ap.parse_args()
     if args.extrapolate:
-        return extrapolate(Path(args.extrapolate))
+        return extrapolate(Path(args.extrapolate), args.out)
     if args.step == "build":
         return build(args)
     if args.step == "merge":
