@@ -219,3 +219,44 @@ def test_averages_in_blocks_equal_the_formula_and_the_whole_average(
     assert np.abs(got - ref).max() <= 1e-14 * max(np.abs(ref).max(), 1.0)
     whole = average_tensor("e", values, options)
     assert got.tobytes() == whole.tobytes()
+
+
+RAY_SCRIPT = """
+import sys
+import numpy as np
+from lmdx.files import Checkpoint
+from lmdx.merge import stream_merge
+paths, stats, out = sys.argv[1:4], sys.argv[4:7], sys.argv[7]
+kw = {"stats": stats, "alpha": 0.9, "progress": False}
+local = stream_merge(paths, out + "/local", **kw)
+remote = stream_merge(paths, out + "/ray", ray_workers=2, **kw)
+blocks = max(v.get("output_blocks", 1) for v in remote.report["layers"].values())
+a, b = Checkpoint(local.out_dir), Checkpoint(remote.out_dir)
+same = a.names() == b.names() and all(np.array_equal(a.read(n), b.read(n)) for n in a.names())
+print("RESULT", remote.report["ray_workers"], blocks > 1, same,
+      remote.report["layers"] == local.report["layers"])
+"""
+
+
+def test_blocks_on_ray_workers_give_the_local_merge(tmp_path):
+    """Ray workers solve through the same step, with the budget of their environment (a
+    Ray that lmdx starts inherits it): the same blocks, bit-identical tensors."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("ray")
+    _, models, batches = H.cached_family("llama")
+    paths, stats = [], []
+    for i, (m, b) in enumerate(zip(models, batches, strict=True)):
+        m.save_pretrained(tmp_path / f"m{i}")
+        paths.append(str(tmp_path / f"m{i}"))
+        stats.append(str(H.collect(m, b).save(tmp_path / f"s{i}.safetensors")))
+    env = {**os.environ, SOLVE_MEMORY_ENV: "1B", "LMDX_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", RAY_SCRIPT, *paths, *stats, str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")]
+    assert result == ["RESULT 2 True True True"], out.stdout[-2000:]
