@@ -23,6 +23,13 @@ Steps, each a separate process whose wall time and peak RSS come from ``/usr/bin
    solver's float32/float64 choice per group, and whether the Ray merge's output equals
    the local one bit for bit.
 
+Each merge step's peak RSS (a RegMean group, or one tensor) comes from ``VmHWM``, reset
+before the step (``/proc/self/clear_refs``; this also resets what ``/usr/bin/time``
+reports, so a merge's peak is the largest step's). ``--step prepare`` (build + statistics)
+and ``--step merges`` (the merges, the check, the report) run the halves apart;
+``--no-ray`` leaves out the Ray merge; ``--extrapolate RESULTS_JSON`` prints the planning
+table of a full 32-layer merge for K = 2-8.
+
     python bench/bench_llm_shapes.py --workdir /tmp/lmdx-llm --scale 1   # the 8B shapes
     python bench/bench_llm_shapes.py --workdir /tmp/lmdx-llm --scale 2   # half: ~1/8 the work
 
@@ -62,7 +69,8 @@ def _timed(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> dict
     found = re.search(r"Maximum resident set size \(kbytes\): (\d+)", text)
     if proc.returncode != 0 or found is None:
         sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{text[-3000:]}")
-    return {"seconds": wall, "peak_rss": int(found.group(1)) * 1024}
+    cpu = sum(float(x) for x in re.findall(r"(?:User|System) time \(seconds\): ([\d.]+)", text))
+    return {"seconds": wall, "peak_rss": int(found.group(1)) * 1024, "cpu_seconds": cpu}
 
 
 def _shapes(scale: int) -> dict[str, int]:
@@ -119,32 +127,64 @@ def build(args: argparse.Namespace) -> None:
     print(json.dumps({"parameters": sum(t.numel() for t in base.values())}))
 
 
+def _peak_reset() -> None:
+    """Start a new peak: VmHWM := VmRSS (Linux ``clear_refs`` 5)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def _peak() -> int:
+    """This process's peak resident set since the last :func:`_peak_reset`, bytes."""
+    found = re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text())
+    assert found is not None
+    return int(found.group(1)) * 1024
+
+
 def merge(args: argparse.Namespace) -> None:
-    """One merge in this process, each RegMean group's solve timed."""
+    """One merge in this process: each RegMean group's solve timed, and each step's
+    (group's or tensor's) peak RSS from VmHWM, reset before the step."""
     import lmdx.merge.engine as engine
+    import lmdx.merge.output_blocks as blocks
     from lmdx.merge import stream_merge
 
     times: dict[str, float] = {}
-    solve = engine.solve_regmean_step
+    peaks: dict[str, int] = {}
+    group_peaks: dict[str, int] = {}
+    solve, result = engine.solve_regmean_step, engine.Executor.result
 
     def timed_solve(step: Any, *a: Any, **k: Any) -> Any:
         t0 = time.perf_counter()
         out = solve(step, *a, **k)
         times[step.modules[0]] = time.perf_counter() - t0
+        group_peaks[step.modules[0]] = _peak()  # reset by measured_result
+        return out
+
+    def measured_result(self: Any, name: str) -> Any:
+        if name in self.ready:
+            return result(self, name)
+        _peak_reset()
+        out = result(self, name)
+        peaks[name] = _peak()
         return out
 
     engine.solve_regmean_step = timed_solve  # type: ignore[assignment]
+    engine.Executor.result = measured_result  # type: ignore[method-assign]
     work = Path(args.workdir)
     raw = work / f"{args.out}-raw"
     raw.mkdir(exist_ok=True)
-    cast = engine.cast_merged
+    parts: dict[str, int] = {}
 
-    def kept_cast(name: str, value: Any, dtype: Any) -> Any:
-        if name.startswith("model.layers.0.") and name.endswith("proj.weight"):
-            np.save(raw / f"{name}.npy", np.asarray(value, dtype=np.float64))
-        return cast(name, value, dtype)
+    def keeping(cast: Any) -> Any:
+        def kept_cast(name: str, value: Any, dtype: Any) -> Any:
+            if name.startswith("model.layers.0.") and name.endswith("proj.weight"):
+                part = parts[name] = parts.get(name, -1) + 1  # blocks come in order
+                np.save(raw / f"{name}.{part}.npy", np.asarray(value, dtype=np.float64))
+            return cast(name, value, dtype)
 
-    engine.cast_merged = kept_cast  # type: ignore[assignment]
+        return kept_cast
+
+    engine.cast_merged = keeping(engine.cast_merged)  # type: ignore[assignment]
+    blocks.cast_merged = keeping(blocks.cast_merged)  # type: ignore[assignment]
+    t0 = time.perf_counter()
     res = stream_merge(
         [work / f"m{i}" for i in range(3)],
         work / args.out,
@@ -154,8 +194,18 @@ def merge(args: argparse.Namespace) -> None:
         ray_workers=args.ray_workers,
         progress=False,
     )
-    layers = {m: v.get("precision") for m, v in res.report["layers"].items()}
-    (work / f"{args.out}.json").write_text(json.dumps({"group_seconds": times, "layers": layers}))
+    seconds = time.perf_counter() - t0
+    layers = res.report["layers"]
+    summary = {
+        "merge_seconds": seconds,
+        "group_seconds": times,
+        "step_peaks": peaks,
+        "group_peaks": group_peaks,
+        "layers": {m: v.get("precision") for m, v in layers.items()},
+        "output_blocks": {m: v.get("output_blocks", 1) for m, v in layers.items()},
+        "estimates": {m: v.get("output_error_estimate") for m, v in layers.items()},
+    }
+    (work / f"{args.out}.json").write_text(json.dumps(summary))
 
 
 def _read(folder: Path, name: str) -> np.ndarray:
@@ -191,7 +241,15 @@ def check(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         del grams, rhs
         for out in ("merged-auto", "merged-float64"):
             raw = work / f"{out}-raw"
-            got = np.concatenate([np.load(raw / f"{m}.weight.npy") for m in members])
+            got = np.concatenate(
+                [
+                    np.load(f)
+                    for m in members
+                    for f in sorted(
+                        raw.glob(f"{m}.weight.*.npy"), key=lambda f: int(f.name.rsplit(".", 2)[1])
+                    )
+                ]
+            )
             err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
             errors.setdefault(out, {})[shape] = err
     return errors
@@ -208,42 +266,73 @@ def _groups(shapes: dict[str, int]) -> dict[str, tuple[int, int]]:
     }
 
 
-def _flops(d: int, m: int, k: int) -> float:
-    """A group's solve: K products G_i W_i, the triangular solves, the Cholesky."""
-    return 2.0 * k * d * d * m + 2.0 * d * d * m + d**3 / 3
+def _flops(d: int, m: int, k: int, blocks: int = 1) -> float:
+    """A group's solve: K - 1 products with the Grams' differences, the triangular solves,
+    one Cholesky per block of output rows."""
+    return 2.0 * k * d * d * m + blocks * d**3 / 3
 
 
-def extrapolate(path: Path, layers: int = 32) -> None:
-    """The planning table: a full 8B merge's time from the measured rate of the decoder
-    layers' groups (flops per second at the measured scale, K = 3), and its memory from
-    the measured peak RSS scaled with the largest group's K float64 weights and Grams."""
+def _memory(d: int, m: int, k: int) -> tuple[float, int]:
+    """A group's solve memory as lmdx budgets it (bfloat16 weights) and its blocks."""
+    from lmdx.merge.output_blocks import DEFAULT_SOLVE_MEMORY, output_block_rows
+
+    block = output_block_rows(d, m, k, 2, DEFAULT_SOLVE_MEMORY)
+    return (4 * k + 24) * d * d + d * (6 * k + 30) * block, -(-m // block)
+
+
+def extrapolate(path: Path, name: str = "merged-auto", layers: int = 32, cores: int = 32) -> None:
+    """The planning table: a full 32-layer 8B merge of K models, each RegMean group's time
+    and peak RSS measured (``results.json`` of a run, K = 3) and scaled to the full shapes
+    and to K by its flops and by its memory as lmdx budgets it; the steps outside RegMean
+    (embeddings, norms) scaled with K in time, as measured in memory (in blocks within
+    the budget). Core-seconds: the wall times times the cores the merge process got on
+    average (its CPU time / its wall time: a shared machine); a machine of c cores of
+    this speed to itself: core-seconds / c (perfect scaling assumed); N such servers on
+    Ray: that / N (the groups spread evenly), but no less than lm_head (one group).
+    ``name``: the merge run (``NAME.json`` and ``NAME.log`` beside ``results.json``)."""
     res = json.loads(path.read_text())
     measured, full = res["shapes"], _shapes(1)
-    auto = res["merged-auto"]["group_seconds"]
-    flops = seconds = 0.0
-    for name, t in auto.items():
-        if name.startswith("model.layers."):
-            d, m = _groups(measured)[name.split(".", 3)[3]]
-            flops, seconds = flops + _flops(d, m, 3), seconds + t
-    rate = flops / seconds
-    heads = (measured["hidden"], measured["vocab"]), (full["hidden"], full["vocab"])
-    rss = res["merged-auto"]["peak_rss"]
-
-    def largest(shapes: dict[str, int], head: tuple[int, int], k: int, with_head: bool) -> float:
-        groups = list(_groups(shapes).values()) + ([head] if with_head else [])
-        return max(8.0 * k * (d * m + d * d) for d, m in groups)
-
-    print(f"measured: {rate / 1e9:.1f} GFLOP/s over the decoder layers' groups, K = 3, "
-          f"{res['args']['scale']}× smaller shapes; merge peak RSS {rss / 1e9:.2f} GB")  # fmt: skip
-    print("\n| K | s per layer | 32 layers h | lm_head s | peak GB, lm_head RegMean | "
-          "peak GB, lm_head averaged |\n|---|---:|---:|---:|---:|---:|")  # fmt: skip
-    base = largest(measured, heads[0], 3, True)
-    for k in (2, 3, 4, 8):
-        layer = sum(_flops(d, m, k) for d, m in _groups(full).values()) / rate
-        head = _flops(*heads[1], k) / rate
-        peaks = [rss * largest(full, heads[1], k, w) / base for w in (True, False)]
-        print(f"| {k} | {layer:.0f} | {layers * layer / 3600:.1f} | {head:.0f} | "
-              f"{peaks[0] / 1e9:.0f} | {peaks[1] / 1e9:.0f} |")  # fmt: skip
+    run = json.loads((path.parent / f"{name}.json").read_text())
+    run["peak_rss"] = max(run["step_peaks"].values())
+    log = (path.parent / f"{name}.log").read_text()  # /usr/bin/time -v of the merge
+    cpu = sum(float(x) for x in re.findall(r"(?:User|System) time \(seconds\): ([\d.]+)", log))
+    wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): ([\d:.]+)", log)
+    assert wall is not None
+    busy = cpu / sum(float(x) * 60**i for i, x in enumerate(reversed(wall.group(1).split(":"))))
+    shape_of = {**_groups(measured), "lm_head": (measured["hidden"], measured["vocab"])}
+    full_of = {**_groups(full), "lm_head": (full["hidden"], full["vocab"])}
+    baseline = min(run["step_peaks"].values())
+    n_layers = res["args"]["layers"]
+    print(f"measured: K = 3, shapes / {res['args']['scale']}, {n_layers} layers; merge "
+          f"{run['merge_seconds']:.0f} s wall, {cpu:.0f} CPU s ({busy:.2f} cores on average), "
+          f"peak RSS {run['peak_rss'] / 1e9:.2f} GB")  # fmt: skip
+    print("\n| K | s per layer (as measured) | 32 layers + lm_head, h: as measured / "
+          f"2 idle cores | peak RSS GB (step) | {cores}-core server, min | lm_head on "
+          f"{cores} cores, min |\n|---:|---:|---:|---:|---:|---:|")  # fmt: skip
+    other = run["merge_seconds"] - sum(run["group_seconds"].values())
+    solved = {t for t in run["step_peaks"] if t.endswith("proj.weight") or t == "lm_head.weight"}
+    for k in (2, 3, 4, 5, 6, 8):
+        layer = head = 0.0
+        peaks: list[tuple[float, str]] = []
+        for name, t in run["group_seconds"].items():
+            kind = "lm_head" if name == "lm_head" else name.split(".", 3)[3]
+            (d0, m0), (d, m) = shape_of[kind], full_of[kind]
+            mem0, blocks0 = _memory(d0, m0, 3)
+            mem, blocks = _memory(d, m, k)
+            seconds = t * _flops(d, m, k, blocks) / _flops(d0, m0, 3, blocks0)
+            if kind == "lm_head":
+                head = seconds
+            else:
+                layer += seconds / n_layers
+            peak = baseline + (run["group_peaks"][name] - baseline) * mem / mem0
+            peaks.append((peak, kind))
+        peaks += [(p, t) for t, p in run["step_peaks"].items() if t not in solved]
+        total = layers * layer + head + other * k / 3
+        core_s = total * busy
+        top = max(peaks)
+        print(f"| {k} | {layer:.0f} | {total / 3600:.1f} / {core_s / 2 / 3600:.1f} | "
+              f"{top[0] / 1e9:.1f} ({top[1]}) | {core_s / cores / 60:.1f} | "
+              f"{head * busy / cores / 60:.1f} |")  # fmt: skip
 
 
 def main() -> None:
@@ -255,27 +344,34 @@ def main() -> None:
     ap.add_argument("--max-length", type=int, default=128)
     ap.add_argument("--max-memory", default="4GB", help="lmdx stats --max-memory (4GB)")
     ap.add_argument("--alpha", type=float, default=0.9)
-    ap.add_argument("--step", choices=("all", "build", "merge"), default="all")
+    ap.add_argument("--step", choices=("all", "prepare", "merges", "build", "merge"), default="all")
     ap.add_argument("--out", default="merged-auto")
     ap.add_argument("--precision", default="auto")
     ap.add_argument("--ray-workers", type=int, default=0)
+    ap.add_argument("--no-ray", action="store_true", help="skip the merge on a local Ray")
     ap.add_argument("--extrapolate", metavar="RESULTS_JSON", help="print the planning table")
     args = ap.parse_args()
     if args.extrapolate:
-        return extrapolate(Path(args.extrapolate))
+        return extrapolate(Path(args.extrapolate), args.out)
     if args.step == "build":
         return build(args)
     if args.step == "merge":
         return merge(args)
 
     work = Path(args.workdir)
+    me = [sys.executable, str(HERE), "--workdir", str(work), "--scale", str(args.scale),
+          "--layers", str(args.layers), "--alpha", str(args.alpha)]  # fmt: skip
+    if args.step in ("all", "prepare"):
+        prepare(args, work, me)
+    if args.step in ("all", "merges"):
+        merges(args, work, me)
+
+
+def prepare(args: argparse.Namespace, work: Path, me: list[str]) -> None:
+    """Build the three copies and collect their statistics (``results.json``)."""
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
-    from lmdx.files import Checkpoint
-
-    me = [sys.executable, str(HERE), "--workdir", str(work), "--scale", str(args.scale),
-          "--layers", str(args.layers), "--alpha", str(args.alpha)]  # fmt: skip
     lmdx = [sys.executable, "-m", "lmdx"]
     res: dict[str, Any] = {"args": vars(args), "shapes": _shapes(args.scale)}
     res["build"] = _timed([*me, "--step", "build"], work / "build.log")
@@ -290,18 +386,28 @@ def main() -> None:
         )  # fmt: skip
         files = [out] if out.is_file() else list(out.rglob("*"))
         res[f"stats{i}"]["bytes"] = sum(f.stat().st_size for f in files if f.is_file())
-    for name, extra in (
-        ("merged-auto", []),
-        ("merged-float64", ["--precision", "float64"]),
-        ("merged-ray", ["--ray-workers", "2"]),
-    ):
+    (work / "results.json").write_text(json.dumps(res, indent=1))
+
+
+def merges(args: argparse.Namespace, work: Path, me: list[str]) -> None:
+    """The merges of the prepared copies, their agreement, the report."""
+    from lmdx.files import Checkpoint
+
+    res = json.loads((work / "results.json").read_text())
+    runs = [("merged-auto", []), ("merged-float64", ["--precision", "float64"])]
+    if not args.no_ray:
+        runs.append(("merged-ray", ["--ray-workers", "2"]))
+    for name, extra in runs:
         res[name] = _timed([*me, "--step", "merge", "--out", name, *extra], work / f"{name}.log")
         res[name].update(json.loads((work / f"{name}.json").read_text()))
+        # the per-step resets of VmHWM also reset what /usr/bin/time reports
+        res[name]["peak_rss"] = max(res[name]["peak_rss"], *res[name]["step_peaks"].values())
     res["errors"] = check(args)
-    a, b = Checkpoint(work / "merged-auto"), Checkpoint(work / "merged-ray")
-    res["ray_bit_identical"] = a.names() == b.names() and all(
-        np.array_equal(a.read(n), b.read(n)) for n in a.names()
-    )
+    if not args.no_ray:
+        a, b = Checkpoint(work / "merged-auto"), Checkpoint(work / "merged-ray")
+        res["ray_bit_identical"] = a.names() == b.names() and all(
+            np.array_equal(a.read(n), b.read(n)) for n in a.names()
+        )
     (work / "results.json").write_text(json.dumps(res, indent=1))
     _report(res)
 
@@ -318,13 +424,25 @@ def _report(res: dict[str, Any]) -> None:
         print(f"| lmdx stats m{i} | {r['seconds']:.0f} | {r['peak_rss'] / gb:.2f} | "
               f"{r['bytes'] / gb:.2f} |")  # fmt: skip
     for name in ("merged-auto", "merged-float64", "merged-ray"):
+        if name not in res:
+            continue
         r = res[name]
         print(f"| {name} | {r['seconds']:.0f} | {r['peak_rss'] / gb:.2f} | |")
-    print("\n| group | auto s | auto precision | float64 s |\n|---|---:|---|---:|")
+    print("\n| group | auto s | auto precision | auto blocks | auto step peak GB | float64 s | "
+          "float64 step peak GB |\n|---|---:|---|---:|---:|---:|---:|")  # fmt: skip
     auto, f64 = res["merged-auto"], res["merged-float64"]
     for g, t in auto["group_seconds"].items():
-        print(f"| {g} | {t:.1f} | {auto['layers'].get(g)} | {f64['group_seconds'][g]:.1f} |")
-    print(f"\nRay merge output equal to the local one bit for bit: {res['ray_bit_identical']}")
+        print(f"| {g} | {t:.1f} | {auto['layers'].get(g)} | {auto['output_blocks'].get(g)} | "
+              f"{auto['group_peaks'][g] / gb:.2f} | {f64['group_seconds'][g]:.1f} | "
+              f"{f64['group_peaks'][g] / gb:.2f} |")  # fmt: skip
+    for name in ("merged-auto", "merged-float64"):
+        steps = res[name]["step_peaks"]
+        solved = {t for t in steps if t.endswith("proj.weight") or t == "lm_head.weight"}
+        other = max((p, n) for n, p in steps.items() if n not in solved)
+        print(f"{name}: merge {res[name]['merge_seconds']:.0f} s in the process; largest "
+              f"step outside RegMean {other[1]}: {other[0] / gb:.2f} GB")  # fmt: skip
+    if "ray_bit_identical" in res:
+        print(f"\nRay merge output equal to the local one bit for bit: {res['ray_bit_identical']}")
     print("\n| merge | " + " | ".join(res["errors"]["merged-auto"]) + " |")
     print("|---|" + "---:|" * len(res["errors"]["merged-auto"]))
     for name, errs in res["errors"].items():

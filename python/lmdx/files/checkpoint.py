@@ -135,6 +135,15 @@ class Checkpoint:
         except ValueError as exc:
             raise MergeError(f"model {self.label}: {exc}") from None
 
+    def read_rows(self, name: str, start: int, stop: int) -> NDArray[Any]:
+        """Rows ``start:stop`` of a tensor (its first axis) as :meth:`read` returns them,
+        without reading the rest."""
+        handle = self._handle(name)
+        try:
+            return handle.get_rows(name, start, stop)
+        except ValueError as exc:
+            raise MergeError(f"model {self.label}: {exc}") from None
+
     def sha256(self, name: str) -> str:
         if name not in self._sha:
             self._sha[name] = self._handle(name).sha256(name)

@@ -285,6 +285,25 @@ class SafetensorsFile:
         out: NDArray[Any] = arr.reshape(e["shape"])
         return out
 
+    def get_rows(self, name: str, start: int, stop: int) -> NDArray[Any]:
+        """Rows ``start:stop`` of a tensor's first axis as :meth:`get_raw` returns them,
+        read alone (a contiguous range of the file)."""
+        e = self._entries[name]
+        shape = [int(n) for n in e["shape"]]
+        if not shape or not 0 <= start <= stop <= shape[0]:
+            raise ValueError(f"{self.path}: tensor {name!r} has no rows {start}:{stop}")
+        stored = numpy_dtype(ST_NUMPY[e["dtype"]])
+        little = stored.newbyteorder("<")
+        row = int(np.prod(shape[1:], dtype=np.int64))
+        count = (stop - start) * row
+        offset = self._data_start + e["data_offsets"][0] + start * row * little.itemsize
+        arr = np.fromfile(self.path, dtype=little, count=count, offset=offset)
+        if arr.size != count:
+            raise ValueError(f"{self.path}: tensor {name!r} is cut short")
+        arr = arr.view(stored) if little == stored else arr.astype(stored)
+        out: NDArray[Any] = arr.reshape([stop - start, *shape[1:]])
+        return out
+
     def get_tensor(self, name: str) -> NDArray[Any]:
         """The values as NumPy (bfloat16 widened to float32)."""
         arr = self.get_raw(name)

@@ -20,6 +20,7 @@ from ..stats.file import Statistics
 from .lora import LoraExport, low_rank_inputs, solve_group_low_rank
 from .methods import cast_merged, poorly_determined, solve_group
 from .options import MergeOptions
+from .output_blocks import average_in_blocks, output_block_size, solve_in_output_blocks
 from .plan import MergePlan, Step
 from .registry import method_named
 from .source import TensorSource
@@ -119,6 +120,10 @@ class Executor:
     def merge_tensor(self, name: str, kind: str) -> Any:
         """Merged tensor ``name`` by the one-tensor method ``kind`` (or ``"copy"``: the
         first model's), cast to its input dtype."""
+        if kind == "average" and self.lora is None:  # large ones in blocks of rows
+            blocked = average_in_blocks(name, self.sources, self.options)
+            if blocked is not None:
+                return blocked
         reads = [s.read(name) for s in self.sources]
         if kind == "copy":  # e.g. integer buffers: the first model's, as a copy
             return reads[0].clone() if hasattr(reads[0], "clone") else reads[0]
@@ -186,11 +191,15 @@ def solve_regmean_step(
                 lora.add_update(w, update)
     else:
         # The K models' weights and Grams are read, and the Grams checked against their
-        # SHA-256, on the CPUs available: reading and hashing release the GIL.
+        # SHA-256, on the CPUs available: reading and hashing release the GIL. A group too
+        # large for the solve's memory budget is read and solved in blocks of output rows.
+        block = None if lora is not None else output_block_size(step, sources)
         with ThreadPoolExecutor(min(len(stats), default_threads()), "lmdx-read") as pool:
             grams_read = pool.map(lambda s: s.gram_stored(step.modules[0]), stats)
-            weights = [[s.read(w) for w in step.tensors] for s in sources]
+            weights = [] if block else [[s.read(w) for w in step.tensors] for s in sources]
             grams = list(grams_read)
+        if block:
+            return solve_in_output_blocks(step, sources, stats, grams, labels, options, block)
         solved, layers = solve_group(step.modules, weights, grams, stats, labels, options)
         del weights, grams
         if lora is not None:

@@ -10,7 +10,7 @@ from numpy.typing import NDArray
 
 from .._errors import ModelMismatchError, StatisticsFileError
 from ..files.identity import describe_mismatch
-from .file import Statistics
+from .file import Statistics, coarsest_accumulation
 
 __all__ = ["add_statistics"]
 
@@ -21,17 +21,6 @@ def _same(field: str, values: Sequence[Any], names: Sequence[str]) -> None:
             raise StatisticsFileError(
                 f"cannot add statistics: {field} differs between {names[0]} and {n}"
             )
-
-
-#: Gram accumulations from the coarsest to the finest (see ``Statistics.accumulation``).
-_ACCUMULATIONS = ("mixed", "float64")
-
-
-def _coarsest(accumulations: Sequence[str | None]) -> str | None:
-    """The coarsest accumulation of the parts, or None if any part does not say."""
-    if any(a not in _ACCUMULATIONS for a in accumulations):
-        return None
-    return min(accumulations, key=_ACCUMULATIONS.index)
 
 
 def add_statistics(parts: Iterable[Statistics], *, data: str | None = None) -> Statistics:
@@ -86,9 +75,7 @@ def add_statistics(parts: Iterable[Statistics], *, data: str | None = None) -> S
     not_solved = {n: why for p in parts for n, why in p.not_solved.items()}
     if not_solved:  # what no part could collect stays said
         extra["not_solved"] = not_solved
-    accumulation = (
-        _coarsest([p.accumulation for p in parts]) if first.kind == "regmean-gram" else None
-    )
+    accumulation = coarsest_accumulation(parts) if first.kind == "regmean-gram" else None
     if accumulation is not None:  # the sum is as coarse as its coarsest part
         extra["accumulation"] = accumulation
     if "experts" in first.extra:

@@ -22,7 +22,7 @@ pickle is involved.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,20 @@ from .format import (
 from .packing import pack_upper, unpack_upper
 from .writer import StatisticsWriter
 
-__all__ = ["Statistics"]
+__all__ = ["ACCUMULATIONS", "Statistics", "coarsest_accumulation"]
+
+
+#: How Grams are accumulated, from the coarsest to the finest (``Statistics.accumulation``).
+ACCUMULATIONS = ("mixed", "float64")
+
+
+def coarsest_accumulation(parts: Sequence[Statistics]) -> str | None:
+    """The coarsest accumulation of ``parts`` (statistics combined from them are no finer),
+    or None if any part does not record one."""
+    found = [p.accumulation for p in parts]
+    if any(a not in ACCUMULATIONS for a in found):
+        return None
+    return min((str(a) for a in found), key=ACCUMULATIONS.index)
 
 
 class Statistics:

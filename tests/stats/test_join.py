@@ -1,0 +1,90 @@
+"""Statistics collected in parts over disjoint modules and joined (lmdx.stats.join).
+
+The parts of one collection (``include`` / ``exclude`` patterns) must hold, joined, the
+very numbers a single collection holds (bit for bit: the same activations summed in the
+same order), a merge from the joined parts must equal the merge from the single file bit
+for bit, and parts that do not belong together must be refused with a message naming
+them.
+"""
+
+from __future__ import annotations
+
+import hf_models as H
+import pytest
+from lmdx import ModelMismatchError, StatisticsFileError
+from lmdx.files import Checkpoint
+from lmdx.merge import stream_merge
+from lmdx.stats import Statistics
+from lmdx.stats.join import join_statistics
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+MLP = ["*mlp*"]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    root = tmp_path_factory.mktemp("join")
+    _, models, batches = H.cached_family("llama")
+    out = {"models": [], "whole": [], "parts": []}
+    for i, (m, b) in enumerate(zip(models, batches, strict=True)):
+        m.save_pretrained(root / f"m{i}")
+        out["models"].append(root / f"m{i}")
+        out["whole"].append(H.collect(m, b).save(root / f"s{i}.safetensors"))
+        out["parts"].append(
+            [
+                H.collect(m, b, include=MLP).save(root / f"s{i}-mlp.safetensors"),
+                H.collect(m, b, exclude=MLP).save(root / f"s{i}-rest.safetensors"),
+            ]
+        )
+    out["root"] = root
+    return out
+
+
+def test_joined_parts_hold_the_single_collection(llama, tmp_path):
+    for whole_path, part_paths in zip(llama["whole"], llama["parts"], strict=True):
+        whole = Statistics.load(whole_path)
+        parts = [Statistics.load(p) for p in part_paths]
+        assert all(p.modules for p in parts)  # both parts hold something
+        joined = join_statistics(parts)
+        assert joined.modules.keys() == whole.modules.keys()
+        assert joined.groups.keys() == whole.groups.keys()
+        for m in whole.modules:
+            assert joined.count(m) == whole.count(m)
+            assert joined.gram(m).tobytes() == whole.gram(m).tobytes()
+            assert joined.sum(m).tobytes() == whole.sum(m).tobytes()
+        assert joined.accumulation == whole.accumulation is not None
+        assert joined.extra["joined_from"] == [str(p) for p in part_paths]
+        saved = Statistics.load(joined.save(tmp_path / "joined.safetensors"))
+        for spec in whole.specs():
+            assert saved.packed(spec.name).tobytes() == whole.packed(spec.name).tobytes()
+
+
+def test_merge_from_joined_parts_equals_the_merge_from_one_file(llama, tmp_path):
+    kw = {"alpha": 0.9, "progress": False}
+    stream_merge(llama["models"], tmp_path / "one", stats=llama["whole"], **kw)
+    joined = [join_statistics(Statistics.load(p) for p in parts) for parts in llama["parts"]]
+    stream_merge(llama["models"], tmp_path / "parts", stats=joined, **kw)
+    a, b = Checkpoint(tmp_path / "one"), Checkpoint(tmp_path / "parts")
+    assert a.names() == b.names()
+    for n in a.names():
+        assert a.read(n).tobytes() == b.read(n).tobytes(), n
+
+
+def test_parts_that_do_not_belong_together_are_refused(llama):
+    mlp0, rest0 = (Statistics.load(p) for p in llama["parts"][0])
+    rest1 = Statistics.load(llama["parts"][1][1])
+    whole0 = Statistics.load(llama["whole"][0])
+    with pytest.raises(StatisticsFileError, match="no statistics to join"):
+        join_statistics([])
+    with pytest.raises(ModelMismatchError, match="cannot join statistics of different models"):
+        join_statistics([mlp0, rest1])
+    with pytest.raises(StatisticsFileError, match=r"module '.*mlp.*' is in .*s0-mlp.*and in"):
+        join_statistics([mlp0, whole0])
+    other = Statistics.load(llama["parts"][0][1])
+    other.data = "other texts"
+    with pytest.raises(StatisticsFileError, match="their data differs"):
+        join_statistics([mlp0, other])
+    fisher = Statistics(kind="fisher", model=mlp0.model, parameters={}, count=1.0)
+    with pytest.raises(StatisticsFileError, match="only RegMean Grams join"):
+        join_statistics([fisher, rest0])
