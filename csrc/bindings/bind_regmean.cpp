@@ -1,3 +1,5 @@
+#include <pybind11/typing.h>
+
 #include <optional>
 #include <sstream>
 #include <tuple>
@@ -46,6 +48,38 @@ std::tuple<py::array_t<double>, RegMeanInfo> regmean_merge_layer(
   return {out, info};
 }
 
+std::tuple<py::array_t<double>, SolveInfo> regmean_low_rank_solve(
+    const std::vector<py::array>& grams, const std::vector<py::array>& factors,
+    const std::vector<double>& counts, double alpha,
+    const std::optional<std::vector<double>>& coefficients, double ridge,
+    bool allow_regularization, const std::string& name, int n_threads) {
+  std::vector<ArrayView> g, a;
+  for (size_t i = 0; i < grams.size(); ++i) {
+    const int ndim = grams[i].ndim() == 1 ? 1 : 2;
+    g.push_back(float64_view(grams[i], name + ": grams[" + std::to_string(i) + "]", ndim));
+  }
+  for (size_t i = 0; i < factors.size(); ++i) {
+    a.push_back(float64_view(factors[i], name + ": factors[" + std::to_string(i) + "]", 2));
+  }
+  const std::vector<double> coef = coefficient_list(coefficients);
+  lmdx::SolveOptions opt;
+  opt.alpha = alpha;
+  opt.ridge = ridge;
+  opt.allow_regularization = allow_regularization;
+  opt.name = name;
+  opt.n_threads = n_threads;
+  lmdx::MatrixXd f;
+  SolveInfo info;
+  {
+    py::gil_scoped_release release;  // the views stay valid: the caller holds the arrays
+    info = lmdx::regmean_low_rank_solve(g, a, counts, coef, opt, f);
+  }
+  py::array_t<double> out = new_float64({f.rows(), f.cols()});
+  Eigen::Map<Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>(
+      out.mutable_data(), f.rows(), f.cols()) = f;
+  return {out, info};
+}
+
 }  // namespace
 
 void bind_regmean(py::module_& m) {
@@ -64,6 +98,14 @@ void bind_regmean(py::module_& m) {
                     "max_i max |W_i - mean| / max |mean|.")
       .def_readonly("unseen_directions", &RegMeanInfo::unseen_directions,
                     "Eigendirections below the statistics' noise floor, kept at the average.")
+      .def_property_readonly(
+          "timings",
+          [](const RegMeanInfo& s) {
+            py::typing::Dict<py::str, py::float_> out;  // in the order the phases ran
+            for (const auto& [phase, seconds] : s.timings) out[py::str(phase)] = seconds;
+            return out;
+          },
+          "Wall time per phase of the merge in seconds (a benchmark's breakdown).")
       .def("__repr__", [](const RegMeanInfo& s) {
         std::ostringstream out;
         out.precision(6);
@@ -82,6 +124,11 @@ void bind_regmean(py::module_& m) {
         py::arg("allow_regularization"), py::arg("name"), py::arg("n_threads"),
         "RegMean merge of one linear layer; grams full (d, d) or packed upper triangles.\n"
         "Returns (merged float64 weight in the layout of the inputs, RegMeanInfo).");
+  m.def("regmean_low_rank_solve", &regmean_low_rank_solve, py::kw_only(), py::arg("grams"),
+        py::arg("factors"), py::arg("counts"), py::arg("alpha"), py::arg("coefficients"),
+        py::arg("ridge"), py::arg("allow_regularization"), py::arg("name"), py::arg("n_threads"),
+        "RegMean solve of K low-rank updates A_i (r_i, d_in) of one base: returns\n"
+        "(F float64 (d_in, R), SolveInfo), the merged update being [B_1 .. B_K] F^T.");
 }
 
 }  // namespace lmdx_bind

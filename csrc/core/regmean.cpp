@@ -2,6 +2,7 @@
 
 #include <Eigen/Eigenvalues>
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -10,6 +11,7 @@
 
 #include "core/checks.hpp"
 #include "core/parallel.hpp"
+#include "core/reduction.hpp"
 
 LMDX_NAMESPACE_BEGIN
 
@@ -155,7 +157,7 @@ void form_difference(const std::vector<RegMeanModel>& models, const std::vector<
     auto col = d.col(j).tail(n - j);
     axmbz(s[i], models[i].gram.lower_column(j), t, models[pivot].gram.lower_column(j),
           col.data(), n - j);
-    col.tail(n - j - 1) *= alpha;
+    reduce_off_diagonal(col, j, j, alpha);
   }
   mirror_lower(d, threads);
 }
@@ -293,14 +295,95 @@ void spectral_solve(const MatrixXd& system, double floor, const std::string& nam
   info.condition_estimate = kept > 0 ? values(values.size() - 1) / values(unseen) : 0.0;
 }
 
+// Elapsed time per phase of one layer's merge, added into info.timings (seconds; a phase
+// entered twice accumulates).
+class PhaseClock {
+ public:
+  explicit PhaseClock(RegMeanInfo& info) : info_(info), last_(Clock::now()) {}
+  void lap(const char* phase) {
+    const Clock::time_point now = Clock::now();
+    const double seconds = std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+    for (auto& entry : info_.timings) {
+      if (entry.first == phase) {
+        entry.second += seconds;
+        return;
+      }
+    }
+    info_.timings.emplace_back(phase, seconds);
+  }
+  void restart() { last_ = Clock::now(); }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  RegMeanInfo& info_;
+  Clock::time_point last_;
+};
+
+// Rows [r0, r0 + h) of the symmetric d x d matrix sa A - sb B (B optional: sb = 0 or b
+// null), off-diagonal reduced by alpha, into the first h rows of t (column-major, at least
+// h x d), from Grams that each hold one triangle: the columns left of the rows come from
+// the columns of the lower triangle (contiguous), the rest from the rows' own lower columns.
+void reduced_rows(const GramSource& a, double sa, const GramSource* b, double sb, double alpha,
+                  Index r0, Index h, MatrixXd& t) {
+  const Index d = a.d, stride = t.rows();
+  const bool two = b != nullptr && sb != 0.0;
+  // n values sa a[j][offset..] - sb b[j][offset..] (column j of the lower triangles) into
+  // out, step apart.
+  const auto combine = [&](Index j, Index offset, double* out, Index n, Index step) {
+    const double* x = a.lower_column(j) + offset;
+    if (two) {
+      const double* z = b->lower_column(j) + offset;
+      for (Index r = 0; r < n; ++r) out[r * step] = std::fma(-sb, z[r], sa * x[r]);
+    } else {
+      for (Index r = 0; r < n; ++r) out[r * step] = sa * x[r];
+    }
+  };
+  for (Index c = 0; c < r0; ++c) combine(c, r0 - c, &t(0, c), h, 1);  // G[r, c] = G[c, r]
+  for (Index k = 0; k < h; ++k) {  // G[r, c], c >= r: the row's own lower column
+    const Index r = r0 + k;
+    combine(r, 0, &t(k, r), d - r, stride);
+    for (Index c = r0; c < r; ++c) t(k, c) = t(c - r0, r);  // the diagonal block, mirrored
+  }
+  reduce_off_diagonal(t.topRows(h), r0, 0, alpha);
+}
+
+// Rows [r0, r0 + h) of D_i = c_i (G~_i - G~_p) = s_i G~_i - (c_i / n_p) G~_p.
+void difference_rows(const std::vector<RegMeanModel>& models, const std::vector<double>& s,
+                     const std::vector<double>& coef, size_t i, size_t pivot, double alpha,
+                     Index r0, Index h, MatrixXd& t) {
+  reduced_rows(models[i].gram, s[i], &models[pivot].gram, coef[i] / models[pivot].count, alpha,
+               r0, h, t);
+}
+
+// The lower triangle of sum_i s_i G_i into lhs (d x d), one column a task.
+void sum_lower(const std::vector<GramSource>& grams, const std::vector<double>& s, int threads,
+               MatrixXd& lhs) {
+  const Index d = lhs.rows();
+  LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(dynamic, 16))
+  for (Index j = 0; j < d; ++j) {
+    auto col = lhs.col(j).tail(d - j);
+    col.setZero();
+    for (size_t i = 0; i < grams.size(); ++i) {
+      if (s[i] != 0.0) axpy(s[i], grams[i].lower_column(j), col.data(), d - j);
+    }
+  }
+}
+
 // The merge of one layer in float32 -- factorization, the K - 1 right-hand-side products
 // and the solve -- and the certificate of its output error against the float64 formula:
 // with X = W_M^T - W-^T from float32 and E = X - X_64 (X_64 = A^{-1} B in float64, A the
 // system, B the right-hand side), A E z = A X z - B z = -r for any probe z, where the
 // residual r is computed in float64 from products with the Gram differences and the system.
-// E z is solved with the float32 factor and refined once in float64; ||E z||_A^2 over
-// Gaussian probes estimates ||E||_A^2 >= ||E||_S^2 (S = A - ridge I), and ||W_M z||_S^2
-// the merged weight's ||W_M||_S^2. O((K + 5) d_in^2 kProbes) float64 work.
+// With x = A_32^{-1} B z (the pre-check's solve), E z = (X z - x) + A^{-1} (A x - B z): the
+// first part is exact, the second is solved with the float32 factor and refined once in
+// float64. ||E z||_A^2 over Gaussian probes estimates ||E||_A^2 >= ||E||_S^2
+// (S = A - ridge I), and ||W_M z||_S^2 the merged weight's ||W_M||_S^2.
+// O((K + 4) d_in^2 kProbes) float64 work and three float32 solves with kProbes columns.
+//
+// Each Gram difference D_i and deviation (W_i - W-)^T is formed once: in float64 for the
+// probes' right-hand side B z, and rounded to float32 side by side (D = [D_1 .. D_{K-1}],
+// dev = [dev_1; ..; dev_{K-1}]) for the one product D dev after the factor's pre-check.
 struct Float32Merge {
   const std::vector<RegMeanModel>& models;
   const std::vector<double>& coef;
@@ -312,14 +395,17 @@ struct Float32Merge {
   const MatrixXd& mean_t;
   MatrixXd& lhs;  // sum_i s_i G_i, lower triangle; run() mirrors it onto the upper one
   double noise_floor;  // relative, as regmean_merge_layer's
+  // Set by the pre-check (factor_error_estimate): on the probes, W-^T z, A W-^T z, x (B z
+  // solved with the float32 factor), A x, res = A x - B z, e (res solved with it), A e, and
+  // ||e||_A^2.
+  MatrixXd mean_z, a_mean_z, x_probe, a_x, res, e_probe, a_e;
+  double e_norm2 = 0.0;
 
   // A v, A = alpha lhs + (1 - alpha) diag(lhs) + ridge I (lhs mirrored).
   MatrixXd system_times(const MatrixXd& v, double alpha, double ridge, int threads) const {
     MatrixXd out;
     multiply_rows(lhs, v, out, false, threads);
-    if (alpha != 1.0) out *= alpha;
-    const VectorXd diagonal = ((1.0 - alpha) * lhs.diagonal().array() + ridge).matrix();
-    out += diagonal.asDiagonal() * v;
+    finish_reduced_product(lhs.diagonal(), v, alpha, ridge, out);
     return out;
   }
 
@@ -332,26 +418,34 @@ struct Float32Merge {
     return x.cast<double>() * scale;
   }
 
-  // The certificate's estimate for the float32 factor's error alone: the probes'
-  // right-hand side B z solved with it (x), checked against the float64 system
-  // (A e = A x - B z), relative to ||W_M z||_S with W_M z ~ W- z + x. The products' own
-  // rounding comes on top, so a layer above the tolerance here cannot be certified.
+  // ||u||_S^2 summed over the columns, from u and A u.
+  static double s_norm2(const MatrixXd& u, const MatrixXd& au, double ridge) {
+    return u.cwiseProduct(au).sum() - ridge * u.squaredNorm();
+  }
+
+  // The pre-check: the certificate's estimate for the float32 factor's error alone. The
+  // probes' right-hand side B z solved with it (x), checked against the float64 system
+  // (res = A x - B z, e = its solve with the float32 factor: x - X_64 z ~ e), relative to
+  // ||W_M z||_S with W_M z ~ W- z + x. The products' own rounding comes on top, so a layer
+  // above the tolerance here cannot be certified. Keeps x, A x, res, e, A e, W-^T z and
+  // A W-^T z for the final certificate.
   double factor_error_estimate(const Eigen::MatrixXf& l32, const MatrixXd& bz, const MatrixXd& z,
-                               double alpha, double ridge, int threads) const {
-    const MatrixXd x = solve32(l32, bz, threads);
-    MatrixXd v(d_in, 2 * kProbes);
-    v.leftCols(kProbes) = x;
-    MatrixXd mean_z;  // W-^T's probes (mean_t is d_in x d_out, like the square a's rows)
+                               double alpha, double ridge, int threads) {
+    x_probe = solve32(l32, bz, threads);
     multiply_rows(mean_t, z, mean_z, false, threads);
-    v.rightCols(kProbes) = mean_z + x;
+    MatrixXd v(d_in, 2 * kProbes);
+    v.leftCols(kProbes) = x_probe;
+    v.rightCols(kProbes) = mean_z;
     const MatrixXd av = system_times(v, alpha, ridge, threads);
-    const auto u = v.rightCols(kProbes);
-    const double merged_norm2 =
-        u.cwiseProduct(av.rightCols(kProbes)).sum() - ridge * u.squaredNorm();
-    const MatrixXd e = solve32(l32, av.leftCols(kProbes) - bz, threads);
-    const double ee = std::max(e.cwiseProduct(system_times(e, alpha, ridge, threads)).sum(), 0.0);
-    if (!(ee > 0.0)) return 0.0;
-    return merged_norm2 > 0.0 ? kCertificateMargin * std::sqrt(ee / merged_norm2)
+    a_x = av.leftCols(kProbes);
+    a_mean_z = av.rightCols(kProbes);
+    const double merged_norm2 = s_norm2(mean_z + x_probe, a_mean_z + a_x, ridge);
+    res = a_x - bz;
+    e_probe = solve32(l32, res, threads);
+    a_e = system_times(e_probe, alpha, ridge, threads);
+    e_norm2 = std::max(e_probe.cwiseProduct(a_e).sum(), 0.0);
+    if (!(e_norm2 > 0.0)) return 0.0;
+    return merged_norm2 > 0.0 ? kCertificateMargin * std::sqrt(e_norm2 / merged_norm2)
                               : std::numeric_limits<double>::max();
   }
 
@@ -359,6 +453,7 @@ struct Float32Merge {
   // false, leaving lhs's lower triangle as it was, when the float32 factorization fails or
   // (unless forced) the certificate exceeds kOutputErrorTolerance.
   bool run(const SolveOptions& opt, bool forced, RegMeanInfo& info, MatrixXd& merged_t) {
+    PhaseClock clock(info);
     const int threads = opt.n_threads;
     const double alpha = opt.alpha;
     const double mean_diagonal = lhs.diagonal().mean();
@@ -368,63 +463,97 @@ struct Float32Merge {
     }
     const double ridge = opt.ridge * mean_diagonal;
     Eigen::MatrixXf l32(d_in, d_in);
-    LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(dynamic, 16))
-    for (Index j = 0; j < d_in; ++j) {
-      l32(j, j) = static_cast<float>(lhs(j, j) + ridge);
-      for (Index r = j + 1; r < d_in; ++r) l32(r, j) = static_cast<float>(alpha * lhs(r, j));
+    LMDX_PRAGMA(omp parallel num_threads(threads)) {
+      VectorXd column(d_in);
+      LMDX_PRAGMA(omp for schedule(dynamic, 16))
+      for (Index j = 0; j < d_in; ++j) {
+        auto c = column.head(d_in - j);
+        c = lhs.col(j).tail(d_in - j);
+        reduce_off_diagonal(c, j, j, alpha);
+        c(0) += ridge;
+        l32.col(j).tail(d_in - j) = c.cast<float>();
+      }
     }
+    clock.lap("convert32");
     if (blocked_cholesky(l32, mean_diagonal, threads) >= 0) return false;
+    clock.lap("factor32");
     // Directions near the noise floor: the float64 path decides which are unseen.
     const double smallest = l32.diagonal().minCoeff();
     const double floor = noise_floor * std::sqrt(static_cast<double>(d_in)) * mean_diagonal;
     if (floor > 0.0 && smallest * smallest <= kNoiseFloorTrigger * floor) return false;
     mirror_lower(lhs, threads);
+    clock.lap("convert32");
 
-    // B z = sum_{i != p} D_i (W_i - W-)^T z in float64 on the probes, first: with it the
-    // float32 factor's own error on the probes is known before the products are paid for.
+    // The deviations, once: y_i = (W_i - W-)^T z in float64 for the probes, and rounded to
+    // float32 into rows [j d_in, (j + 1) d_in) of dev32.
+    const Index m = static_cast<Index>(others.size());
     const MatrixXd z = gaussian_probes(d_out, kProbes);
-    MatrixXd bz = MatrixXd::Zero(d_in, kProbes);
-    MatrixXd d_i(d_in, d_in), y(d_in, kProbes);
-    const Index chunk = std::min(kRhsChunk, d_out);
-    MatrixXd delta(d_in, chunk);
-    const auto nothing = [](Index) {};
-    for (size_t i : others) {
-      form_difference(models, s, coef, i, pivot, alpha, threads, d_i);
-      y.setZero();
-      for_each_deviation_block(models[i].weight, mean_t, layout, threads, delta, nothing,
-                               [&](Index c0, Index w, Index r0, Index h) {
-                                 y.middleRows(r0, h).noalias() +=
-                                     delta.block(r0, 0, h, w) * z.middleRows(c0, w);
-                               });
-      multiply_rows(d_i, y, bz, true, threads);
+    MatrixXd y = MatrixXd::Zero(d_in, m * kProbes);
+    Eigen::MatrixXf dev32(m * d_in, d_out);
+    {
+      MatrixXd delta(d_in, std::min(kRhsChunk, d_out));
+      for (Index j = 0; j < m; ++j) {
+        auto yj = y.middleCols(j * kProbes, kProbes);
+        for_each_deviation_block(
+            models[others[j]].weight, mean_t, layout, threads, delta,
+            [&](Index) {},
+            [&](Index c0, Index w, Index r0, Index h) {
+              yj.middleRows(r0, h).noalias() += delta.block(r0, 0, h, w) * z.middleRows(c0, w);
+              dev32.block(j * d_in + r0, c0, h, w) = delta.block(r0, 0, h, w).cast<float>();
+            });
+      }
     }
-    if (!forced && factor_error_estimate(l32, bz, z, alpha, ridge, threads) >
-                       kOutputErrorTolerance) {
+    clock.lap("deviations");
+    // The Gram differences, once, by tiles of rows: B z = sum_j D_j y_j in float64 (each
+    // tile owns its rows of B z, summed over j in order), D_j rounded into diff32's columns
+    // [j d_in, (j + 1) d_in).
+    MatrixXd bz = MatrixXd::Zero(d_in, kProbes);
+    Eigen::MatrixXf diff32(d_in, m * d_in);
+    {
+      const Index n_tiles = (d_in + kTile - 1) / kTile;
+      LMDX_PRAGMA(omp parallel num_threads(threads)) {
+        MatrixXd t(kTile, d_in);
+        LMDX_PRAGMA(omp for schedule(dynamic, 1))
+        for (Index tile = 0; tile < n_tiles; ++tile) {
+          const Index r0 = tile * kTile, h = std::min(kTile, d_in - r0);
+          for (Index j = 0; j < m; ++j) {
+            difference_rows(models, s, coef, others[j], pivot, alpha, r0, h, t);
+            bz.middleRows(r0, h).noalias() +=
+                t.topRows(h) * y.middleCols(j * kProbes, kProbes);
+            diff32.block(r0, j * d_in, h, d_in) = t.topRows(h).cast<float>();
+          }
+        }
+      }
+    }
+    clock.lap("differences");
+    if (factor_error_estimate(l32, bz, z, alpha, ridge, threads) > kOutputErrorTolerance &&
+        !forced) {
+      clock.lap("precheck");
       return false;  // the factor alone already exceeds the tolerance: float64 at once
     }
+    clock.lap("precheck");
 
-    // rhs = sum_{i != p} D_i (W_i - W-)^T in float32.
-    Eigen::MatrixXf x32 = Eigen::MatrixXf::Zero(d_in, d_out);
-    Eigen::MatrixXf d_i32(d_in, d_in);
-    Eigen::MatrixXf delta32(d_in, chunk);
-    for (size_t i : others) {
-      form_difference(models, s, coef, i, pivot, alpha, threads, d_i);
-      LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(static))
-      for (Index j = 0; j < d_in; ++j) d_i32.col(j) = d_i.col(j).cast<float>();
-      for_each_deviation_block(
-          models[i].weight, mean_t, layout, threads, delta,
-          [&](Index w) {
-            LMDX_PRAGMA(omp for schedule(static))
-            for (Index c = 0; c < w; ++c) delta32.col(c) = delta.col(c).cast<float>();
-          },
-          [&](Index c0, Index w, Index r0, Index h) {
-            x32.block(r0, c0, h, w).noalias() += d_i32.middleRows(r0, h) * delta32.leftCols(w);
-          });
+    // rhs = sum_j D_j (W_j - W-)^T in float32: one product [D_1 .. D_m] [dev_1; ..; dev_m],
+    // by fixed blocks of rows.
+    Eigen::MatrixXf x32(d_in, d_out);
+    {
+      const Index row_block = column_block_width(d_in);
+      const Index n_row_blocks = (d_in + row_block - 1) / row_block;
+      LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(dynamic, 1))
+      for (Index rb = 0; rb < n_row_blocks; ++rb) {
+        const Index r0 = rb * row_block;
+        const Index h = std::min(row_block, d_in - r0);
+        x32.middleRows(r0, h).noalias() = diff32.middleRows(r0, h) * dev32;
+      }
     }
+    diff32.resize(0, 0);
+    dev32.resize(0, 0);
+    clock.lap("products32");
     cholesky_solve_in_place(l32, x32, threads);
+    clock.lap("solve32");
 
-    // merged = W- + X; probes of X and of the merged weight.
-    MatrixXd v(d_in, 2 * kProbes);
+    // merged = W- + X; probes of X (those of W- and A W- z are the pre-check's).
+    MatrixXd xz(d_in, kProbes);
     const Index row_block = column_block_width(d_in);
     const Index n_row_blocks = (d_in + row_block - 1) / row_block;
     LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(static))
@@ -433,24 +562,23 @@ struct Float32Merge {
     for (Index rb = 0; rb < n_row_blocks; ++rb) {
       const Index r0 = rb * row_block;
       const Index h = std::min(row_block, d_in - r0);
-      v.block(r0, 0, h, kProbes).noalias() = x32.middleRows(r0, h).cast<double>() * z;
-      v.block(r0, kProbes, h, kProbes).noalias() = merged_t.middleRows(r0, h) * z;
+      xz.middleRows(r0, h).noalias() = x32.middleRows(r0, h).cast<double>() * z;
     }
-    const MatrixXd av = system_times(v, alpha, ridge, threads);
-    const auto u = v.rightCols(kProbes);
-    const double merged_norm2 =
-        u.cwiseProduct(av.rightCols(kProbes)).sum() - ridge * u.squaredNorm();
-    const MatrixXd minus_r = av.leftCols(kProbes) - bz;  // A E z = -r
-    const MatrixXd e1 = solve32(l32, minus_r, threads);
-    const MatrixXd ae1 = system_times(e1, alpha, ridge, threads);
-    const MatrixXd correction = solve32(l32, minus_r - ae1, threads);
+    // E z = X_32 z - X_64 z = (X_32 z - x) + (x - X_64 z): the first part exactly, the
+    // second the pre-check's e, refined once against res (A (x - X_64 z) = res).
+    const MatrixXd axz = system_times(xz, alpha, ridge, threads);
+    const double merged_norm2 = s_norm2(mean_z + xz, a_mean_z + axz, ridge);
+    const MatrixXd first = xz - x_probe + e_probe;
+    const MatrixXd a_first = axz - a_x + a_e;
+    const MatrixXd correction = solve32(l32, res - a_e, threads);
     const MatrixXd ac = system_times(correction, alpha, ridge, threads);
-    const double ee = e1.cwiseProduct(ae1).sum();
-    const double ec = correction.cwiseProduct(ae1).sum();
+    const double ee = first.cwiseProduct(a_first).sum();
+    const double ec = correction.cwiseProduct(a_first).sum();
     const double cc = std::max(correction.cwiseProduct(ac).sum(), 0.0);
     // ||E Z||_A after the refinement, plus what a refinement contracting at the observed
-    // rate rho would still change (rho / (1 - rho) times the correction).
-    const double rho = ee > 0.0 ? std::sqrt(cc / ee) : 0.0;
+    // rate rho (the correction against e) would still change: rho / (1 - rho) times the
+    // correction.
+    const double rho = e_norm2 > 0.0 ? std::sqrt(cc / e_norm2) : 0.0;
     const double refined = std::sqrt(std::max(ee + 2.0 * ec + cc, 0.0));
     const double error_norm =
         refined + (rho < 1.0 ? rho / (1.0 - rho) : 1.0) * std::sqrt(cc);
@@ -478,6 +606,7 @@ struct Float32Merge {
     }
     info.output_error_estimate = estimate;
     info.precision = "float32";
+    clock.lap("certificate");
     return forced || (rho <= kMaxContraction && estimate <= kOutputErrorTolerance);
   }
 };
@@ -488,6 +617,8 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
                              const std::vector<double>& coefficients, WeightLayout layout,
                              Precision mode, double noise_floor, const SolveOptions& opt,
                              MatrixXd& merged_t) {
+  RegMeanInfo info;
+  PhaseClock clock(info);
   const size_t k = models.size();
   if (d_in < 1 || d_out < 1)
     throw std::invalid_argument(opt.name + ": weights: empty weight matrix");
@@ -524,7 +655,7 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
   const double work = static_cast<double>(d_in) * static_cast<double>(d_in) *
                       (static_cast<double>(k) * static_cast<double>(d_out) + d_in);
   const int threads = work < kSerialWork ? 1 : opt.n_threads;
-  RegMeanInfo info;
+  clock.lap("checks");
 
   // W-^T = W_p^T + sum_{i != p} (c_i / C) (W_i - W_p)^T: exactly W_p^T where all agree.
   // The spread max_i max |W_i - W-| / max |W-| is taken on the way.
@@ -556,6 +687,7 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
     }
   }
   info.relative_spread = scale > 0.0 ? spread / scale : (spread > 0.0 ? INFINITY : 0.0);
+  clock.lap("average");
   if (spread == 0.0) {  // equal in every model: nothing to solve
     info.precision = "identical";
     merged_t = mean_t;
@@ -566,23 +698,20 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
   std::vector<double> s(k);
   for (size_t i = 0; i < k; ++i) s[i] = coef[i] / models[i].count;
   MatrixXd lhs(d_in, d_in);
-  LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(dynamic, 16))
-  for (Index j = 0; j < d_in; ++j) {
-    auto col = lhs.col(j).tail(d_in - j);
-    col.setZero();
-    for (size_t i = 0; i < k; ++i) {
-      if (s[i] != 0.0) axpy(s[i], models[i].gram.lower_column(j), col.data(), d_in - j);
-    }
-  }
+  std::vector<GramSource> grams(k);
+  for (size_t i = 0; i < k; ++i) grams[i] = models[i].gram;
+  sum_lower(grams, s, threads, lhs);
+  clock.lap("system");
   SolveOptions solve_opt = opt;
   solve_opt.n_threads = threads;
   const double alpha = opt.alpha;
   if (mode == Precision::Float32 || (mode == Precision::Auto && work >= kSerialWork)) {
     Float32Merge f32{models, coef,   s,      pivot, others,     d_in,
-                     d_out,  layout, mean_t, lhs,   noise_floor};
+                     d_out,  layout, mean_t, lhs,   noise_floor, {}, {}, {}, {}, {}, {}, {}, 0.0};
     if (f32.run(solve_opt, mode == Precision::Float32, info, merged_t)) return info;
   }
   info.output_error_estimate = 0.0;
+  clock.restart();
 
   MatrixXd l;
   static_cast<SolveInfo&>(info) = spd_factor(lhs, l, solve_opt);
@@ -597,7 +726,7 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
       (info.escalated || info.min_pivot * info.min_pivot <= kNoiseFloorTrigger * floor)) {
     system.resize(d_in, d_in);
     system.triangularView<Eigen::Lower>() = lhs;
-    if (alpha != 1.0) system.triangularView<Eigen::StrictlyLower>() *= alpha;
+    reduce_lower_triangle(system, alpha);
     system.diagonal().array() += opt.ridge * info.mean_diagonal;
   }
   // The condition estimate up to kEstimateDim inputs (O(d^2), negligible there).
@@ -608,6 +737,7 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
                               inverse_norm1_estimate(l);
   }
   info.precision = "float64";
+  clock.lap("factor64");
 
   // rhs = sum_{i != p} D_i (W_i - W-)^T with D_i = c_i (G~_i - G~_p), built from the raw
   // Grams as s_i G_i - (c_i / n_p) G_p with the off-diagonal scaled by alpha. D_i reuses
@@ -624,6 +754,7 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
                                    d_i.middleRows(r0, h) * delta.leftCols(w);
                              });
   }
+  clock.lap("products64");
   if (system.size() == 0) {
     cholesky_solve_in_place(l, merged_t, threads);
   } else {
@@ -634,6 +765,7 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
     spectral_solve(system, floor, opt.name, merged_t, info);
   }
   merged_t += mean_t;
+  clock.lap("solve64");
   return info;
 }
 
@@ -706,6 +838,92 @@ RegMeanInfo regmean_merge_layer(const std::vector<ArrayView>& grams,
   } else {
     Eigen::Map<RowMajor<double>>(out, d_in, d_out) = merged_t;
   }
+  return info;
+}
+
+SolveInfo regmean_low_rank_solve(const std::vector<ArrayView>& grams,
+                                 const std::vector<ArrayView>& factors,
+                                 const std::vector<double>& counts,
+                                 const std::vector<double>& coefficients, const SolveOptions& opt,
+                                 MatrixXd& f) {
+  const std::string& name = opt.name;
+  const int threads = resolve_threads(opt.n_threads);
+  const size_t k = grams.size();
+  if (k == 0) throw std::invalid_argument(name + ": grams: need at least one model");
+  if (counts.size() != k || factors.size() != k) {
+    throw std::invalid_argument(name + ": grams, counts, factors: need one entry per model, got " +
+                                std::to_string(k) + ", " + std::to_string(counts.size()) + ", " +
+                                std::to_string(factors.size()));
+  }
+  if (!(opt.alpha >= 0.0 && opt.alpha <= 1.0)) {
+    throw std::invalid_argument(name + ": alpha: must be in [0, 1], got " +
+                                std::to_string(opt.alpha));
+  }
+  const std::vector<double> coef = checked_coefficients(coefficients, k, name + ": ");
+  const Index d = factors[0].shape.size() == 2 ? factors[0].shape[1] : 0;
+  std::vector<GramSource> sources(k);
+  std::vector<double> s(k);
+  double total = 0.0;
+  Index rank = 0;
+  for (size_t i = 0; i < k; ++i) {
+    const std::string tag = "[" + std::to_string(i) + "]";
+    const ArrayView& a = factors[i];
+    if (a.shape.size() != 2 || a.is_float32 || a.shape[1] != d || d < 1) {
+      throw std::invalid_argument(name + ": factors" + tag + " is a " + describe(a) +
+                                  ": expected a float64 (r, " + std::to_string(d) +
+                                  ") matrix A_i, as factors[0]");
+    }
+    const bool packed = grams[i].shape.size() == 1;
+    const std::vector<Index> expected =
+        packed ? std::vector<Index>{d * (d + 1) / 2} : std::vector<Index>{d, d};
+    if (grams[i].shape != expected) {
+      throw std::invalid_argument(name + ": grams" + tag + " is a " + describe(grams[i]) +
+                                  " but the factors have " + std::to_string(d) +
+                                  " inputs: expected shape " + shape_of(expected) +
+                                  (packed ? " (the packed upper triangle)" : ""));
+    }
+    if (coef[i] > 0.0 && (!std::isfinite(counts[i]) || !(counts[i] > 0.0))) {
+      throw std::invalid_argument(name + ": counts" + tag + " must be > 0, got " +
+                                  std::to_string(counts[i]));
+    }
+    sources[i] = GramSource{grams[i].f64(), packed, d};
+    require_finite(sources[i].data, sources[i].size(), packed ? 0 : d, name + ": grams" + tag,
+                   threads);
+    if (!packed) require_symmetric(sources[i].data, d, name + ": grams" + tag, threads);
+    require_finite(a, d, name + ": factors" + tag, threads);
+    s[i] = coef[i] > 0.0 ? coef[i] / counts[i] : 0.0;
+    total += coef[i];
+    if (coef[i] > 0.0) rank += a.shape[0];
+  }
+  MatrixXd lhs(d, d);
+  sum_lower(sources, s, threads, lhs);
+  // [U_1 .. U_K | c_1 A_1^T / C .. c_K A_K^T / C], U_i = s_i G~_i A_i^T by tiles of rows;
+  // models with c_i > 0, in order.
+  MatrixXd rhs(d, 2 * rank);
+  const Index n_tiles = (d + kTile - 1) / kTile;
+  Index col = 0;
+  for (size_t i = 0; i < k; ++i) {
+    const Index r = factors[i].shape[0];
+    if (!(coef[i] > 0.0) || r == 0) continue;
+    const Eigen::Map<const MatrixXd> a_t(factors[i].f64(), d, r);  // (r, d) row-major = A_i^T
+    LMDX_PRAGMA(omp parallel num_threads(threads)) {
+      MatrixXd t(kTile, d);
+      LMDX_PRAGMA(omp for schedule(dynamic, 1))
+      for (Index tile = 0; tile < n_tiles; ++tile) {
+        const Index r0 = tile * kTile, h = std::min(kTile, d - r0);
+        reduced_rows(sources[i], s[i], nullptr, 0.0, opt.alpha, r0, h, t);
+        rhs.block(r0, col, h, r).noalias() = t.topRows(h) * a_t;
+      }
+    }
+    rhs.middleCols(rank + col, r) = (coef[i] / total) * a_t;
+    col += r;
+  }
+  SolveOptions checked = opt;
+  checked.n_threads = threads;
+  MatrixXd l;
+  const SolveInfo info = spd_factor(lhs, l, checked);
+  cholesky_solve_in_place(l, rhs, threads);
+  f = rhs.leftCols(rank) + info.ridge_absolute * rhs.rightCols(rank);
   return info;
 }
 

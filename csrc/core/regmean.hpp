@@ -21,6 +21,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/arrays.hpp"
@@ -49,6 +50,9 @@ struct RegMeanInfo : SolveInfo {
   /// Eigendirections of the system below the statistics' noise floor, solved as unseen
   /// (they keep the average); 0 where none were looked for or found.
   int unseen_directions = 0;
+  /// Wall time per phase of the merge in seconds, in the order first entered (a phase
+  /// entered again accumulates): where the time of a layer goes, for benchmarks.
+  std::vector<std::pair<std::string, double>> timings;
 };
 
 /// Merge one layer of K models. `grams`: K float64 views, each either (d_in, d_in) and
@@ -71,5 +75,18 @@ RegMeanInfo regmean_merge_layer(const std::vector<ArrayView>& grams,
                                 const std::vector<double>& coefficients, const std::string& layout,
                                 const std::string& precision, double noise_floor,
                                 const SolveOptions& opt, double* out);
+
+/// The RegMean solve of K low-rank updates A_i of one base (merge/lora.py): with
+/// S = sum_i c_i G~_i + ridge I (the ridge as spd_solve chooses it), F (d_in x R, R the sum
+/// of the ranks r_i of the models with c_i > 0, in model order) =
+///   S^{-1} [c_1 G~_1 A_1^T .. c_K G~_K A_K^T] + ridge S^{-1} [c_1 A_1^T / C .. c_K A_K^T / C],
+/// C = sum_i c_i, G~_i reduced by alpha as for regmean_merge_layer (the same helper).
+/// `factors`: K float64 views (r_i, d_in); `grams`, `counts`, `coefficients` as for
+/// regmean_merge_layer. Returns the factorization's SolveInfo.
+SolveInfo regmean_low_rank_solve(const std::vector<ArrayView>& grams,
+                                 const std::vector<ArrayView>& factors,
+                                 const std::vector<double>& counts,
+                                 const std::vector<double>& coefficients, const SolveOptions& opt,
+                                 MatrixXd& f);
 
 LMDX_NAMESPACE_END

@@ -8,6 +8,7 @@
 
 #include "core/checks.hpp"
 #include "core/parallel.hpp"
+#include "core/reduction.hpp"
 
 LMDX_NAMESPACE_BEGIN
 
@@ -146,7 +147,7 @@ SolveInfo spd_factor(const Eigen::Ref<const MatrixXd>& a, MatrixXd& l, const Sol
   while (true) {
     ++info.attempts;
     l.triangularView<Eigen::Lower>() = a;
-    if (opt.alpha != 1.0) l.triangularView<Eigen::StrictlyLower>() *= opt.alpha;
+    reduce_lower_triangle(l, opt.alpha);
     l.diagonal().array() += ridge * info.mean_diagonal;
     double bad_pivot = 0.0;
     const Index bad = blocked_cholesky(l, info.mean_diagonal, opt.n_threads, &bad_pivot);

@@ -26,6 +26,7 @@ __all__: list[str] = [
     "isa",
     "max_threads",
     "measure_peak_gflops",
+    "regmean_low_rank_solve",
     "regmean_merge_layer",
     "release_scratch",
     "scratch_bytes",
@@ -164,6 +165,11 @@ class RegMeanInfo(SolveInfo):
         max_i max |W_i - mean| / max |mean|.
         """
     @property
+    def timings(self) -> dict[str, float]:
+        """
+        Wall time per phase of the merge in seconds (a benchmark's breakdown).
+        """
+    @property
     def unseen_directions(self) -> int:
         """
         Eigendirections below the statistics' noise floor, kept at the average.
@@ -229,6 +235,23 @@ def measure_peak_gflops(
 ) -> float:
     """
     GFLOP/s of a register-resident FMA loop on this machine.
+    """
+
+def regmean_low_rank_solve(
+    *,
+    grams: collections.abc.Sequence[numpy.ndarray],
+    factors: collections.abc.Sequence[numpy.ndarray],
+    counts: collections.abc.Sequence[typing.SupportsFloat | typing.SupportsIndex],
+    alpha: typing.SupportsFloat | typing.SupportsIndex,
+    coefficients: collections.abc.Sequence[typing.SupportsFloat | typing.SupportsIndex] | None,
+    ridge: typing.SupportsFloat | typing.SupportsIndex,
+    allow_regularization: bool,
+    name: str,
+    n_threads: typing.SupportsInt | typing.SupportsIndex,
+) -> tuple[numpy.typing.NDArray[numpy.float64], SolveInfo]:
+    """
+    RegMean solve of K low-rank updates A_i (r_i, d_in) of one base: returns
+    (F float64 (d_in, R), SolveInfo), the merged update being [B_1 .. B_K] F^T.
     """
 
 def regmean_merge_layer(

@@ -14,7 +14,7 @@ from .config import resolve_threads
 from .moments import Moments
 from .spd import solver_errors, warn_if_escalated
 
-__all__ = ["RegMeanResult", "regmean_merge_layer"]
+__all__ = ["RegMeanResult", "regmean_low_rank_solve", "regmean_merge_layer"]
 
 
 class RegMeanResult(NamedTuple):
@@ -143,3 +143,62 @@ def regmean_merge_layer(
         )
     warn_if_escalated(info, name)
     return RegMeanResult(merged, info)
+
+
+def regmean_low_rank_solve(
+    grams: Sequence[Any],
+    factors: Sequence[Any],
+    counts: Sequence[float],
+    *,
+    alpha: float = 1.0,
+    coefficients: Sequence[float] | None = None,
+    ridge: float = 0.0,
+    allow_regularization: bool = True,
+    name: str = "layer",
+    n_threads: int | None = None,
+) -> tuple[NDArray[np.float64], Any]:
+    """The RegMean solve of K low-rank updates ``B_i A_i`` of one base weight.
+
+    With ``S = Σ_i c_i G̃_i + λI`` (``G̃_i`` as in :func:`regmean_merge_layer`, reduced by
+    the same native helper; ``λ`` the ridge the Cholesky factorization ends up with) and
+    ``C = Σ c_i``::
+
+        F = S⁻¹ [c_1 G̃_1 A_1ᵀ … c_K G̃_K A_Kᵀ] + λ S⁻¹ [c_1 A_1ᵀ/C … c_K A_Kᵀ/C]
+
+    so that the RegMean merge of the weights ``W₀ + B_i A_i`` is
+    ``W₀ + [B_1 … B_K] Fᵀ`` (``lmdx.merge.lora``). ``O(d_in² Σ r_i)`` work besides the
+    factorization.
+
+    Parameters
+    ----------
+    grams
+        K input Grams, full (d_in, d_in) or packed upper triangles (float64).
+    factors
+        K matrices ``A_i``, shape (r_i, d_in).
+    counts
+        K row counts ``n_i``.
+    alpha, coefficients, ridge, allow_regularization, name, n_threads
+        As in :func:`regmean_merge_layer`.
+
+    Returns
+    -------
+    (F, info)
+        ``F`` (float64, (d_in, R), ``R`` the sum of the ranks of the models with
+        ``c_i > 0``, in model order) and the factorization's ``SolveInfo``.
+    """
+    gram_arrays = [as_float64(g, f"{name}: grams[{i}]") for i, g in enumerate(grams)]
+    factor_arrays = [as_float64(a, f"{name}: factors[{i}]") for i, a in enumerate(factors)]
+    with solver_errors:
+        f, info = _core.core.regmean_low_rank_solve(
+            grams=gram_arrays,
+            factors=factor_arrays,
+            counts=[float(c) for c in counts],
+            alpha=float(alpha),
+            coefficients=None if coefficients is None else [float(c) for c in coefficients],
+            ridge=float(ridge),
+            allow_regularization=bool(allow_regularization),
+            name=str(name),
+            n_threads=resolve_threads(n_threads),
+        )
+    warn_if_escalated(info, name)
+    return f, info

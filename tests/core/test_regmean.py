@@ -430,3 +430,64 @@ def test_equal_weights_of_a_zero_coefficient_model_do_not_matter(rng):
         grams, [weights[0], weights[0], weights[1]], counts, coefficients=[1.0, 2.0, 0.0]
     )
     assert np.array_equal(res.weight, weights[0]) and res.info.precision == "identical"
+
+
+@given(
+    seeds,
+    st.integers(2, 12),
+    st.lists(st.integers(0, 3), min_size=1, max_size=4),
+    st.sampled_from(ALPHAS),
+    st.booleans(),
+    st.sampled_from([0.0, 1e-3]),
+)
+def test_low_rank_solve_matches_a_float64_reference(seed, d_in, ranks, alpha, packed, ridge):
+    """F = S⁻¹ [c_i G̃_i A_iᵀ] + λ S⁻¹ [c_i A_iᵀ / C] with S = Σ c_i G̃_i + λ I, λ relative
+    to S's mean diagonal (lmdx.regmean.regmean_low_rank_solve, the LoRA path's solve)."""
+    rng = np.random.default_rng(seed)
+    k = len(ranks)
+    coef = rng.choice([0.0, 0.5, 1.0, 2.0], size=k)
+    coef[0] = max(coef[0], 0.5)
+    grams, counts, factors = [], [], []
+    for r in ranks:
+        n = int(rng.integers(2 * d_in + 3, 3 * d_in + 10))
+        x = rng.standard_normal((n, d_in)) * rng.uniform(0.2, 3.0, d_in)
+        grams.append(x.T @ x)
+        counts.append(float(n))
+        factors.append(rng.standard_normal((r, d_in)))
+    reduced = []
+    for g, n in zip(grams, counts, strict=True):
+        gh = g / n
+        reduced.append(alpha * gh + (1.0 - alpha) * np.diag(np.diag(gh)))
+    s = sum(c * g for c, g in zip(coef, reduced, strict=True))
+    lam = ridge * np.mean(np.diag(s))
+    used = [i for i in range(k) if coef[i] > 0 and ranks[i] > 0]
+    u = [coef[i] * reduced[i] @ factors[i].T for i in used]
+    a = [coef[i] / coef.sum() * factors[i].T for i in used]
+    system = s + lam * np.eye(d_in)
+    width = sum(ranks[i] for i in used)
+    expected = np.zeros((d_in, width))
+    if used:
+        expected = np.linalg.solve(system, np.hstack(u)) + lam * np.linalg.solve(
+            system, np.hstack(a)
+        )
+    given_grams = [g[np.triu_indices(d_in)] for g in grams] if packed else grams
+    f, info = lmdx.regmean.regmean_low_rank_solve(
+        given_grams, factors, counts, alpha=alpha, coefficients=list(coef), ridge=ridge
+    )
+    assert f.shape == (d_in, width) and info.ridge == ridge
+    scale = max(np.abs(expected).max(initial=0.0), 1e-300)
+    assert np.abs(f - expected).max(initial=0.0) <= 1e-9 * scale * np.linalg.cond(system)
+
+
+def test_low_rank_solve_names_bad_inputs(rng):
+    g = np.eye(4)
+    a = rng.standard_normal((2, 4))
+    solve = lmdx.regmean.regmean_low_rank_solve
+    with pytest.raises(ValueError, match=r"lora\.q: factors\[1\] .*expected a float64 \(r, 4\)"):
+        solve([g, g], [a, a[:, :3]], [5.0, 5.0], name="lora.q")
+    with pytest.raises(ValueError, match=r"lora\.q: grams\[1\] .*expected shape \(4, 4\)"):
+        solve([g, np.eye(3)], [a, a], [5.0, 5.0], name="lora.q")
+    with pytest.raises(ValueError, match=r"lora\.q: counts\[0\] must be > 0"):
+        solve([g, g], [a, a], [0.0, 5.0], name="lora.q")
+    with pytest.raises(ValueError, match=r"grams, counts, factors: need one entry per model"):
+        solve([g, g], [a], [5.0, 5.0], name="lora.q")

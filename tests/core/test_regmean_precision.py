@@ -245,3 +245,19 @@ def test_noise_floor_must_be_a_fraction(rng):
     weights = fine_tuned(rng, K, 6, 8, 1e-2)
     with pytest.raises(ValueError, match=r"layer: noise_floor: must be in \[0, 1\), got -1"):
         lmdx.regmean_merge_layer(grams, weights, [N] * K, noise_floor=-1.0)
+
+
+def test_each_merge_reports_its_phases(rng):
+    """``info.timings``: seconds per phase of the path taken (a benchmark's breakdown)."""
+    grams = grams_of_condition(rng, "unlike", K, D_IN, 1e2, N)
+    weights = fine_tuned(rng, K, D_OUT, D_IN, 1e-3)
+    counts = [N] * K
+    f32 = lmdx.regmean_merge_layer(grams, weights, counts, alpha=0.9, precision="float32").info
+    f64 = lmdx.regmean_merge_layer(grams, weights, counts, alpha=0.9, precision="float64").info
+    assert f32.precision == "float32" and f64.precision == "float64"
+    common = ["checks", "average", "system"]
+    float32 = ["convert32", "factor32", "deviations", "differences", "precheck"]
+    float32 += ["products32", "solve32", "certificate"]
+    assert list(f32.timings) == common + float32
+    assert list(f64.timings) == [*common, "factor64", "products64", "solve64"]
+    assert all(t >= 0.0 for info in (f32, f64) for t in info.timings.values())

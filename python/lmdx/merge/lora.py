@@ -15,9 +15,10 @@ rank ``R = Σ r_i``::
     U_i = c_i G̃_i A_iᵀ = (c_i / n_i) (α G_i A_iᵀ + (1 − α) diag(G_i) A_iᵀ)
 
 The products ``G_i A_iᵀ`` cost ``O(d_in² r_i)`` instead of the dense right-hand side's
-``O(d_in² d_out)`` per model; ``S`` is factored by :func:`lmdx.spd_solve` (the same
-Cholesky, ridge and escalation as the dense merge, so ``λ`` is the ridge it used) with
-``2R`` right-hand sides. Weights equal in every model come back as they are
+``O(d_in² d_out)`` per model. ``F`` comes from the native core
+(:func:`lmdx.regmean.regmean_low_rank_solve`: the Grams reduced by α with the helper the
+dense merge uses, the same Cholesky, ridge and escalation, so ``λ`` is the ridge it used,
+with ``2R`` right-hand sides). Weights equal in every model come back as they are
 (``precision: identical``).
 
 **LoRA of the merged update** (``lora_rank``): the best rank-r approximation of
@@ -40,9 +41,8 @@ from numpy.typing import NDArray
 from .._errors import MergeError
 from .._tensors import as_float64
 from ..files.peft import PEFT_PREFIX, write_adapter
-from ..spd import spd_solve
+from ..regmean import regmean_low_rank_solve
 from ..stats.file import Statistics
-from ..stats.packing import packed_diagonal, packed_times, unpack_upper
 from .options import MergeOptions
 from .plan import Step
 from .source import AdapterSource, TensorSource
@@ -101,7 +101,6 @@ def regmean_low_rank(
         raise ValueError(f"{name}: need one Gram, count and pair of factors per model")
     coef = [1.0] * k if coefficients is None else [float(c) for c in coefficients]
     total = sum(coef)
-    d_in = base.shape[1]
     used = [i for i in range(k) if coef[i] > 0]
     # The average W̄ = W₀ + D̄ and the spread max_i max |B_i A_i − D̄| / max |W̄|, as the
     # dense merge reports them (in place: these are the path's only dense passes).
@@ -133,40 +132,19 @@ def regmean_low_rank(
         info.update(rcond_estimate=1.0, condition_estimate=1.0, rank=factors[used[0]][1].shape[0])
         return merged_mean, factors[used[0]], info
     del merged_mean
-    packed = all(np.ndim(g) == 1 for g in grams)
-    lhs: Any = 0.0  # Σ s_i G_i, packed where the Grams are (one unpacking at the end)
-    u_parts, a_parts, b_parts = [], [], []
-    for i in used:
-        n = float(counts[i])
-        if not n > 0:
-            raise ValueError(f"{name}: counts[{i}] must be > 0, got {n}")
-        b, a = factors[i]
-        g, diag, ga = _gram_parts(grams[i], d_in, a.T, f"{name}: grams[{i}]")
-        s = coef[i] / n
-        lhs = lhs + s * (g if packed or g.ndim == 2 else unpack_upper(g, d_in))
-        if a.shape[0] == 0:
-            continue
-        u = alpha * ga
-        if alpha != 1.0:
-            u += (1.0 - alpha) * diag[:, None] * a.T
-        u_parts.append(s * u)
-        a_parts.append((coef[i] / total) * a.T)
-        b_parts.append(b)
-        del g, ga
-    if lhs.ndim == 1:
-        lhs = unpack_upper(lhs, d_in)
-    rank = sum(b.shape[1] for b in b_parts)
-    rhs = np.concatenate(u_parts + a_parts, axis=1)
-    x, solved = spd_solve(
-        lhs,
-        rhs,
+    b_parts = [factors[i][0] for i in used if factors[i][1].shape[0] > 0]
+    f, solved = regmean_low_rank_solve(
+        grams,
+        [factors[i][1] for i in range(k)],
+        counts,
         alpha=alpha,
+        coefficients=coef,
         ridge=ridge,
         allow_regularization=allow_regularization,
         name=name,
         n_threads=n_threads,
     )
-    f = x[:, :rank] + solved.ridge_absolute * x[:, rank:]
+    rank = f.shape[1]
     b_all = np.concatenate(b_parts, axis=1)
     merged = b_all @ f.T
     merged += base
@@ -179,19 +157,6 @@ def regmean_low_rank(
         rank=rank,
     )
     return merged, (b_all, np.ascontiguousarray(f.T)), info
-
-
-def _gram_parts(gram: Any, d: int, a_t: NDArray[np.float64], name: str) -> tuple[Any, ...]:
-    """``(G, diag G, G a_t)`` of a Gram given full or as a packed triangle (then ``G`` stays
-    packed and the product is formed block by block: :func:`packed_times`)."""
-    g = as_float64(gram, name)
-    if g.ndim == 2:
-        if g.shape != (d, d):
-            raise ValueError(f"{name}: expected shape ({d}, {d}), got {g.shape}")
-        return g, np.diag(g).copy(), g @ a_t
-    if g.shape != (d * (d + 1) // 2,):
-        raise ValueError(f"{name}: expected a packed triangle of {d * (d + 1) // 2} values")
-    return g, packed_diagonal(g, d), packed_times(g, d, a_t)
 
 
 # --------------------------------------------------------------------------- the merge step
