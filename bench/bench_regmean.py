@@ -18,7 +18,7 @@ Measured per model (every collection runs the whole model under ``torch.no_grad(
   Grams (the merge is timed separately);
 * ``lmdx (padding excluded)`` / ``lmdx (padding included)``:
   ``lmdx.collect_regmean_stats`` (float64 Grams, one Gram per shared input);
-* ``lmdx (padding included, float64 products)``: the same with ``precision="float64"``
+* ``lmdx (padding included, float64 products)``: the same with ``accumulation="float64"``
   (each model once; merged by a third worker; ``--no-float64`` skips it).
 
 Overhead = collection − forward. Every model is collected once by every method (that
@@ -218,7 +218,7 @@ def lmdx_collect(
         progress=False,
         n_threads=threads,
         description="bench_regmean synthetic",
-        precision=precision,
+        accumulation=precision,
     )
 
 
@@ -825,7 +825,7 @@ def main() -> None:
         "fusionbench": "FusionBench hook (fp32 `x.T@x`, padding incl.)",
         "lmdx_excl": "lmdx `collect_regmean_stats` (padding excluded)",
         "lmdx_incl": "lmdx `collect_regmean_stats(include_padding=True)`",
-        "lmdx_incl64": 'lmdx `(include_padding=True, precision="float64")`',
+        "lmdx_incl64": 'lmdx `(include_padding=True, accumulation="float64")`',
     }
     for k, lab in labels.items():
         if k not in col:
