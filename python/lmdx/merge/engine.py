@@ -20,7 +20,7 @@ from ..stats.file import Statistics
 from .lora import LoraExport, low_rank_inputs, solve_group_low_rank
 from .methods import cast_merged, poorly_determined, solve_group
 from .options import MergeOptions
-from .output_blocks import average_in_blocks, output_block_size, solve_in_output_blocks
+from .output_blocks import output_block_size, solve_in_output_blocks
 from .plan import MergePlan, Step
 from .registry import method_named
 from .source import TensorSource
@@ -120,8 +120,8 @@ class Executor:
     def merge_tensor(self, name: str, kind: str) -> Any:
         """Merged tensor ``name`` by the one-tensor method ``kind`` (or ``"copy"``: the
         first model's), cast to its input dtype."""
-        if kind == "average" and self.lora is None:  # large ones in blocks of rows
-            blocked = average_in_blocks(name, self.sources, self.options)
+        if kind != "copy" and self.lora is None:  # large ones in blocks of rows
+            blocked = method_named(kind).tensor_in_blocks(name, self.sources, self.inputs)
             if blocked is not None:
                 return blocked
         reads = [s.read(name) for s in self.sources]

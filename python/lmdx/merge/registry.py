@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from .engine import Executor
     from .inputs import MergeInputs
     from .plan import MergePlan, Step, StepSizes
+    from .source import TensorSource
 
 __all__ = [
     "MergeMethod",
@@ -106,6 +107,14 @@ class MergeMethod:
         arrays, in model order), in float64; ``inputs`` has the options
         (``inputs.options``), statistics and base."""
         raise MergeError(f"method {self.name!r} merges no single tensors")
+
+    def tensor_in_blocks(
+        self, name: str, sources: Sequence[TensorSource], inputs: MergeInputs
+    ) -> NDArray[Any] | None:
+        """Merged tensor ``name``, already cast, computed block by block of rows read alone
+        when the whole would not fit the memory budget; None (default): merge it whole
+        with :meth:`tensor`."""
+        return None
 
     def compute(self, step: Step, executor: Executor) -> None:
         """Run ``step``: put its merged tensors in ``executor.ready`` (default: one tensor

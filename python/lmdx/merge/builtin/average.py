@@ -9,10 +9,12 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ..methods import average_tensor
+from ..output_blocks import average_in_blocks
 from ..registry import MergeMethod
 
 if TYPE_CHECKING:
     from ..inputs import MergeInputs
+    from ..source import TensorSource
 
 __all__ = ["Average"]
 
@@ -26,3 +28,8 @@ class Average(MergeMethod):
 
     def tensor(self, name: str, tensors: Sequence[Any], inputs: MergeInputs) -> NDArray[np.float64]:
         return average_tensor(name, tensors, inputs.options)
+
+    def tensor_in_blocks(
+        self, name: str, sources: Sequence[TensorSource], inputs: MergeInputs
+    ) -> NDArray[Any] | None:
+        return average_in_blocks(name, sources, inputs.options)
