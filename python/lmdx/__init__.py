@@ -62,6 +62,7 @@ if TYPE_CHECKING:
         collect_fisher,
         collect_regmean_stats,
         collect_regmean_stats_ray,
+        join_statistics,
     )
 
 __version__: str = _native.__version__
@@ -108,6 +109,7 @@ _HOMES = {
             "collect_fisher",
             "collect_regmean_stats",
             "collect_regmean_stats_ray",
+            "join_statistics",
         ),
         "lmdx.stats",
     ),
@@ -144,6 +146,7 @@ __all__ = [
     "default_threads",
     "files",
     "fisher_average",
+    "join_statistics",
     "lmd",
     "load_merge_config",
     "load_merged",

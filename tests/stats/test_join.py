@@ -88,3 +88,80 @@ def test_parts_that_do_not_belong_together_are_refused(llama):
     fisher = Statistics(kind="fisher", model=mlp0.model, parameters={}, count=1.0)
     with pytest.raises(StatisticsFileError, match="only RegMean Grams join"):
         join_statistics([fisher, rest0])
+
+
+def _same_tensors(a_path, b_path):
+    a, b = Checkpoint(a_path), Checkpoint(b_path)
+    assert a.names() == b.names()
+    for n in a.names():
+        assert a.read(n).tobytes() == b.read(n).tobytes(), n
+
+
+def test_a_config_lists_a_models_parts_and_lmdx_merge_joins_them(llama, tmp_path):
+    """``models[i].stats`` may list the parts (relative to the config): ``lmdx merge`` gives
+    the merge of the single files, and lmdx_merge.json names the parts."""
+    import json
+
+    import yaml
+    from lmdx.cli import main
+
+    kw = {"alpha": 0.9, "progress": False}
+    stream_merge(llama["models"], tmp_path / "one", stats=llama["whole"], **kw)
+    models = [
+        {"path": str(m), "stats": [str(p.relative_to(llama["root"])) for p in parts]}
+        for m, parts in zip(llama["models"], llama["parts"], strict=True)
+    ]
+    config = llama["root"] / "parts.yaml"
+    config.write_text(yaml.safe_dump({"method": "regmean", "alpha": 0.9, "models": models}))
+    assert main(["merge", str(config), "--out", str(tmp_path / "cli"), "--no-progress"]) == 0
+    _same_tensors(tmp_path / "one", tmp_path / "cli")
+    record = json.loads((tmp_path / "cli" / "lmdx_merge.json").read_text())
+    recorded = [entry["stats"] for entry in record["inputs"].values()]
+    assert recorded == [[str(p) for p in parts] for parts in llama["parts"]]
+
+
+def test_a_config_part_that_does_not_exist_is_named(llama, tmp_path):
+    import yaml
+    from lmdx.cli import main
+
+    models = [{"path": str(m), "stats": [str(parts[0]), "nowhere.safetensors"]}
+              for m, parts in zip(llama["models"], llama["parts"], strict=True)]  # fmt: skip
+    config = tmp_path / "parts.yaml"
+    config.write_text(yaml.safe_dump({"method": "regmean", "models": models}))
+    assert main(["merge", str(config), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    assert not (tmp_path / "out").exists()
+
+
+RAY_SCRIPT = """
+import sys
+from lmdx.files import Checkpoint
+from lmdx.merge import stream_merge
+models, parts, out = sys.argv[1:4], sys.argv[4:10], sys.argv[10]
+stats = [parts[0:2], parts[2:4], parts[4:6]]
+kw = dict(alpha=0.9, progress=False)
+remote = stream_merge(models, out + "/ray", stats=stats, ray_workers=2, **kw)
+local = stream_merge(models, out + "/local", stats=stats, **kw)
+a, b = Checkpoint(out + "/ray"), Checkpoint(out + "/local")
+same = a.names() == b.names() and all(a.read(n).tobytes() == b.read(n).tobytes() for n in a.names())
+print("RESULT", remote.report["ray_workers"], same)
+"""
+
+
+def test_ray_workers_join_the_parts_themselves(llama, tmp_path):
+    """On Ray each worker opens and joins a model's parts from their paths: the merge is
+    the local one, bit for bit."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("ray")
+    parts = [str(p) for ps in llama["parts"] for p in ps]
+    env = {**os.environ, "LMDX_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", RAY_SCRIPT, *map(str, llama["models"]), *parts, str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")] == ["RESULT 2 True"], (
+        out.stdout[-2000:]
+    )

@@ -7,6 +7,7 @@ Example::
       - path: finetuned/bbc    # a save_pretrained (or sentence-transformers) folder,
                                # relative to this file
         stats: stats/bbc.safetensors     # regmean: Gram statistics; fisher: Fisher
+                               # (or a list: parts collected over disjoint modules)
         coefficient: 1.0       # optional per-model coefficient
       - path: finetuned/reuters
         stats: stats/reuters.safetensors
@@ -94,7 +95,7 @@ MAX_THREADS = 4096
 @dataclass
 class ModelEntry:
     path: str  # the model folder, or the adapter folder for an adapter
-    stats: str | None = None
+    stats: str | list[str] | None = None  # a file or folder, or parts to join
     coefficient: float | None = None
     name: str | None = None
     data: str | None = None  # regmean_plusplus: a text file or corpus:NAME
@@ -173,7 +174,7 @@ _Path = Annotated[str, Field(min_length=1)]
 class _Model(_Strict):
     path: _Path | None = None
     adapter: _Path | None = None
-    stats: _Path | None = None
+    stats: _Path | Annotated[list[_Path], Field(min_length=1)] | None = None
     coefficient: Annotated[float, Field(ge=0.0)] | None = None
     name: str | None = None
     data: _Path | None = None
@@ -324,11 +325,13 @@ def _resolved(checked: _ConfigBase, root: Path, where: str) -> MergeConfig:
                 "not a PEFT adapter folder"
             )
         if e.stats is not None:
-            entry.stats = resolve(e.stats)
-            if not exists(entry.stats, f"models[{i}].stats", folder=False):
-                raise MergeError(
-                    f"{where}: models[{i}].stats {entry.stats}: no such file or statistics folder"
-                )
+            parts = [resolve(p) for p in ([e.stats] if isinstance(e.stats, str) else e.stats)]
+            for part in parts:
+                if not exists(part, f"models[{i}].stats", folder=False):
+                    raise MergeError(
+                        f"{where}: models[{i}].stats {part}: no such file or statistics folder"
+                    )
+            entry.stats = parts[0] if isinstance(e.stats, str) else parts
         if e.data is not None:
             entry.data = _data_spec(e.data, resolve, exists, f"{where}: models[{i}].data")
         if e.text_field is not None:

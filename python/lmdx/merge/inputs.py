@@ -18,7 +18,7 @@ from ..stats.file import Statistics
 from ..stats.format import INDEX_NAME
 from .lora import LoraExport, check_lora_export
 from .options import MergeOptions
-from .plan import Block, content_sha256, open_stats
+from .plan import Block, content_sha256, open_stats, stats_files
 from .registry import MergeMethod, method_named, methods
 from .source import AdapterSource, TensorSource
 
@@ -159,6 +159,14 @@ def _stats_sha256(stats: Statistics | None) -> str | None:
     return file_sha256(path) if path.is_file() else None
 
 
+def _stats_record(stats: Statistics | None) -> str | list[str] | None:
+    """Where a model's statistics came from: a file or folder, or the parts joined."""
+    if stats is None:
+        return None
+    files = stats_files(stats)
+    return files if files is not None and len(files) > 1 else stats.source
+
+
 def inputs_record(inputs: MergeInputs) -> dict[str, Any]:
     """Per input model: path (and, for an adapter, its base's), architecture, size,
     content hash (:func:`lmdx.merge.plan.content_sha256`), statistics file and its hash."""
@@ -170,7 +178,7 @@ def inputs_record(inputs: MergeInputs) -> dict[str, Any]:
             "architecture": src.architecture(),
             "bytes": src.total_bytes(),
             "weights_sha256": content_sha256(src),
-            "stats": None if s is None else s.source,
+            "stats": _stats_record(s),
             "stats_sha256": _stats_sha256(s),
         }
         if isinstance(src, AdapterSource):

@@ -29,6 +29,7 @@ from ..files.checkpoint import SINGLE_FILE
 from ..files.hf import base_model_info, model_files
 from ..files.identity import describe_mismatch
 from ..stats.file import Statistics
+from ..stats.join import join_statistics
 from .registry import method_named
 from .source import AdapterSource, TensorSource
 
@@ -50,6 +51,7 @@ __all__ = [
     "open_stats",
     "peak_rss_bytes",
     "plan_outputs",
+    "stats_files",
     "tensor_hashes",
 ]
 
@@ -317,6 +319,27 @@ def content_sha256(source: TensorSource) -> str:
     return total.hexdigest()
 
 
+def _opened(stats: Any) -> Statistics:
+    """One model's statistics: a :class:`Statistics`, a file or folder, or a list of them
+    (parts collected over disjoint modules, :func:`lmdx.stats.join_statistics`)."""
+    if isinstance(stats, Statistics):
+        return stats
+    if isinstance(stats, (list, tuple)):
+        return join_statistics([_opened(part) for part in stats])
+    return Statistics.load(stats)
+
+
+def stats_files(stats: Statistics) -> list[str] | None:
+    """The files or folders ``stats`` is read from (a joined one's parts), or None where
+    it is (partly) in memory."""
+    if stats.source:
+        return [str(stats.source)]
+    parts = stats.extra.get("joined_from")
+    if isinstance(parts, list) and parts and all(os.path.exists(str(p)) for p in parts):
+        return [str(p) for p in parts]
+    return None
+
+
 def open_stats(
     stats: Sequence[Any] | None, kind: str | None, method: str, k: int, labels: Sequence[str]
 ) -> list[Statistics] | None:
@@ -332,7 +355,7 @@ def open_stats(
             f"method {method!r} needs one {kind} statistics per model ({k}), got "
             f"{0 if stats is None else len(stats)}"
         )
-    objs = [s if isinstance(s, Statistics) else Statistics.load(s) for s in stats]
+    objs = [_opened(s) for s in stats]
     for i, (s, lab) in enumerate(zip(objs, labels, strict=True)):
         if s.kind != kind:
             raise MergeError(f"stats[{i}] ({s.source or lab}): kind {s.kind!r}, expected {kind!r}")

@@ -20,9 +20,10 @@ from .. import _ray
 from .._errors import LmdxError, MergeError, MissingFileError, RayClusterError
 from ..files.checkpoint import Checkpoint
 from ..stats.file import Statistics
+from ..stats.join import join_statistics
 from .engine import solve_regmean_step
 from .options import MergeOptions
-from .plan import MergePlan, Step
+from .plan import MergePlan, Step, stats_files
 
 if TYPE_CHECKING:
     from .inputs import MergeInputs
@@ -34,29 +35,36 @@ _OPENED: dict[tuple[Any, ...], tuple[list[Checkpoint], list[Statistics]]] = {}
 
 
 def _open(
-    models: list[str], stats: list[str], labels: list[str]
+    models: list[str], stats: list[list[str]], labels: list[str]
 ) -> tuple[list[Checkpoint], list[Statistics]]:
-    """The inputs, opened once per worker process (again if a path changed since)."""
-    missing = [p for p in (*models, *stats) if not os.path.exists(p)]
+    """The inputs, opened once per worker process (again if a path changed since); a
+    model's statistics are one file or folder, or the parts to join."""
+    files = [p for parts in stats for p in parts]
+    missing = [p for p in (*models, *files) if not os.path.exists(p)]
     if missing:
         node = _ray.import_ray().util.get_node_ip_address()
         raise MissingFileError(
             f"Ray node {node} does not see {', '.join(missing)}: every node must see the "
             "models and statistics at the paths this process uses (a shared filesystem, or "
-            f"copies there): {', '.join((*models, *stats))}"
+            f"copies there): {', '.join((*models, *files))}"
         )
-    key = tuple((p, os.stat(p).st_mtime_ns) for p in (*models, *stats)) + tuple(labels)
+    key = tuple((p, os.stat(p).st_mtime_ns) for p in (*models, *files)) + tuple(labels)
     if key not in _OPENED:
         _OPENED.clear()
         _OPENED[key] = (
             [Checkpoint(m, lab) for m, lab in zip(models, labels, strict=True)],
-            [Statistics.load(p) for p in stats],
+            [
+                Statistics.load(parts[0])
+                if len(parts) == 1
+                else join_statistics([Statistics.load(p) for p in parts])
+                for parts in stats
+            ],
         )
     return _OPENED[key]
 
 
 def _solve(
-    inputs: tuple[list[str], list[str], list[str], MergeOptions], step: Step
+    inputs: tuple[list[str], list[list[str]], list[str], MergeOptions], step: Step
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """One group solved (a Ray task); NumPy arrays (bfloat16 too) cross Ray's object store
     as they are."""
@@ -72,7 +80,7 @@ class RayGroupSolver:
     def __init__(
         self,
         models: list[str],
-        stats: list[str],
+        stats: list[list[str]],
         labels: list[str],
         options: MergeOptions,
         steps: Sequence[Step],
@@ -107,12 +115,12 @@ class RayGroupSolver:
         files: every worker opens them itself)."""
         stats = inputs.stats
         assert stats is not None
-        paths = [s.source for s in stats]
-        if any(p is None or not Path(p).exists() for p in paths):
+        paths = [stats_files(s) for s in stats]
+        if any(p is None for p in paths):
             raise MergeError("ray_workers: the statistics must be files or folders (paths)")
         return cls(
             [str(Path(str(c.path)).absolute()) for c in inputs.sources],
-            [str(Path(str(p)).absolute()) for p in paths],
+            [[str(Path(p).absolute()) for p in parts or ()] for parts in paths],
             plan.labels,
             inputs.options,
             plan.steps,

@@ -7,6 +7,7 @@ from .add import add_statistics
 from .collect import collect_regmean_stats
 from .file import Statistics
 from .fisher import collect_fisher
+from .join import join_statistics
 from .ray import collect_regmean_stats_ray, shard_bounds
 from .sites import find_linear_modules
 from .writer import StatisticsWriter
@@ -19,5 +20,6 @@ __all__ = [
     "collect_regmean_stats",
     "collect_regmean_stats_ray",
     "find_linear_modules",
+    "join_statistics",
     "shard_bounds",
 ]
