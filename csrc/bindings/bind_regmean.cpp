@@ -14,28 +14,41 @@ using lmdx::SolveInfo;
 
 namespace {
 
-std::tuple<py::array_t<double>, RegMeanInfo> regmean_merge_layer(
-    const std::vector<py::array>& grams, const std::vector<py::array>& weights,
-    const std::vector<double>& counts, double alpha,
-    const std::optional<std::vector<double>>& coefficients, const std::string& layout,
-    const std::string& precision, double noise_floor, double ridge, bool allow_regularization,
-    const std::string& name, int n_threads) {
-  std::vector<ArrayView> g, w;
+// Views of the K float64 Grams: each a full (d, d) Gram, or its packed upper triangle (1-D).
+std::vector<ArrayView> gram_views(const std::vector<py::array>& grams, const std::string& name) {
+  std::vector<ArrayView> g;
   for (size_t i = 0; i < grams.size(); ++i) {
-    // A full (d, d) Gram, or its packed upper triangle (1-D).
     const int ndim = grams[i].ndim() == 1 ? 1 : 2;
     g.push_back(float64_view(grams[i], name + ": grams[" + std::to_string(i) + "]", ndim));
   }
-  for (size_t i = 0; i < weights.size(); ++i) {
-    w.push_back(float_view(weights[i], name + ": weights[" + std::to_string(i) + "]", 2));
-  }
-  const std::vector<double> coef = coefficient_list(coefficients);
+  return g;
+}
+
+// The solver options both bindings take as keywords.
+lmdx::SolveOptions solve_options(double alpha, double ridge, bool allow_regularization,
+                                 const std::string& name, int n_threads) {
   lmdx::SolveOptions opt;
   opt.alpha = alpha;
   opt.ridge = ridge;
   opt.allow_regularization = allow_regularization;
   opt.name = name;
   opt.n_threads = n_threads;
+  return opt;
+}
+
+std::tuple<py::array_t<double>, RegMeanInfo> regmean_merge_layer(
+    const std::vector<py::array>& grams, const std::vector<py::array>& weights,
+    const std::vector<double>& counts, double alpha,
+    const std::optional<std::vector<double>>& coefficients, const std::string& layout,
+    const std::string& precision, double noise_floor, double ridge, bool allow_regularization,
+    const std::string& name, int n_threads) {
+  const std::vector<ArrayView> g = gram_views(grams, name);
+  std::vector<ArrayView> w;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    w.push_back(float_view(weights[i], name + ": weights[" + std::to_string(i) + "]", 2));
+  }
+  const std::vector<double> coef = coefficient_list(coefficients);
+  const lmdx::SolveOptions opt = solve_options(alpha, ridge, allow_regularization, name, n_threads);
   // The merged weight has the layout (shape) of the inputs.
   py::array_t<double> out = new_float64(w.empty() ? std::vector<Index>{0, 0} : w[0].shape);
   double* out_data = out.mutable_data();
@@ -53,21 +66,13 @@ std::tuple<py::array_t<double>, SolveInfo> regmean_low_rank_solve(
     const std::vector<double>& counts, double alpha,
     const std::optional<std::vector<double>>& coefficients, double ridge,
     bool allow_regularization, const std::string& name, int n_threads) {
-  std::vector<ArrayView> g, a;
-  for (size_t i = 0; i < grams.size(); ++i) {
-    const int ndim = grams[i].ndim() == 1 ? 1 : 2;
-    g.push_back(float64_view(grams[i], name + ": grams[" + std::to_string(i) + "]", ndim));
-  }
+  const std::vector<ArrayView> g = gram_views(grams, name);
+  std::vector<ArrayView> a;
   for (size_t i = 0; i < factors.size(); ++i) {
     a.push_back(float64_view(factors[i], name + ": factors[" + std::to_string(i) + "]", 2));
   }
   const std::vector<double> coef = coefficient_list(coefficients);
-  lmdx::SolveOptions opt;
-  opt.alpha = alpha;
-  opt.ridge = ridge;
-  opt.allow_regularization = allow_regularization;
-  opt.name = name;
-  opt.n_threads = n_threads;
+  const lmdx::SolveOptions opt = solve_options(alpha, ridge, allow_regularization, name, n_threads);
   lmdx::MatrixXd f;
   SolveInfo info;
   {

@@ -1,0 +1,234 @@
+#include "core/regmean_float32.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "core/parallel.hpp"
+#include "core/reduction.hpp"
+
+LMDX_NAMESPACE_BEGIN
+
+namespace detail {
+
+namespace {
+
+// Gaussian probe columns of the float32 certificate, and the factor its estimate is
+// multiplied by. With P = 16 probes, ||E z||^2 summed over the probes is a sum of P
+// chi-square draws weighted by the squared singular values of S^(1/2) E; the worst case is
+// an error (and a merged weight) concentrated in one direction, where the ratio of the two
+// sums is an F(16, 16) variable: it falls below 1/16 (the estimate times kCertificateMargin
+// below the true error) with probability 6e-7. Spread errors (the usual float32 rounding)
+// make it far more accurate. tests/core/test_regmean_precision.py checks the bound.
+constexpr Index kProbes = 16;
+constexpr double kCertificateMargin = 4.0;
+// The probes' errors are solved with the float32 factor and refined once against the
+// float64 system; a refinement that changes them by more than this fraction (in the
+// system's norm) means the float32 factor is too inaccurate to certify anything.
+constexpr double kMaxContraction = 0.5;
+
+}  // namespace
+
+MatrixXd Float32Merge::system_times(const MatrixXd& v, double alpha, double ridge,
+                                    int threads) const {
+  MatrixXd out;
+  multiply_rows(lhs, v, out, false, threads);
+  finish_reduced_product(lhs.diagonal(), v, alpha, ridge, out);
+  return out;
+}
+
+MatrixXd Float32Merge::solve32(const Eigen::MatrixXf& l32, const MatrixXd& r, int threads) {
+  const double scale = r.cwiseAbs().maxCoeff();
+  if (!(scale > 0.0)) return MatrixXd::Zero(r.rows(), r.cols());
+  Eigen::MatrixXf x = (r / scale).cast<float>();
+  cholesky_solve_in_place(l32, x, threads);
+  return x.cast<double>() * scale;
+}
+
+double Float32Merge::s_norm2(const MatrixXd& u, const MatrixXd& au, double ridge) {
+  return u.cwiseProduct(au).sum() - ridge * u.squaredNorm();
+}
+
+double Float32Merge::factor_error_estimate(const Eigen::MatrixXf& l32, const MatrixXd& bz,
+                                           const MatrixXd& z, double alpha, double ridge,
+                                           int threads) {
+  x_probe = solve32(l32, bz, threads);
+  multiply_rows(mean_t, z, mean_z, false, threads);
+  MatrixXd v(d_in, 2 * kProbes);
+  v.leftCols(kProbes) = x_probe;
+  v.rightCols(kProbes) = mean_z;
+  const MatrixXd av = system_times(v, alpha, ridge, threads);
+  a_x = av.leftCols(kProbes);
+  a_mean_z = av.rightCols(kProbes);
+  const double merged_norm2 = s_norm2(mean_z + x_probe, a_mean_z + a_x, ridge);
+  res = a_x - bz;
+  e_probe = solve32(l32, res, threads);
+  a_e = system_times(e_probe, alpha, ridge, threads);
+  e_norm2 = std::max(e_probe.cwiseProduct(a_e).sum(), 0.0);
+  if (!(e_norm2 > 0.0)) return 0.0;
+  return merged_norm2 > 0.0 ? kCertificateMargin * std::sqrt(e_norm2 / merged_norm2)
+                            : std::numeric_limits<double>::max();
+}
+
+bool Float32Merge::run(const SolveOptions& opt, bool forced, RegMeanInfo& info,
+                       MatrixXd& merged_t) {
+  PhaseClock clock(info);
+  const int threads = opt.n_threads;
+  const double alpha = opt.alpha;
+  const double mean_diagonal = lhs.diagonal().mean();
+  if (!(opt.ridge >= 0.0) || !std::isfinite(opt.ridge) || !(mean_diagonal > 0.0) ||
+      !std::isfinite(mean_diagonal)) {
+    return false;  // the float64 path reports it
+  }
+  const double ridge = opt.ridge * mean_diagonal;
+  Eigen::MatrixXf l32(d_in, d_in);
+  LMDX_PRAGMA(omp parallel num_threads(threads)) {
+    VectorXd column(d_in);
+    LMDX_PRAGMA(omp for schedule(dynamic, 16))
+    for (Index j = 0; j < d_in; ++j) {
+      auto c = column.head(d_in - j);
+      c = lhs.col(j).tail(d_in - j);
+      reduce_off_diagonal(c, j, j, alpha);
+      c(0) += ridge;
+      l32.col(j).tail(d_in - j) = c.cast<float>();
+    }
+  }
+  clock.lap("convert32");
+  if (blocked_cholesky(l32, mean_diagonal, threads) >= 0) return false;
+  clock.lap("factor32");
+  // Directions near the noise floor: the float64 path decides which are unseen.
+  const double smallest = l32.diagonal().minCoeff();
+  const double floor = noise_floor * std::sqrt(static_cast<double>(d_in)) * mean_diagonal;
+  if (floor > 0.0 && smallest * smallest <= kNoiseFloorTrigger * floor) return false;
+  mirror_lower(lhs, threads);
+  clock.lap("convert32");
+
+  // The deviations, once: y_i = (W_i - W-)^T z in float64 for the probes, and rounded to
+  // float32 into rows [j d_in, (j + 1) d_in) of dev32.
+  const Index m = static_cast<Index>(others.size());
+  const MatrixXd z = gaussian_probes(d_out, kProbes);
+  MatrixXd y = MatrixXd::Zero(d_in, m * kProbes);
+  Eigen::MatrixXf dev32(m * d_in, d_out);
+  {
+    MatrixXd delta(d_in, std::min(kRhsChunk, d_out));
+    for (Index j = 0; j < m; ++j) {
+      auto yj = y.middleCols(j * kProbes, kProbes);
+      for_each_deviation_block(
+          models[others[j]].weight, mean_t, layout, threads, delta,
+          [&](Index) {},
+          [&](Index c0, Index w, Index r0, Index h) {
+            yj.middleRows(r0, h).noalias() += delta.block(r0, 0, h, w) * z.middleRows(c0, w);
+            dev32.block(j * d_in + r0, c0, h, w) = delta.block(r0, 0, h, w).cast<float>();
+          });
+    }
+  }
+  clock.lap("deviations");
+  // The Gram differences, once, by tiles of rows: B z = sum_j D_j y_j in float64 (each
+  // tile owns its rows of B z, summed over j in order), D_j rounded into diff32's columns
+  // [j d_in, (j + 1) d_in).
+  MatrixXd bz = MatrixXd::Zero(d_in, kProbes);
+  Eigen::MatrixXf diff32(d_in, m * d_in);
+  {
+    const Index n_tiles = (d_in + kTile - 1) / kTile;
+    LMDX_PRAGMA(omp parallel num_threads(threads)) {
+      MatrixXd t(kTile, d_in);
+      LMDX_PRAGMA(omp for schedule(dynamic, 1))
+      for (Index tile = 0; tile < n_tiles; ++tile) {
+        const Index r0 = tile * kTile, h = std::min(kTile, d_in - r0);
+        for (Index j = 0; j < m; ++j) {
+          difference_rows(models, s, coef, others[j], pivot, alpha, r0, h, t);
+          bz.middleRows(r0, h).noalias() +=
+              t.topRows(h) * y.middleCols(j * kProbes, kProbes);
+          diff32.block(r0, j * d_in, h, d_in) = t.topRows(h).cast<float>();
+        }
+      }
+    }
+  }
+  clock.lap("differences");
+  if (factor_error_estimate(l32, bz, z, alpha, ridge, threads) > kOutputErrorTolerance &&
+      !forced) {
+    clock.lap("precheck");
+    return false;  // the factor alone already exceeds the tolerance: float64 at once
+  }
+  clock.lap("precheck");
+
+  // rhs = sum_j D_j (W_j - W-)^T in float32: one product [D_1 .. D_m] [dev_1; ..; dev_m],
+  // by fixed blocks of rows.
+  Eigen::MatrixXf x32(d_in, d_out);
+  {
+    const Index row_block = column_block_width(d_in);
+    const Index n_row_blocks = (d_in + row_block - 1) / row_block;
+    LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(dynamic, 1))
+    for (Index rb = 0; rb < n_row_blocks; ++rb) {
+      const Index r0 = rb * row_block;
+      const Index h = std::min(row_block, d_in - r0);
+      x32.middleRows(r0, h).noalias() = diff32.middleRows(r0, h) * dev32;
+    }
+  }
+  diff32.resize(0, 0);
+  dev32.resize(0, 0);
+  clock.lap("products32");
+  cholesky_solve_in_place(l32, x32, threads);
+  clock.lap("solve32");
+
+  // merged = W- + X; probes of X (those of W- and A W- z are the pre-check's).
+  MatrixXd xz(d_in, kProbes);
+  const Index row_block = column_block_width(d_in);
+  const Index n_row_blocks = (d_in + row_block - 1) / row_block;
+  LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(static))
+  for (Index c = 0; c < d_out; ++c) merged_t.col(c) = mean_t.col(c) + x32.col(c).cast<double>();
+  LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(dynamic, 1))
+  for (Index rb = 0; rb < n_row_blocks; ++rb) {
+    const Index r0 = rb * row_block;
+    const Index h = std::min(row_block, d_in - r0);
+    xz.middleRows(r0, h).noalias() = x32.middleRows(r0, h).cast<double>() * z;
+  }
+  // E z = X_32 z - X_64 z = (X_32 z - x) + (x - X_64 z): the first part exactly, the
+  // second the pre-check's e, refined once against res (A (x - X_64 z) = res).
+  const MatrixXd axz = system_times(xz, alpha, ridge, threads);
+  const double merged_norm2 = s_norm2(mean_z + xz, a_mean_z + axz, ridge);
+  const MatrixXd first = xz - x_probe + e_probe;
+  const MatrixXd a_first = axz - a_x + a_e;
+  const MatrixXd correction = solve32(l32, res - a_e, threads);
+  const MatrixXd ac = system_times(correction, alpha, ridge, threads);
+  const double ee = first.cwiseProduct(a_first).sum();
+  const double ec = correction.cwiseProduct(a_first).sum();
+  const double cc = std::max(correction.cwiseProduct(ac).sum(), 0.0);
+  // ||E Z||_A after the refinement, plus what a refinement contracting at the observed
+  // rate rho (the correction against e) would still change: rho / (1 - rho) times the
+  // correction.
+  const double rho = e_norm2 > 0.0 ? std::sqrt(cc / e_norm2) : 0.0;
+  const double refined = std::sqrt(std::max(ee + 2.0 * ec + cc, 0.0));
+  const double error_norm =
+      refined + (rho < 1.0 ? rho / (1.0 - rho) : 1.0) * std::sqrt(cc);
+  double estimate = 0.0;
+  if (error_norm > 0.0) {
+    estimate = merged_norm2 > 0.0
+                   ? kCertificateMargin * error_norm / std::sqrt(merged_norm2)
+                   : std::numeric_limits<double>::max();
+  }
+
+  info.ridge = opt.ridge;
+  info.ridge_absolute = ridge;
+  info.mean_diagonal = mean_diagonal;
+  info.attempts = 1;
+  info.escalated = false;
+  info.min_pivot = l32.diagonal().minCoeff();
+  info.max_pivot = l32.diagonal().maxCoeff();
+  const double ratio = info.min_pivot / info.max_pivot;
+  info.rcond_estimate = ratio * ratio;
+  info.condition_estimate = 0.0;
+  if (d_in <= kEstimateDim) {
+    info.condition_estimate = symmetric_norm1(d_in, alpha, ridge, threads,
+                                              [&](Index j, double*) { return &lhs(j, j); }) *
+                              inverse_norm1_estimate(l32);
+  }
+  info.output_error_estimate = estimate;
+  info.precision = "float32";
+  clock.lap("certificate");
+  return forced || (rho <= kMaxContraction && estimate <= kOutputErrorTolerance);
+}
+
+}  // namespace detail
+
+LMDX_NAMESPACE_END

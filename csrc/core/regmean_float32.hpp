@@ -1,0 +1,71 @@
+// The float32 path of the RegMean merge (regmean.cpp tries it first for precision "float32",
+// and "auto" on layers large enough to be threaded).
+//
+// The merge of one layer in float32 -- factorization, the K - 1 right-hand-side products
+// and the solve -- and the certificate of its output error against the float64 formula:
+// with X = W_M^T - W-^T from float32 and E = X - X_64 (X_64 = A^{-1} B in float64, A the
+// system, B the right-hand side), A E z = A X z - B z = -r for any probe z, where the
+// residual r is computed in float64 from products with the Gram differences and the system.
+// With x = A_32^{-1} B z (the pre-check's solve), E z = (X z - x) + A^{-1} (A x - B z): the
+// first part is exact, the second is solved with the float32 factor and refined once in
+// float64. ||E z||_A^2 over Gaussian probes estimates ||E||_A^2 >= ||E||_S^2
+// (S = A - ridge I), and ||W_M z||_S^2 the merged weight's ||W_M||_S^2.
+// O((K + 4) d_in^2 kProbes) float64 work and three float32 solves with kProbes columns.
+//
+// Each Gram difference D_i and deviation (W_i - W-)^T is formed once: in float64 for the
+// probes' right-hand side B z, and rounded to float32 side by side (D = [D_1 .. D_{K-1}],
+// dev = [dev_1; ..; dev_{K-1}]) for the one product D dev after the factor's pre-check.
+#pragma once
+
+#include <vector>
+
+#include "core/regmean_detail.hpp"
+
+LMDX_NAMESPACE_BEGIN
+
+namespace detail {
+
+struct Float32Merge {
+  const std::vector<RegMeanModel>& models;
+  const std::vector<double>& coef;
+  const std::vector<double>& s;
+  size_t pivot;
+  const std::vector<size_t>& others;
+  Index d_in, d_out;
+  WeightLayout layout;
+  const MatrixXd& mean_t;
+  MatrixXd& lhs;  // sum_i s_i G_i, lower triangle; run() mirrors it onto the upper one
+  double noise_floor;  // relative, as regmean_merge_layer's
+  // Set by the pre-check (factor_error_estimate): on the probes, W-^T z, A W-^T z, x (B z
+  // solved with the float32 factor), A x, res = A x - B z, e (res solved with it), A e, and
+  // ||e||_A^2.
+  MatrixXd mean_z, a_mean_z, x_probe, a_x, res, e_probe, a_e;
+  double e_norm2 = 0.0;
+
+  // A v, A = alpha lhs + (1 - alpha) diag(lhs) + ridge I (lhs mirrored).
+  MatrixXd system_times(const MatrixXd& v, double alpha, double ridge, int threads) const;
+
+  // A_32^{-1} r with the float32 factor, r scaled into float32's range first.
+  static MatrixXd solve32(const Eigen::MatrixXf& l32, const MatrixXd& r, int threads);
+
+  // ||u||_S^2 summed over the columns, from u and A u.
+  static double s_norm2(const MatrixXd& u, const MatrixXd& au, double ridge);
+
+  // The pre-check: the certificate's estimate for the float32 factor's error alone. The
+  // probes' right-hand side B z solved with it (x), checked against the float64 system
+  // (res = A x - B z, e = its solve with the float32 factor: x - X_64 z ~ e), relative to
+  // ||W_M z||_S with W_M z ~ W- z + x. The products' own rounding comes on top, so a layer
+  // above the tolerance here cannot be certified. Keeps x, A x, res, e, A e, W-^T z and
+  // A W-^T z for the final certificate.
+  double factor_error_estimate(const Eigen::MatrixXf& l32, const MatrixXd& bz, const MatrixXd& z,
+                               double alpha, double ridge, int threads);
+
+  // Merge into merged_t and fill info (precision "float32", output_error_estimate). Returns
+  // false, leaving lhs's lower triangle as it was, when the float32 factorization fails or
+  // (unless forced) the certificate exceeds kOutputErrorTolerance.
+  bool run(const SolveOptions& opt, bool forced, RegMeanInfo& info, MatrixXd& merged_t);
+};
+
+}  // namespace detail
+
+LMDX_NAMESPACE_END
