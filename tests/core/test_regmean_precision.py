@@ -261,3 +261,35 @@ def test_each_merge_reports_its_phases(rng):
     assert list(f32.timings) == common + float32
     assert list(f64.timings) == [*common, "factor64", "products64", "solve64"]
     assert all(t >= 0.0 for info in (f32, f64) for t in info.timings.values())
+
+
+def test_auto_predictor_sends_hopeless_layers_to_float64_before_the_precheck(rng):
+    """A layer far from certifiable in float32 (unlike Grams of condition 1e6, deviations
+    as large as the weights) is sent to float64 right after the float32 factorization: the
+    same bits as precision "float64", and the certificate (forced float32) agrees it was
+    out of reach."""
+    grams = grams_of_condition(rng, "unlike", K, D_IN, 1e6, N)
+    weights = fine_tuned(rng, K, D_OUT, D_IN, 1.0)
+    counts = [N] * K
+    auto = lmdx.regmean_merge_layer(grams, weights, counts, alpha=0.9)
+    full = lmdx.regmean_merge_layer(grams, weights, counts, alpha=0.9, precision="float64")
+    forced = lmdx.regmean_merge_layer(grams, weights, counts, alpha=0.9, precision="float32")
+    assert auto.info.precision == "float64" and auto.info.output_error_estimate == 0.0
+    assert list(auto.info.timings) == [
+        *["checks", "average", "system", "convert32", "factor32", "predictor"],
+        *["factor64", "products64", "solve64"],
+    ]
+    assert np.array_equal(auto.weight, full.weight)
+    assert forced.info.output_error_estimate > 1e-6
+
+
+@pytest.mark.parametrize("cond", [1.0, 1e2, 1e3])
+def test_auto_keeps_float32_on_well_conditioned_small_deviations(rng, cond):
+    grams = grams_of_condition(rng, "alike", K, D_IN, cond, N)
+    weights = fine_tuned(rng, K, D_OUT, D_IN, 1e-3)
+    res = lmdx.regmean_merge_layer(grams, weights, [N] * K, alpha=0.9)
+    assert res.info.precision == "float32" and "predictor" not in res.info.timings
+    exact, lhs = formula(grams, [N] * K, weights, 0.9)
+    floor = 1e-15  # float64 rounding (the estimate of an exact solve is ~0)
+    assert output_error(res.weight, exact, lhs) <= res.info.output_error_estimate + floor
+    assert res.info.output_error_estimate <= 1e-6
