@@ -262,8 +262,8 @@ class Nodes:
             self.add()
 
     def lose_trapped_node(self, everything: bool = False) -> threading.Thread:
-        """Arm the trap; a thread removes the node it catches (``everything``: then every
-        worker node). The thread's ``removed`` attribute counts the nodes removed."""
+        """Arm the trap; a thread removes the node it catches (``everything``: every worker
+        node, the caught one last). The thread's ``removed`` attribute counts the nodes removed."""
         (self.trap / "armed").touch()
         thread = threading.Thread(target=self._remove, args=(everything,), daemon=True)
         thread.removed = 0  # type: ignore[attr-defined]
@@ -279,7 +279,10 @@ class Nodes:
         node_id = sprung.read_text()
         caught = [n for n in self.cluster.worker_nodes if n.node_id == node_id]
         rest = [n for n in self.cluster.worker_nodes if n.node_id != node_id]
-        for node in caught + (rest if everything else []):
+        # Every node: the others first. The caught node's one CPU is held by the sleeping
+        # call, so nothing else can run there; removed first, its retried work could
+        # finish on a node not yet removed (a tiny group takes milliseconds).
+        for node in (rest + caught) if everything else caught:
             self.cluster.remove_node(node)
             threading.current_thread().removed += 1  # type: ignore[attr-defined]
 
