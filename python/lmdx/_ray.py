@@ -98,9 +98,14 @@ def start_ray(address: str | None, num_cpus: int) -> bool:
 
     ``address=None``: a new local instance with ``num_cpus`` CPUs ("local": even if
     ``RAY_ADDRESS`` or a ``ray start`` cluster says otherwise); else join that cluster,
-    after :func:`check_address`. The SIGINT and SIGTERM handlers in place before
-    ``ray.init`` (which replaces SIGTERM's with an exit) are put back, and a SIGTERM during
-    ``ray.init`` is a KeyboardInterrupt, so Ctrl-C and SIGTERM reach the caller's clean-up.
+    after :func:`check_address`.
+
+    Ctrl-C and SIGTERM are held back while ``ray.init`` runs (an exception raised inside
+    it can leave one of Ray's locks taken, and the next Ray call then waits forever), and
+    the handlers in place before it are put back (``ray.init`` replaces SIGTERM's with an
+    exit). A signal that came meanwhile is delivered once ``ray.init`` has returned: Ray
+    is shut down again and the caller gets the KeyboardInterrupt, so Ctrl-C and SIGTERM
+    reach its clean-up.
     """
     ray = import_ray()
     if ray.is_initialized():
@@ -108,21 +113,30 @@ def start_ray(address: str | None, num_cpus: int) -> bool:
     if address is not None:
         check_address(address)
     main = threading.current_thread() is threading.main_thread()
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    signals = {signal.SIGINT, signal.SIGTERM}
+    handlers = {s: signal.getsignal(s) for s in signals} if main else {}
+    # Threads that ray.init starts inherit the mask: the signals stay pending until the
+    # mask is put back below.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, signals) if main else None
     try:
-        if address is None:
-            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
-        else:
-            ray.init(address=address)
-    except SystemExit as exc:  # Ray's own SIGTERM handler, while ray.init ran
-        if exc.code != signal.SIGTERM:
-            raise
-        ray.shutdown()
-        raise KeyboardInterrupt("terminated (SIGTERM)") from None
-    finally:
-        for sig, handler in handlers.items():
-            if handler is not None:
-                signal.signal(sig, handler)
+        try:
+            if address is None:
+                ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
+            else:
+                ray.init(address=address)
+        finally:
+            for sig, handler in handlers.items():
+                if handler is not None:
+                    signal.signal(sig, handler)
+            if mask is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a held-back signal: here
+    except BaseException as exc:
+        if ray.is_initialized():
+            ray.shutdown()
+        if isinstance(exc, SystemExit) and exc.code == signal.SIGTERM:
+            # Ray's own SIGTERM handler, had a thread started earlier taken the signal
+            raise KeyboardInterrupt("terminated (SIGTERM)") from None
+        raise
     return True
 
 
