@@ -30,6 +30,7 @@ __all__ = [
     "check_address",
     "failure",
     "import_ray",
+    "largest_node",
     "start_ray",
     "stop_ray",
     "wait_ready",
@@ -168,10 +169,11 @@ def wait_seconds() -> float:
     return seconds
 
 
-def _largest_node(ray: Any) -> float:
-    """The CPUs of the largest live node of the cluster."""
+def largest_node(ray: Any, resource: str = "CPU") -> float:
+    """The most of ``resource`` (``"CPU"``; ``"memory"``: bytes tasks may ask for) one live
+    node of the cluster has."""
     return max(
-        (float(n.get("Resources", {}).get("CPU", 0)) for n in ray.nodes() if n.get("Alive")),
+        (float(n.get("Resources", {}).get(resource, 0)) for n in ray.nodes() if n.get("Alive")),
         default=0.0,
     )
 
@@ -189,7 +191,7 @@ def wait_ready(ray: Any, refs: list[Any], cpus: float, waiting: Callable[[], str
         done, _ = ray.wait(refs, num_returns=1, timeout=_POLL)
         if done:
             return list(done)
-        if _largest_node(ray) >= cpus:
+        if largest_node(ray) >= cpus:
             short_since = None
             continue
         now = time.monotonic()

@@ -19,14 +19,13 @@ from lmdx import MergeError
 from lmdx.files import Checkpoint
 from lmdx.merge import stream_merge
 from lmdx.merge.methods import average_tensor, solve_group
-from lmdx.merge.options import MergeOptions
+from lmdx.merge.options import SOLVE_MEMORY_ENV, MergeOptions, solve_memory_budget
 from lmdx.merge.output_blocks import (
-    SOLVE_MEMORY_ENV,
     average_in_blocks,
+    group_memory,
     output_block_rows,
     output_block_size,
     solve_in_output_blocks,
-    solve_memory,
 )
 from lmdx.merge.plan import Step
 from lmdx.merge.source import StateDictSource
@@ -134,24 +133,29 @@ def test_auto_precision_blocks_report_their_worst_estimate():
 )
 def test_block_rows_fit_the_budget_or_are_the_least_allowed(d, rows, k, stored, budget):
     block = output_block_rows(d, rows, k, stored, budget)
-    fixed, per_row = (4 * k + 24) * d * d, d * (k * (stored + 4) + 30)
     assert 1 <= block <= rows
-    if fixed + per_row * rows <= budget:
+    if group_memory(d, rows, k, stored) <= budget:
         assert block == rows
     else:
         assert block >= min(rows, d)
-        assert block == min(rows, d) or fixed + per_row * block <= budget
+        assert block == min(rows, d) or group_memory(d, block, k, stored) <= budget
+        # not needlessly small: a fifth more rows would not fit
+        more = min(rows, block + block // 5 + 1)
+        assert more == block or group_memory(d, more, k, stored) > budget
 
 
 def test_small_groups_are_not_blocked(monkeypatch):
     step, sources, _ = _problem(1, 3, 4, [5])
-    monkeypatch.delenv(SOLVE_MEMORY_ENV, raising=False)
-    assert output_block_size(step, sources) is None
+    assert output_block_size(step, sources, solve_memory_budget()) is None
+    assert output_block_size(step, sources, 100) == 4  # at least d_in rows
     monkeypatch.setenv(SOLVE_MEMORY_ENV, "100B")
-    assert output_block_size(step, sources) == 4  # at least d_in rows
+    assert MergeOptions.checked(3).solve_memory == 100
+    assert MergeOptions.checked(3, solve_memory="2GB").solve_memory == 2 * 10**9  # option first
     monkeypatch.setenv(SOLVE_MEMORY_ENV, "lots")
     with pytest.raises(MergeError, match="LMDX_SOLVE_MEMORY='lots': expected a size"):
-        solve_memory()
+        MergeOptions.checked(3)
+    with pytest.raises(MergeError, match="solve_memory='-1GB': expected a size"):
+        MergeOptions.checked(3, solve_memory="-1GB")
 
 
 def test_rows_read_alone_are_the_tensors_rows(tmp_path):
@@ -170,18 +174,26 @@ def test_rows_read_alone_are_the_tensors_rows(tmp_path):
         ckpt.read_rows("w", 30, 40)
 
 
-def test_stream_merge_in_blocks_equals_the_whole_merge(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """Three tiny Llama checkpoints and their statistics files."""
+    root = tmp_path_factory.mktemp("llama")
     _, models, batches = H.cached_family("llama")
     paths, stats = [], []
     for i, (m, b) in enumerate(zip(models, batches, strict=True)):
-        m.save_pretrained(tmp_path / f"m{i}")
-        paths.append(tmp_path / f"m{i}")
-        stats.append(H.collect(m, b).save(tmp_path / f"s{i}.safetensors"))
+        m.save_pretrained(root / f"m{i}")
+        paths.append(root / f"m{i}")
+        stats.append(H.collect(m, b).save(root / f"s{i}.safetensors"))
+    return paths, stats
+
+
+def test_stream_merge_in_blocks_equals_the_whole_merge(llama, tmp_path, monkeypatch):
+    paths, stats = llama
     kw = {"alpha": 0.9, "precision": "float64", "progress": False}
     monkeypatch.delenv(SOLVE_MEMORY_ENV, raising=False)
     whole = stream_merge(paths, tmp_path / "whole", stats=stats, **kw)
-    monkeypatch.setenv(SOLVE_MEMORY_ENV, "1B")  # every group in blocks of d_in rows
-    blocked = stream_merge(paths, tmp_path / "blocked", stats=stats, **kw)
+    blocked = stream_merge(paths, tmp_path / "blocked", stats=stats, solve_memory="1B", **kw)
+    assert blocked.report["solve_memory"] == 1
     blocks = {m: v.get("output_blocks", 1) for m, v in blocked.report["layers"].items()}
     assert max(blocks.values()) > 1
     assert "output_blocks" not in next(iter(whole.report["layers"].values()))
@@ -190,6 +202,67 @@ def test_stream_merge_in_blocks_equals_the_whole_merge(tmp_path, monkeypatch):
     for n in a.names():
         x, y = np.asarray(a.read(n), np.float64), np.asarray(b.read(n), np.float64)
         assert np.abs(x - y).max() <= 1e-6 * max(np.abs(x).max(), 1e-30), n
+
+
+def test_dry_run_estimates_the_blocks(llama, tmp_path, monkeypatch):
+    """The plan's memory per step is that of one block where a step is done in blocks:
+    with a budget between a group's smallest block and the whole group, every blocked
+    group's estimate stays within it and below the whole; with room, nothing changes."""
+    paths, stats = llama
+    monkeypatch.delenv(SOLVE_MEMORY_ENV, raising=False)
+
+    def plan(budget):
+        res = stream_merge(paths, tmp_path / "p", stats=stats, dry_run=True, solve_memory=budget)
+        return {s.tensors[0]: s for s in res.plan.steps}
+
+    whole = plan(None)
+    groups = {t: s for t, s in whole.items() if s.kind == "regmean"}
+    largest = max(groups.values(), key=lambda s: s.memory)
+    k, stored = len(paths), 4  # float32 checkpoints
+    least = group_memory(largest.dim, largest.dim, k, stored, members=len(largest.tensors))
+    assert least < largest.memory  # the group has more output rows than inputs
+    budget = (least + largest.memory) // 2
+    cut = plan(budget)
+    assert least <= cut[largest.tensors[0]].memory <= budget
+    for t, s in groups.items():
+        got = cut[t].memory
+        assert got == s.memory if s.memory <= budget else got <= max(budget, least), t
+    roomy = plan(10**12)
+    assert all(roomy[t].memory == s.memory for t, s in whole.items())
+
+
+def test_config_and_cli_set_the_budget(llama, tmp_path, capsys):
+    """``solve_memory:`` in the config, ``--solve-memory`` over it; recorded in
+    ``lmdx_merge.json``; a bad size is one line."""
+    import json
+
+    from lmdx.cli import main
+
+    paths, stats = llama
+    models = "".join(f"  - {{path: {p}, stats: {s}}}\n" for p, s in zip(paths, stats, strict=True))
+    cfg = tmp_path / "merge.yaml"
+    cfg.write_text(f"method: regmean\nmodels:\n{models}alpha: 0.9\nsolve_memory: 1B\n")
+    out = tmp_path / "a"
+    assert main(["merge", str(cfg), "--out", str(out), "--no-progress"]) == 0
+    report = json.loads((out / "lmdx_merge.json").read_text())["report"]
+    assert report["solve_memory"] == 1
+    assert max(v.get("output_blocks", 1) for v in report["layers"].values()) > 1
+    out = tmp_path / "b"
+    argv = ["merge", str(cfg), "--out", str(out), "--no-progress", "--solve-memory", "1GB"]
+    assert main(argv) == 0
+    report = json.loads((out / "lmdx_merge.json").read_text())["report"]
+    assert report["solve_memory"] == 10**9
+    assert all("output_blocks" not in v for v in report["layers"].values())
+    capsys.readouterr()
+    argv = ["merge", str(cfg), "--out", str(tmp_path / "c"), "--solve-memory", "lots"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "solve_memory='lots': expected a size such as 8GB" in err[0], err
+    cfg.write_text(f"method: regmean\nmodels:\n{models}solve_memory: [1]\n")
+    assert main(["merge", str(cfg), "--out", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "solve_memory" in err[0] and "size" in err[0], err
+    assert not (tmp_path / "c").exists() and not (tmp_path / "d").exists()
 
 
 @settings(max_examples=25, deadline=None)
@@ -207,8 +280,10 @@ def test_averages_in_blocks_equal_the_formula_and_the_whole_average(
     values = [rng.standard_normal(shape) for _ in range(k)]
     sources = [StateDictSource({"e": torch.from_numpy(v)}, f"m{i}") for i, v in enumerate(values)]
     coef = tuple(rng.uniform(0.1, 2.0, k)) if weighted else None
-    options = MergeOptions.checked(k, method="average", coefficients=coef, n_threads=1)
-    got = average_in_blocks("e", sources, options, budget)
+    options = MergeOptions.checked(
+        k, method="average", coefficients=coef, n_threads=1, solve_memory=budget
+    )
+    got = average_in_blocks("e", sources, options)
     c = np.ones(k) if coef is None else np.asarray(coef)
     ref = sum(ci * v for ci, v in zip(c, values, strict=True)) / c.sum()
     row = shape[1] * (k * 12 + 16)
@@ -239,8 +314,9 @@ print("RESULT", remote.report["ray_workers"], blocks > 1, same,
 
 
 def test_blocks_on_ray_workers_give_the_local_merge(tmp_path):
-    """Ray workers solve through the same step, with the budget of their environment (a
-    Ray that lmdx starts inherits it): the same blocks, bit-identical tensors."""
+    """Ray workers solve through the same step, with the merge's budget (here from
+    LMDX_SOLVE_MEMORY, read once where the merge starts; it travels with the options):
+    the same blocks, bit-identical tensors."""
     import os
     import subprocess
     import sys

@@ -103,6 +103,14 @@ def add_merge_parser(sub: Any) -> None:
         help="auto or HOST:PORT of a Ray cluster (default: start a local Ray)",
     )
     p.add_argument(
+        "--solve-memory",
+        default=None,
+        metavar="SIZE",
+        help="memory budget of one merge step, e.g. 8GB (as solve_memory in the config; "
+        "default LMDX_SOLVE_MEMORY or 4GB): larger RegMean groups are solved, larger "
+        "tensors averaged, in blocks of rows",
+    )
+    p.add_argument(
         "--per-task-folders",
         action="store_true",
         help="also write one model folder per kept head, DIR/tasks/<i> (as heads.per_task_folders "
@@ -152,6 +160,8 @@ def _merge(args: argparse.Namespace, claimed: Claimed) -> int:
                 "--per-task-folders: the config keeps no heads (heads.patterns, policy keep)"
             )
         cfg.per_task_folders = True
+    if args.solve_memory is not None:
+        cfg.solve_memory = args.solve_memory
     if args.dry_run:
         if args.in_memory:
             raise CliError("--dry-run plans the streaming merge; drop --in-memory")

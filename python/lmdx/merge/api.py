@@ -61,6 +61,7 @@ def merge_models(
     lora_rank: int | None = None,
     progress: bool = True,
     n_threads: int | None = None,
+    solve_memory: int | str | None = None,
     data: Sequence[Any] | None = None,
     tokenizer: Any = None,
     **options: Any,
@@ -130,6 +131,11 @@ def merge_models(
     labels
         Names of the models for messages and the report (default: their paths or
         ``model0``...).
+    solve_memory
+        Memory budget of one merge step (``"8GB"`` or bytes; default ``LMDX_SOLVE_MEMORY``
+        or 4 GB): a RegMean group over it is solved in blocks of output rows and a larger
+        tensor averaged in blocks of rows, with the same numbers (a group's system, about
+        ``(4K + 20)·d²`` bytes for ``d`` inputs, is the least it needs).
     data
         ``regmean_plusplus``: per model, in order, its texts or its batches (dicts of
         tensors for ``model(**batch)``). Each model's own data is needed at merge time:
@@ -153,6 +159,7 @@ def merge_models(
             "exclude": exclude,
             "heads": heads,
             "n_threads": n_threads,
+            "solve_memory": solve_memory,
             **options,
         },
     )
@@ -222,6 +229,7 @@ def stream_merge(
     dry_run: bool = False,
     progress: bool = True,
     n_threads: int | None = None,
+    solve_memory: int | str | None = None,
     ray_workers: int = 0,
     ray_address: str | None = None,
     data: Sequence[Any] | None = None,
@@ -278,6 +286,7 @@ def stream_merge(
             "dtype": dtype,
             "max_shard_size": max_shard_size,
             "n_threads": n_threads,
+            "solve_memory": solve_memory,
             **options,
         },
     )

@@ -36,7 +36,9 @@ The task-vector methods (``task_arithmetic``, ``ties``, ``dare``, ``dare_ties``)
 that use them, ``scaling`` (default 0.3 for ``task_arithmetic`` and ``dare``, 1.0 for
 ``ties`` and ``dare_ties``) with the task-vector methods. ``fisher_eps`` is for
 ``fisher``; ``ridge``, ``allow_regularization``, ``precision`` (``auto`` | ``float32`` |
-``float64``) and ``threads`` tune the RegMean solves.
+``float64``) and ``threads`` tune the RegMean solves; ``solve_memory`` (e.g. ``8GB``,
+default ``LMDX_SOLVE_MEMORY`` or 4 GB) bounds one step's memory: a larger RegMean group is
+solved, and a larger tensor averaged, in blocks of rows (the same numbers).
 
 LoRA adapters: ``models: [{adapter: lora/bbc, stats: ...}, ...]`` (PEFT adapter folders)
 with ``base:`` the model folder they adapt (statistics collected on base + adapter:
@@ -122,6 +124,7 @@ class MergeConfig:
     max_shard_size: str = "2GB"
     lora_rank: int | None = None
     threads: int | None = None
+    solve_memory: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
 
     def __getattr__(self, name: str) -> Any:
@@ -150,7 +153,7 @@ def _as_entry(value: Any) -> Any:
 
 
 def _size(value: Any) -> Any:
-    """A shard size as the merge takes it (``"2GB"``; a number of bytes as ``"1000B"``)."""
+    """A size (shards, memory) as the merge takes it (``"2GB"``; bytes as ``"1000B"``)."""
     if isinstance(value, int) and not isinstance(value, bool):
         value = f"{value}B"
     if isinstance(value, str):
@@ -203,6 +206,7 @@ class _ConfigBase(_Strict):
     heads: _Heads | None = None
     output: _Output | None = None
     threads: Annotated[int, Field(ge=1, le=MAX_THREADS)] | None = None
+    solve_memory: Annotated[str, BeforeValidator(_size)] | None = None
 
 
 def _config_schema() -> type[_ConfigBase]:
@@ -224,6 +228,7 @@ _LABELS = {
     "exclude": "must be a list of name patterns",
     "heads.patterns": "must be a list of name patterns",
     "threads": f"must be a whole number of threads in [1, {MAX_THREADS}]",
+    "solve_memory": "must be a size such as '8GB' or a number of bytes",
     "output.lora_rank": "must be a whole number >= 1",
     "heads.per_task_folders": "must be true or false",
 }
@@ -373,6 +378,7 @@ def _resolved(checked: _ConfigBase, root: Path, where: str) -> MergeConfig:
         method=method,
         models=models,
         threads=checked.threads,
+        solve_memory=checked.solve_memory,
         exclude=list(checked.exclude or []),
         options=own.model_dump(),
     )
@@ -469,6 +475,7 @@ def _merge_kwargs(cfg: MergeConfig) -> dict[str, Any]:
         "base": cfg.base,
         "labels": labels,
         "n_threads": cfg.threads,
+        "solve_memory": cfg.solve_memory,
         **cfg.options,
     }
 

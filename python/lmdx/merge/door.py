@@ -56,6 +56,7 @@ class PreparedMerge:
             "exclude": list(options.exclude),
             "heads": list(options.heads),
             "head_tensors": plan.heads,
+            "solve_memory": options.solve_memory,
             "layers": {},
         }
         if plan.tied:

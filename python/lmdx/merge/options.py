@@ -9,6 +9,7 @@ which the front doors' keyword arguments, the configuration schema and the repor
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,19 +23,26 @@ from .._util import parse_size
 from .registry import NoOptions, method_named, method_names, methods, option_users
 
 __all__ = [
+    "DEFAULT_SOLVE_MEMORY",
     "HEAD_POLICIES",
     "PRECISIONS",
+    "SOLVE_MEMORY_ENV",
     "MergeOptions",
     "OptionError",
     "all_options",
     "check_output",
     "method_options",
     "option_error",
+    "solve_memory_budget",
     "unused_option",
 ]
 
 HEAD_POLICIES = ("keep", "drop")
 PRECISIONS = ("auto", "float32", "float64")
+#: The environment variable giving ``solve_memory``'s default (e.g. ``8GB``).
+SOLVE_MEMORY_ENV = "LMDX_SOLVE_MEMORY"
+#: ``solve_memory`` without the option or the environment variable: 4 GB.
+DEFAULT_SOLVE_MEMORY = 4 * 10**9
 
 
 def __getattr__(name: str) -> Any:
@@ -168,6 +176,11 @@ class MergeOptions:
         Writing a folder: largest output shard, bytes.
     n_threads
         Threads of the native kernels (None: :func:`lmdx.default_threads`).
+    solve_memory
+        Memory budget of one merge step, bytes: a RegMean group over it is solved in
+        blocks of output rows, a larger tensor averaged in blocks of rows (same numbers);
+        on Ray, each group's task asks for the memory it needs. Default:
+        ``LMDX_SOLVE_MEMORY`` or 4 GB (:func:`solve_memory_budget`).
     method_options
         The method's own options (its pydantic model); read as attributes of this object
         too (``options.alpha``).
@@ -181,6 +194,7 @@ class MergeOptions:
     dtype: str = "auto"
     max_shard_size: int = 2 * 10**9
     n_threads: int | None = None
+    solve_memory: int = DEFAULT_SOLVE_MEMORY
     method_options: BaseModel = field(default_factory=NoOptions)
 
     def __getattr__(self, name: str) -> Any:
@@ -204,6 +218,7 @@ class MergeOptions:
         dtype: str = "auto",
         max_shard_size: int | str = "2GB",
         n_threads: int | None = None,
+        solve_memory: int | str | None = None,
         **options: Any,
     ) -> MergeOptions:
         """Options for merging ``k`` models; :class:`MergeError` names what is wrong.
@@ -223,8 +238,22 @@ class MergeOptions:
             dtype=dtype,
             max_shard_size=shard,
             n_threads=n_threads,
+            solve_memory=solve_memory_budget(solve_memory),
             method_options=own,
         )
+
+
+def solve_memory_budget(value: int | str | None = None) -> int:
+    """The ``solve_memory`` budget in bytes: ``value`` (``"8GB"`` or bytes), or else
+    ``LMDX_SOLVE_MEMORY``, or else :data:`DEFAULT_SOLVE_MEMORY`."""
+    key = "solve_memory"
+    if value is None:
+        value = os.environ.get(SOLVE_MEMORY_ENV) or DEFAULT_SOLVE_MEMORY
+        key = SOLVE_MEMORY_ENV
+    try:
+        return parse_size(value)
+    except ValueError:
+        raise MergeError(f"{key}={value!r}: expected a size such as 8GB or 500MB") from None
 
 
 def check_output(head_policy: str, dtype: str, max_shard_size: int | str) -> int:

@@ -12,73 +12,102 @@ Averaged tensors larger than the budget (a Llama-3.1-8B's embeddings: 128256 × 
 averaged the same way, block by block of rows; an average is element-wise, so the blocks
 give the whole average's numbers.
 
-Peak memory while a group is solved is about ``(4K + 24)·d²`` bytes for the K packed
-input Grams and the solver's ``d × d`` matrices, plus ``d·(K·(b + 4) + 30)`` bytes per
-output row solved at once (``b``: the stored bytes per weight). The budget is
-:data:`SOLVE_MEMORY_ENV` (``LMDX_SOLVE_MEMORY``, e.g. ``8GB``; default
-:data:`DEFAULT_SOLVE_MEMORY`).
+Peak memory while a group is solved (:func:`group_memory`, the one memory model of a
+RegMean solve: the blocks here, the dry run's estimate and the memory a Ray task asks
+for) is about ``(4K + 20)·d²`` bytes for the K packed input Grams and the solver's
+``d × d`` matrices, plus ``d·(K·(b + 4) + 24 + b)`` bytes per output row solved at once
+(``b``: the stored bytes per weight). The budget is the merge's ``solve_memory`` option
+(:func:`lmdx.merge.options.solve_memory_budget`: default ``LMDX_SOLVE_MEMORY`` or 4 GB).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
-from .._errors import MergeError
-from .._util import parse_size
 from ..files import Checkpoint
 from ..stats.file import Statistics
 from .methods import average_tensor, cast_merged, solve_group
 from .options import MergeOptions
-from .plan import Step
+from .plan import Step, StepSizes
 from .source import StateDictSource, TensorSource
 
 __all__ = [
-    "DEFAULT_SOLVE_MEMORY",
-    "SOLVE_MEMORY_ENV",
+    "average_block_size",
     "average_in_blocks",
+    "group_memory",
     "output_block_rows",
     "output_block_size",
+    "regmean_memory",
     "solve_in_output_blocks",
-    "solve_memory",
 ]
 
-#: The environment variable holding the memory budget of one RegMean group's solve.
-SOLVE_MEMORY_ENV = "LMDX_SOLVE_MEMORY"
-#: The budget without it: 4 GB.
-DEFAULT_SOLVE_MEMORY = 4 * 10**9
-
 _STORED_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+_CHUNK = 1024  # outputs per chunk of the core's float64 deviations
 
 
-def solve_memory() -> int:
-    """The memory budget of one RegMean group's solve, in bytes."""
-    text = os.environ.get(SOLVE_MEMORY_ENV)
-    if not text:
-        return DEFAULT_SOLVE_MEMORY
-    try:
-        return parse_size(text)
-    except ValueError:
-        raise MergeError(
-            f"{SOLVE_MEMORY_ENV}={text!r}: expected a size such as 8GB or 500MB"
-        ) from None
+def group_memory(
+    d_in: int,
+    rows: int,
+    k: int,
+    stored: int,
+    *,
+    packed: bool = True,
+    members: int = 1,
+    out: int | None = None,
+) -> int:
+    """Bytes while ``rows`` output rows of a RegMean group are solved (``d_in`` inputs,
+    ``k`` models, ``stored`` bytes per stored weight, ``members`` weights joined): per
+    model its rows read (+ float32 widenings of 16-bit ones, + the members joined) and its
+    input Gram (a packed triangle from a file, else a full matrix); the core's buffers (the
+    summed system and its factor, a float32 copy of one difference of Grams, the float64
+    average, deviations in chunks of 1024 outputs, the result and its copy out of the
+    core); the cast result (``out`` bytes per weight, default ``stored``)."""
+    n = d_in * rows
+    per_weight = stored + (4 if stored < 4 else 0) + (4 if members > 1 else 0)
+    gram = 4 * d_in * (d_in + 1) if packed else 8 * d_in * d_in
+    core = 20 * d_in * d_in + 24 * n + 8 * d_in * min(_CHUNK, max(rows, 1))
+    return k * (per_weight * n + gram) + core + (stored if out is None else out) * n
 
 
-def output_block_rows(d_in: int, rows: int, k: int, stored_bytes: int, budget: int) -> int:
+def regmean_memory(step: Step, sizes: StepSizes, rows: int | None = None) -> int:
+    """:func:`group_memory` of RegMean group ``step`` (its sizes from the plan), solved
+    ``rows`` output rows at a time (None: whole)."""
+    d = step.dim
+    total = max(sizes.n // max(d, 1), 1)
+    return group_memory(
+        d,
+        total if rows is None else rows,
+        sizes.k,
+        max(sizes.read // max(sizes.n, 1), 1),
+        packed=sizes.packed,
+        members=len(step.tensors),
+        out=sizes.out // max(sizes.n, 1),
+    )
+
+
+def output_block_rows(
+    d_in: int, rows: int, k: int, stored_bytes: int, budget: int, members: int = 1
+) -> int:
     """How many output rows of a RegMean group (``rows`` in all, ``d_in`` inputs, ``k``
-    models, ``stored_bytes`` per stored weight) to solve at once within ``budget`` bytes:
-    ``rows`` when the whole group fits, else as many as fit but at least ``d_in`` (so
-    that refactoring the system stays cheap next to the block's products)."""
-    fixed = (4 * k + 24) * d_in * d_in
-    per_row = d_in * (k * (stored_bytes + 4) + 30)
-    if fixed + per_row * rows <= budget:
+    models, ``stored_bytes`` per stored weight, Grams from files) to solve at once within
+    ``budget`` bytes (:func:`group_memory`): ``rows`` when the whole group fits, else as
+    many as fit but at least ``d_in`` (so that refactoring the system stays cheap next to
+    the block's products)."""
+
+    def memory(r: int) -> int:
+        return group_memory(d_in, r, k, stored_bytes, members=members)
+
+    if memory(rows) <= budget:
         return rows
-    fit = max(budget - fixed, 0) // per_row
-    return int(min(rows, max(d_in, fit)))
+    lo, hi = 0, rows  # memory(lo) <= budget or lo == 0; memory(hi) > budget
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if memory(mid) <= budget else (lo, mid)
+    return int(min(rows, max(d_in, lo)))
 
 
 def _rows(source: TensorSource, name: str, start: int, stop: int) -> Any:
@@ -87,11 +116,9 @@ def _rows(source: TensorSource, name: str, start: int, stop: int) -> Any:
     return source.read(name)[start:stop]
 
 
-def output_block_size(
-    step: Step, sources: Sequence[TensorSource], budget: int | None = None
-) -> int | None:
+def output_block_size(step: Step, sources: Sequence[TensorSource], budget: int) -> int | None:
     """The output rows of RegMean group ``step`` to solve at once within ``budget`` bytes
-    (:func:`solve_memory` when None), or None when the group fits whole (or is not a
+    (the merge's ``solve_memory``), or None when the group fits whole (or is not a
     ``linear`` group of checkpoints or in-memory models) and is solved the usual way."""
     if step.layout != "linear" or not all(
         isinstance(s, (Checkpoint, StateDictSource)) for s in sources
@@ -101,9 +128,7 @@ def output_block_size(
     rows = sum(int(first.shape(w)[0]) for w in step.tensors)
     d_in = int(first.shape(step.tensors[0])[1])
     stored = max(_STORED_BYTES.get(s.dtype(w), 8) for s in sources for w in step.tensors)
-    block = output_block_rows(
-        d_in, rows, len(sources), stored, solve_memory() if budget is None else budget
-    )
+    block = output_block_rows(d_in, rows, len(sources), stored, budget, len(step.tensors))
     return block if block < rows else None
 
 
@@ -158,23 +183,33 @@ def solve_in_output_blocks(
     return merged, {m: _combined(infos, n_blocks) for m, infos in parts.items()}
 
 
-def average_in_blocks(
-    name: str, sources: Sequence[TensorSource], options: MergeOptions, budget: int | None = None
-) -> NDArray[Any] | None:
-    """The coefficient-weighted average of tensor ``name``, cast to its stored dtype,
-    computed block by block of rows within ``budget`` bytes (:func:`solve_memory` when
-    None), each block's rows read alone; None when the whole average fits (or the tensor
-    has fewer than two dimensions, or a source is neither a checkpoint nor in memory)."""
+def average_block_size(name: str, sources: Sequence[TensorSource], budget: int) -> int | None:
+    """The rows of tensor ``name`` to average at once within ``budget`` bytes (per row:
+    K reads and their float32 widenings, the float64 average, the cast result), or None
+    when the whole average fits (or the tensor has fewer than two dimensions, or a source
+    is neither a checkpoint nor in memory)."""
     first = sources[0]
     shape = tuple(int(n) for n in first.shape(name))
     if len(shape) < 2 or not all(isinstance(s, (Checkpoint, StateDictSource)) for s in sources):
         return None
     stored = max(_STORED_BYTES.get(s.dtype(name), 8) for s in sources)
     per_row = int(np.prod(shape[1:])) * (len(sources) * (stored + 4) + 8 + stored)
-    budget = solve_memory() if budget is None else budget
     if per_row * shape[0] <= budget:
         return None
-    block = max(1, budget // per_row)
+    return int(max(1, budget // per_row))
+
+
+def average_in_blocks(
+    name: str, sources: Sequence[TensorSource], options: MergeOptions
+) -> NDArray[Any] | None:
+    """The coefficient-weighted average of tensor ``name``, cast to its stored dtype,
+    computed :func:`average_block_size` rows at a time within ``options.solve_memory``
+    bytes, each block's rows read alone; None when it is averaged whole."""
+    block = average_block_size(name, sources, options.solve_memory)
+    if block is None:
+        return None
+    first = sources[0]
+    shape = tuple(int(n) for n in first.shape(name))
     merged: NDArray[Any] | None = None
     for r0 in range(0, shape[0], block):
         r1 = min(shape[0], r0 + block)

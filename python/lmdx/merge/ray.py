@@ -75,7 +75,8 @@ def _solve(
 
 class RayGroupSolver:
     """RegMean groups submitted as Ray tasks in the order the writer needs them: at most
-    ``workers`` running and ``2 × workers`` ahead (bounding the results held here)."""
+    ``workers`` running and ``2 × workers`` ahead (bounding the results held here), each
+    asking Ray for the memory the plan estimates for it."""
 
     def __init__(
         self,
@@ -93,6 +94,10 @@ class RayGroupSolver:
         self.ended: set[int] = set()  # groups whose task ended, not yet taken
         self.started = _ray.start_ray(address, workers)
         self.task = ray.remote(num_cpus=1, max_retries=1)(_solve)
+        # Each group asks for the memory its solve needs (the plan's estimate, at most what
+        # the largest node offers): two large groups do not run at once on a node that
+        # cannot hold both.
+        self.memory_cap = int(_ray.largest_node(ray, "memory"))
         self.inputs = ray.put((models, stats, labels, options))
         step_of = {t: st for st in steps if st.modules for t in st.tensors}
         seen: set[int] = set()
@@ -144,7 +149,11 @@ class RayGroupSolver:
                 running = len(self.refs) - len(self.ended)
                 if running >= self.workers:
                     return
-            self.refs[self.next] = self.task.remote(self.inputs, self.queue[self.next])
+            step = self.queue[self.next]
+            task = self.task
+            if self.memory_cap > 0 and step.memory > 0:
+                task = task.options(memory=min(step.memory, self.memory_cap))
+            self.refs[self.next] = task.remote(self.inputs, step)
             self.next += 1
 
     def _name(self, i: int) -> str:

@@ -9,11 +9,12 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ..methods import average_tensor
-from ..output_blocks import average_in_blocks
+from ..output_blocks import average_block_size, average_in_blocks
 from ..registry import MergeMethod
 
 if TYPE_CHECKING:
     from ..inputs import MergeInputs
+    from ..plan import Step, StepSizes
     from ..source import TensorSource
 
 __all__ = ["Average"]
@@ -33,3 +34,13 @@ class Average(MergeMethod):
         self, name: str, sources: Sequence[TensorSource], inputs: MergeInputs
     ) -> NDArray[Any] | None:
         return average_in_blocks(name, sources, inputs.options)
+
+    def memory(self, step: Step, sizes: StepSizes, inputs: MergeInputs) -> int:
+        """The whole average's (:meth:`MergeMethod.memory`), or one block of rows' where it
+        is averaged in blocks (over ``solve_memory``)."""
+        whole = super().memory(step, sizes, inputs)
+        name = step.tensors[0]
+        block = average_block_size(name, inputs.sources, inputs.options.solve_memory)
+        if block is None:
+            return whole
+        return whole * block // int(sizes.ref.shape(name)[0])

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from ..._errors import MergeError
 from ..._util import matches
 from ..methods import regmean_groups
+from ..output_blocks import output_block_size, regmean_memory
 from ..plan import Step, StepSizes
 from ..registry import MergeMethod, NoOptions
 from .solve_options import SolveOptions
@@ -17,20 +18,7 @@ if TYPE_CHECKING:
     from ..engine import Executor
     from ..inputs import MergeInputs
 
-__all__ = ["RegMean", "regmean_memory"]
-
-
-def regmean_memory(step: Step, sizes: StepSizes) -> int:
-    """Bytes while one RegMean group is solved: K reads (+ widened 16-bit weights), the
-    joined members, K Grams (packed triangles from files, full matrices from memory), the
-    core's buffers (the summed system and its factor, a float32 copy of one difference of
-    Grams, the float64 average, deviations in chunks of 1024 outputs, the result and its
-    copy out of the core) and the cast result."""
-    d, n = step.dim, sizes.n
-    joined = 4 * n if len(step.tensors) > 1 else 0
-    gram = 4 * d * (d + 1) if sizes.packed else 8 * d * d
-    core = 8 * d * d * 2 + 4 * d * d + 8 * n * 3 + 8 * d * min(1024, max(n // d, 1))
-    return sizes.k * (sizes.read + sizes.widened + joined + gram) + core + sizes.out
+__all__ = ["RegMean"]
 
 
 class RegMean(MergeMethod):
@@ -77,7 +65,10 @@ class RegMean(MergeMethod):
         executor.regmean_step(step)
 
     def memory(self, step: Step, sizes: StepSizes, inputs: MergeInputs) -> int:
-        return regmean_memory(step, sizes)
+        """:func:`~lmdx.merge.output_blocks.regmean_memory`, in blocks of output rows where
+        the group is solved so (over ``solve_memory``)."""
+        block = output_block_size(step, inputs.sources, inputs.options.solve_memory)
+        return regmean_memory(step, sizes, block)
 
     def report(self, inputs: MergeInputs) -> dict[str, Any]:
         """The options, and the linear weights the statistics could not cover (averaged)

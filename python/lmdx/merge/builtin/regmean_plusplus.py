@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Annotated, ClassVar
 
 from pydantic import Field
 
+from ..output_blocks import regmean_memory
 from ..plan import Step, StepSizes
 from ..registry import MergeMethod, NoOptions
 from ..regmean_plusplus import BlockMerger, activation_budget, model_blocks, prepare_batches
-from .regmean import regmean_memory
 from .solve_options import SolveOptions
 
 if TYPE_CHECKING:
