@@ -57,20 +57,49 @@ DATA = ("corpus:bbc_news", "corpus:rotten_tomatoes", "corpus:reuters")
 SHAPES = {"hidden": 4096, "intermediate": 14336, "heads": 32, "kv_heads": 8, "vocab": 128256}
 
 
+def _memory_in_use() -> int:
+    """Bytes in use on the machine (all processes): MemTotal - MemAvailable."""
+    info = dict(
+        (line.split(":")[0], int(line.split()[1]) * 1024)
+        for line in Path("/proc/meminfo").read_text().splitlines()
+        if line.split(":")[0] in ("MemTotal", "MemAvailable")
+    )
+    return info["MemTotal"] - info["MemAvailable"]
+
+
 def _timed(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> dict[str, float]:
-    """Run ``cmd`` under /usr/bin/time -v; wall seconds and peak RSS (bytes)."""
+    """Run ``cmd`` under /usr/bin/time -v; wall seconds, peak RSS of its process (bytes)
+    and the peak of the machine's memory in use above what was in use before it started
+    (``machine_peak``: its Ray workers too; other work on the machine counts as well)."""
+    import threading
+
+    before, peak, done = _memory_in_use(), [0], threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.2):
+            peak[0] = max(peak[0], _memory_in_use() - before)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     t0 = time.perf_counter()
     with open(log, "w") as f:
         proc = subprocess.run(
             ["/usr/bin/time", "-v", *cmd], stdout=f, stderr=subprocess.STDOUT, env=env
         )
     wall = time.perf_counter() - t0
+    done.set()
+    watcher.join()
     text = log.read_text()
     found = re.search(r"Maximum resident set size \(kbytes\): (\d+)", text)
     if proc.returncode != 0 or found is None:
         sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{text[-3000:]}")
     cpu = sum(float(x) for x in re.findall(r"(?:User|System) time \(seconds\): ([\d.]+)", text))
-    return {"seconds": wall, "peak_rss": int(found.group(1)) * 1024, "cpu_seconds": cpu}
+    return {
+        "seconds": wall,
+        "peak_rss": int(found.group(1)) * 1024,
+        "cpu_seconds": cpu,
+        "machine_peak": peak[0],
+    }
 
 
 def _shapes(scale: int) -> dict[str, int]:
@@ -214,8 +243,9 @@ def _read(folder: Path, name: str) -> np.ndarray:
     return np.asarray(Checkpoint(folder).read(name), dtype=np.float64)
 
 
-def check(args: argparse.Namespace) -> dict[str, dict[str, float]]:
-    """Relative error of each merge against NumPy float64, one layer of each shape."""
+def check(args: argparse.Namespace, runs: list[str]) -> dict[str, dict[str, float]]:
+    """Relative error of each merge of ``runs`` against NumPy float64, one layer of each
+    shape."""
     from lmdx import Statistics
 
     work = Path(args.workdir)
@@ -239,7 +269,7 @@ def check(args: argparse.Namespace) -> dict[str, dict[str, float]]:
             del w
         ref = np.linalg.solve(sum(grams), sum(rhs)).T
         del grams, rhs
-        for out in ("merged-auto", "merged-float64"):
+        for out in runs:
             raw = work / f"{out}-raw"
             got = np.concatenate(
                 [
@@ -273,11 +303,13 @@ def _flops(d: int, m: int, k: int, blocks: int = 1) -> float:
 
 
 def _memory(d: int, m: int, k: int) -> tuple[float, int]:
-    """A group's solve memory as lmdx budgets it (bfloat16 weights) and its blocks."""
-    from lmdx.merge.output_blocks import DEFAULT_SOLVE_MEMORY, output_block_rows
+    """A group's solve memory as lmdx budgets it (bfloat16 weights, the default budget)
+    and its blocks."""
+    from lmdx.merge.options import DEFAULT_SOLVE_MEMORY
+    from lmdx.merge.output_blocks import group_memory, output_block_rows
 
     block = output_block_rows(d, m, k, 2, DEFAULT_SOLVE_MEMORY)
-    return (4 * k + 24) * d * d + d * (6 * k + 30) * block, -(-m // block)
+    return group_memory(d, block, k, 2), -(-m // block)
 
 
 def extrapolate(path: Path, name: str = "merged-auto", layers: int = 32, cores: int = 32) -> None:
@@ -349,6 +381,13 @@ def main() -> None:
     ap.add_argument("--precision", default="auto")
     ap.add_argument("--ray-workers", type=int, default=0)
     ap.add_argument("--no-ray", action="store_true", help="skip the merge on a local Ray")
+    ap.add_argument(
+        "--runs",
+        nargs="+",
+        choices=("auto", "float64", "ray"),
+        default=("auto", "float64", "ray"),
+        help="the merges of --step merges (all three)",
+    )
     ap.add_argument("--extrapolate", metavar="RESULTS_JSON", help="print the planning table")
     args = ap.parse_args()
     if args.extrapolate:
@@ -397,13 +436,14 @@ def merges(args: argparse.Namespace, work: Path, me: list[str]) -> None:
     runs = [("merged-auto", []), ("merged-float64", ["--precision", "float64"])]
     if not args.no_ray:
         runs.append(("merged-ray", ["--ray-workers", "2"]))
+    runs = [(n, x) for n, x in runs if n.removeprefix("merged-") in args.runs]
     for name, extra in runs:
         res[name] = _timed([*me, "--step", "merge", "--out", name, *extra], work / f"{name}.log")
         res[name].update(json.loads((work / f"{name}.json").read_text()))
         # the per-step resets of VmHWM also reset what /usr/bin/time reports
         res[name]["peak_rss"] = max(res[name]["peak_rss"], *res[name]["step_peaks"].values())
-    res["errors"] = check(args)
-    if not args.no_ray:
+    res["errors"] = check(args, [n for n, _ in runs if n != "merged-ray"])
+    if "merged-ray" in res and "merged-auto" in res:
         a, b = Checkpoint(work / "merged-auto"), Checkpoint(work / "merged-ray")
         res["ray_bit_identical"] = a.names() == b.names() and all(
             np.array_equal(a.read(n), b.read(n)) for n in a.names()
@@ -413,7 +453,7 @@ def merges(args: argparse.Namespace, work: Path, me: list[str]) -> None:
 
 
 def _report(res: dict[str, Any]) -> None:
-    gb = 1e9
+    gb, nan = 1e9, float("nan")
     print(f"shapes {res['shapes']}, {res['args']['layers']} layers, K = 3, bfloat16 inputs "
           f"of {res['input_bytes'] / gb:.2f} GB each")  # fmt: skip
     print("\n| step | s | peak RSS GB | output GB |\n|---|---:|---:|---:|")
@@ -428,14 +468,21 @@ def _report(res: dict[str, Any]) -> None:
             continue
         r = res[name]
         print(f"| {name} | {r['seconds']:.0f} | {r['peak_rss'] / gb:.2f} | |")
+        if "machine_peak" in r:
+            print(f"|   {name}: the machine's memory in use, peak above its start | | "
+                  f"{r['machine_peak'] / gb:.2f} | |")  # fmt: skip
     print("\n| group | auto s | auto precision | auto blocks | auto step peak GB | float64 s | "
           "float64 step peak GB |\n|---|---:|---|---:|---:|---:|---:|")  # fmt: skip
-    auto, f64 = res["merged-auto"], res["merged-float64"]
+    auto, f64 = res["merged-auto"], res.get("merged-float64")
+    if f64 is None:  # the table's float64 columns: n/a
+        f64 = {"group_seconds": {}, "group_peaks": {}}
     for g, t in auto["group_seconds"].items():
         print(f"| {g} | {t:.1f} | {auto['layers'].get(g)} | {auto['output_blocks'].get(g)} | "
-              f"{auto['group_peaks'][g] / gb:.2f} | {f64['group_seconds'][g]:.1f} | "
-              f"{f64['group_peaks'][g] / gb:.2f} |")  # fmt: skip
-    for name in ("merged-auto", "merged-float64"):
+              f"{auto['group_peaks'][g] / gb:.2f} | {f64['group_seconds'].get(g, nan):.1f} | "
+              f"{f64['group_peaks'].get(g, nan) / gb:.2f} |")  # fmt: skip
+    for name in ("merged-auto", "merged-float64", "merged-ray"):
+        if name not in res or "step_peaks" not in res[name]:
+            continue
         steps = res[name]["step_peaks"]
         solved = {t for t in steps if t.endswith("proj.weight") or t == "lm_head.weight"}
         other = max((p, n) for n, p in steps.items() if n not in solved)
