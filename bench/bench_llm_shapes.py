@@ -32,6 +32,13 @@ table of a full 32-layer merge for K = 2-8.
 
     python bench/bench_llm_shapes.py --workdir /tmp/lmdx-llm --scale 1   # the 8B shapes
     python bench/bench_llm_shapes.py --workdir /tmp/lmdx-llm --scale 2   # half: ~1/8 the work
+    # the planning table's inputs alone: one decoder layer, the auto merge (~15 min)
+    python bench/bench_llm_shapes.py --workdir /tmp/lmdx-llm --layers 1 --runs auto
+    python bench/bench_llm_shapes.py --extrapolate /tmp/lmdx-llm/results.json
+
+``--runs`` picks the merges of ``--step merges`` (auto, float64, ray). Every timed step
+also records ``machine_peak``: the machine's memory in use (MemTotal - MemAvailable, all
+processes: a Ray merge's workers too) at its highest, above what was in use before.
 
 Disk: ~3 × (2·layers·218 M + 1.05 G) parameters × 2 bytes / scale² for the inputs
 (≈ 9 GB at scale 1 with two layers) plus the statistics (≈ 1.0 GB per layer and model

@@ -178,20 +178,36 @@ def largest_node(ray: Any, resource: str = "CPU") -> float:
     )
 
 
-def wait_ready(ray: Any, refs: list[Any], cpus: float, waiting: Callable[[], str]) -> list[Any]:
+def _node_fits(ray: Any, cpus: float, memory: float) -> bool:
+    """Some live node has ``cpus`` CPUs and ``memory`` bytes of Ray's memory resource."""
+    for node in ray.nodes():
+        have = node.get("Resources", {})
+        if node.get("Alive") and have.get("CPU", 0) >= cpus and have.get("memory", 0) >= memory:
+            return True
+    return False
+
+
+def wait_ready(
+    ray: Any, refs: list[Any], cpus: float, waiting: Callable[[], str], memory: float = 0.0
+) -> list[Any]:
     """The ``refs`` that are ready, waiting until one is.
 
     Raises :class:`RayClusterError` naming ``waiting()`` (the work still out) when no live
-    node of the cluster has had ``cpus`` CPUs for :func:`wait_seconds` in a row: nodes
-    were lost and none can take their work.
+    node of the cluster has had ``cpus`` CPUs (and ``memory`` bytes of Ray's memory
+    resource) for :func:`wait_seconds` in a row: nodes were lost and none can take their
+    work.
     """
     patience = wait_seconds()
     short_since: float | None = None
+    needs = f"{cpus:g} CPU(s)"
+    if memory:
+        needs += f" and {memory / 1e9:.2f} GB" if memory >= 1e8 else f" and {memory / 1e6:.1f} MB"
+        needs += " of memory"
     while True:
         done, _ = ray.wait(refs, num_returns=1, timeout=_POLL)
         if done:
             return list(done)
-        if largest_node(ray) >= cpus:
+        if _node_fits(ray, cpus, memory):
             short_since = None
             continue
         now = time.monotonic()
@@ -199,7 +215,7 @@ def wait_ready(ray: Any, refs: list[Any], cpus: float, waiting: Callable[[], str
             short_since = now
         elif now - short_since >= patience:
             raise RayClusterError(
-                f"{waiting()}: lost; no node of the Ray cluster has had {cpus:g} CPU(s) to "
+                f"{waiting()}: lost; no node of the Ray cluster has had {needs} to "
                 f"run it for {patience:g} s (nodes left the cluster; {WAIT_ENV} sets this "
                 "wait); nothing was written"
             )

@@ -11,9 +11,11 @@ kill their own process (``os._exit``) or raise. Nothing is downloaded.
 from __future__ import annotations
 
 import itertools
+import re
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -397,3 +399,50 @@ def test_merge_cli_ray_workers_options(tmp_path: Path, capsys: pytest.CaptureFix
     out = str(tmp_path / "o")
     assert main(["merge", str(cfg), "--out", out, "--in-memory", "--ray-workers", "2"]) == 2
     assert "--ray-workers: only for the streaming merge" in capsys.readouterr().err
+
+
+class _Cluster:
+    """What :func:`lmdx._ray.wait_ready` asks Ray: the task ends after ``calls`` waits
+    of 10 ms; one live node with 1 CPU and ``memory`` bytes of Ray's memory resource, one
+    dead node with more of both."""
+
+    def __init__(self, memory: float, calls: int = 10**9) -> None:
+        self.memory, self.calls = memory, calls
+
+    def wait(self, refs: list[Any], num_returns: int, timeout: float) -> tuple[list, list]:
+        time.sleep(min(timeout, 0.01))
+        self.calls -= 1
+        return (refs, []) if self.calls <= 0 else ([], refs)
+
+    def nodes(self) -> list[dict[str, Any]]:
+        return [
+            {"Alive": True, "Resources": {"CPU": 1.0, "memory": self.memory}},
+            {"Alive": False, "Resources": {"CPU": 8.0, "memory": 100 * self.memory}},
+        ]
+
+
+@pytest.mark.parametrize(
+    ("memory", "cpus", "asked", "want"),
+    [
+        (3e9, 1, 4e9, "1 CPU(s) and 4.00 GB of memory"),
+        (3e9, 1, 5e7, None),
+        (0.0, 2, 0.0, "2 CPU(s)"),
+        (0.0, 1, 0.0, None),
+    ],
+)
+def test_waiting_ends_when_no_live_node_can_take_the_task(
+    monkeypatch: pytest.MonkeyPatch, memory: float, cpus: int, asked: float, want: str | None
+) -> None:
+    """A task that asks for more memory (or CPUs) than any live node has is lost (the dead
+    node had both): one line after LMDX_RAY_WAIT. One that a live node can take is waited
+    for past LMDX_RAY_WAIT, until it ends."""
+    from lmdx._ray import wait_ready
+
+    monkeypatch.setenv("LMDX_RAY_WAIT", "0.2")
+    cluster = _Cluster(memory, calls=10**9 if want else 40)
+    if want is None:
+        assert wait_ready(cluster, ["ref"], cpus, lambda: "group 7", asked) == ["ref"]
+        return
+    lost = f"group 7: lost; no node of the Ray cluster has had {want} to run it for 0.2 s"
+    with pytest.raises(RayClusterError, match=re.escape(lost)):
+        wait_ready(cluster, ["ref"], cpus, lambda: "group 7", asked)

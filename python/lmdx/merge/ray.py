@@ -94,10 +94,7 @@ class RayGroupSolver:
         self.ended: set[int] = set()  # groups whose task ended, not yet taken
         self.started = _ray.start_ray(address, workers)
         self.task = ray.remote(num_cpus=1, max_retries=1)(_solve)
-        # Each group asks for the memory its solve needs (the plan's estimate, at most what
-        # the largest node offers): two large groups do not run at once on a node that
-        # cannot hold both.
-        self.memory_cap = int(_ray.largest_node(ray, "memory"))
+
         self.inputs = ray.put((models, stats, labels, options))
         step_of = {t: st for st in steps if st.modules for t in st.tensors}
         seen: set[int] = set()
@@ -108,6 +105,11 @@ class RayGroupSolver:
                 seen.add(id(st))
                 self.queue.append(st)
         self.position = {id(st): i for i, st in enumerate(self.queue)}
+        # Each group asks for the memory its solve needs (the plan's estimate, at most what
+        # the largest node offers; none where Ray offers no memory resource): two large
+        # groups do not run at once on a node that cannot hold both.
+        cap = int(_ray.largest_node(ray, "memory"))
+        self.memory = [min(st.memory, cap) if cap > 0 else 0 for st in self.queue]
         self.next = 0
         self.workers = workers
         self.window = 2 * workers
@@ -151,8 +153,8 @@ class RayGroupSolver:
                     return
             step = self.queue[self.next]
             task = self.task
-            if self.memory_cap > 0 and step.memory > 0:
-                task = task.options(memory=min(step.memory, self.memory_cap))
+            if self.memory[self.next]:
+                task = task.options(memory=self.memory[self.next])
             self.refs[self.next] = task.remote(self.inputs, step)
             self.next += 1
 
@@ -167,7 +169,7 @@ class RayGroupSolver:
             self._submit(i)
             ref = self.refs[i]
             out = [ref, *(r for j, r in self.refs.items() if j != i and j not in self.ended)]
-            done = _ray.wait_ready(self.ray, out, 1, lambda: self._name(i))
+            done = _ray.wait_ready(self.ray, out, 1, lambda: self._name(i), self.memory[i])
             self.ended.update(j for j, r in self.refs.items() if r in done)
             if ref in done:
                 break
