@@ -19,7 +19,7 @@ from lmdx import MergeError
 from lmdx.files import Checkpoint
 from lmdx.merge import stream_merge
 from lmdx.merge.methods import average_tensor, solve_group
-from lmdx.merge.options import SOLVE_MEMORY_ENV, MergeOptions, solve_memory_budget
+from lmdx.merge.options import SOLVE_MEMORY_ENV, MergeOptions
 from lmdx.merge.output_blocks import (
     average_in_blocks,
     group_memory,
@@ -146,8 +146,9 @@ def test_block_rows_fit_the_budget_or_are_the_least_allowed(d, rows, k, stored, 
 
 def test_small_groups_are_not_blocked(monkeypatch):
     step, sources, _ = _problem(1, 3, 4, [5])
-    assert output_block_size(step, sources, solve_memory_budget()) is None
-    assert output_block_size(step, sources, 100) == 4  # at least d_in rows
+    assert output_block_size(step, sources, MergeOptions.checked(3)) is None
+    tiny = MergeOptions.checked(3, solve_memory=100)
+    assert output_block_size(step, sources, tiny) == 4  # at least d_in rows
     monkeypatch.setenv(SOLVE_MEMORY_ENV, "100B")
     assert MergeOptions.checked(3).solve_memory == 100
     assert MergeOptions.checked(3, solve_memory="2GB").solve_memory == 2 * 10**9  # option first

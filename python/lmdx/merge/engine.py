@@ -193,7 +193,7 @@ def solve_regmean_step(
         # The K models' weights and Grams are read, and the Grams checked against their
         # SHA-256, on the CPUs available: reading and hashing release the GIL. A group too
         # large for the solve's memory budget is read and solved in blocks of output rows.
-        block = None if lora is not None else output_block_size(step, sources, options.solve_memory)
+        block = None if lora is not None else output_block_size(step, sources, options)
         with ThreadPoolExecutor(min(len(stats), default_threads()), "lmdx-read") as pool:
             grams_read = pool.map(lambda s: s.gram_stored(step.modules[0]), stats)
             weights = [] if block else [[s.read(w) for w in step.tensors] for s in sources]

@@ -43,7 +43,14 @@ __all__ = [
     "output_block_size",
     "regmean_memory",
     "solve_in_output_blocks",
+    "solve_precision",
 ]
+
+
+def solve_precision(options: MergeOptions) -> str:
+    """The ``precision`` of a merge's RegMean solves (``"auto"`` for methods without)."""
+    return str(getattr(options, "precision", "auto"))
+
 
 _STORED_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 _CHUNK = 1024  # outputs per chunk of the core's float64 deviations
@@ -58,24 +65,30 @@ def group_memory(
     packed: bool = True,
     members: int = 1,
     out: int | None = None,
+    float32: bool = True,
 ) -> int:
     """Bytes while ``rows`` output rows of a RegMean group are solved (``d_in`` inputs,
     ``k`` models, ``stored`` bytes per stored weight, ``members`` weights joined): per
     model its rows read (+ float32 widenings of 16-bit ones, + the members joined) and its
-    input Gram (a packed triangle from a file, else a full matrix); the core's buffers (the
-    summed system and its factor, a float32 copy of one difference of Grams, the float64
-    average, deviations in chunks of 1024 outputs, the result and its copy out of the
-    core); the cast result (``out`` bytes per weight, default ``stored``)."""
+    input Gram (a packed triangle from a file, else a full matrix); the core's ``d × d``
+    buffers (the summed system and its factor, float32 copies of the Gram differences: all
+    K − 1 of them at once on the float32 path, which ``float32=False``, precision
+    float64, never takes) and per output row the float64 average, the deviations in chunks
+    of 1024 outputs, the result and its copy out of the core; the cast result (``out``
+    bytes per weight, default ``stored``)."""
     n = d_in * rows
     per_weight = stored + (4 if stored < 4 else 0) + (4 if members > 1 else 0)
     gram = 4 * d_in * (d_in + 1) if packed else 8 * d_in * d_in
-    core = 20 * d_in * d_in + 24 * n + 8 * d_in * min(_CHUNK, max(rows, 1))
+    square = max(20, 4 * k + 8) if float32 else 20
+    core = square * d_in * d_in + 24 * n + 8 * d_in * min(_CHUNK, max(rows, 1))
     return k * (per_weight * n + gram) + core + (stored if out is None else out) * n
 
 
-def regmean_memory(step: Step, sizes: StepSizes, rows: int | None = None) -> int:
+def regmean_memory(
+    step: Step, sizes: StepSizes, rows: int | None = None, precision: str = "auto"
+) -> int:
     """:func:`group_memory` of RegMean group ``step`` (its sizes from the plan), solved
-    ``rows`` output rows at a time (None: whole)."""
+    ``rows`` output rows at a time (None: whole) at ``precision``."""
     d = step.dim
     total = max(sizes.n // max(d, 1), 1)
     return group_memory(
@@ -86,20 +99,29 @@ def regmean_memory(step: Step, sizes: StepSizes, rows: int | None = None) -> int
         packed=sizes.packed,
         members=len(step.tensors),
         out=sizes.out // max(sizes.n, 1),
+        float32=precision != "float64",
     )
 
 
 def output_block_rows(
-    d_in: int, rows: int, k: int, stored_bytes: int, budget: int, members: int = 1
+    d_in: int,
+    rows: int,
+    k: int,
+    stored_bytes: int,
+    budget: int,
+    members: int = 1,
+    precision: str = "auto",
 ) -> int:
     """How many output rows of a RegMean group (``rows`` in all, ``d_in`` inputs, ``k``
-    models, ``stored_bytes`` per stored weight, Grams from files) to solve at once within
-    ``budget`` bytes (:func:`group_memory`): ``rows`` when the whole group fits, else as
-    many as fit but at least ``d_in`` (so that refactoring the system stays cheap next to
-    the block's products)."""
+    models, ``stored_bytes`` per stored weight, Grams from files, solved at
+    ``precision``) to solve at once within ``budget`` bytes (:func:`group_memory`):
+    ``rows`` when the whole group fits, else as many as fit but at least ``d_in`` (so
+    that refactoring the system stays cheap next to the block's products)."""
 
     def memory(r: int) -> int:
-        return group_memory(d_in, r, k, stored_bytes, members=members)
+        return group_memory(
+            d_in, r, k, stored_bytes, members=members, float32=precision != "float64"
+        )
 
     if memory(rows) <= budget:
         return rows
@@ -116,10 +138,12 @@ def _rows(source: TensorSource, name: str, start: int, stop: int) -> Any:
     return source.read(name)[start:stop]
 
 
-def output_block_size(step: Step, sources: Sequence[TensorSource], budget: int) -> int | None:
-    """The output rows of RegMean group ``step`` to solve at once within ``budget`` bytes
-    (the merge's ``solve_memory``), or None when the group fits whole (or is not a
-    ``linear`` group of checkpoints or in-memory models) and is solved the usual way."""
+def output_block_size(
+    step: Step, sources: Sequence[TensorSource], options: MergeOptions
+) -> int | None:
+    """The output rows of RegMean group ``step`` to solve at once within the merge's
+    ``solve_memory`` (at its ``precision``), or None when the group fits whole (or is not
+    a ``linear`` group of checkpoints or in-memory models) and is solved the usual way."""
     if step.layout != "linear" or not all(
         isinstance(s, (Checkpoint, StateDictSource)) for s in sources
     ):
@@ -128,7 +152,15 @@ def output_block_size(step: Step, sources: Sequence[TensorSource], budget: int) 
     rows = sum(int(first.shape(w)[0]) for w in step.tensors)
     d_in = int(first.shape(step.tensors[0])[1])
     stored = max(_STORED_BYTES.get(s.dtype(w), 8) for s in sources for w in step.tensors)
-    block = output_block_rows(d_in, rows, len(sources), stored, budget, len(step.tensors))
+    block = output_block_rows(
+        d_in,
+        rows,
+        len(sources),
+        stored,
+        options.solve_memory,
+        len(step.tensors),
+        solve_precision(options),
+    )
     return block if block < rows else None
 
 

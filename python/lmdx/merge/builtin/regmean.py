@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from ..._errors import MergeError
 from ..._util import matches
 from ..methods import regmean_groups
-from ..output_blocks import output_block_size, regmean_memory
+from ..output_blocks import output_block_size, regmean_memory, solve_precision
 from ..plan import Step, StepSizes
 from ..registry import MergeMethod, NoOptions
 from .solve_options import SolveOptions
@@ -67,8 +67,8 @@ class RegMean(MergeMethod):
     def memory(self, step: Step, sizes: StepSizes, inputs: MergeInputs) -> int:
         """:func:`~lmdx.merge.output_blocks.regmean_memory`, in blocks of output rows where
         the group is solved so (over ``solve_memory``)."""
-        block = output_block_size(step, inputs.sources, inputs.options.solve_memory)
-        return regmean_memory(step, sizes, block)
+        block = output_block_size(step, inputs.sources, inputs.options)
+        return regmean_memory(step, sizes, block, solve_precision(inputs.options))
 
     def report(self, inputs: MergeInputs) -> dict[str, Any]:
         """The options, and the linear weights the statistics could not cover (averaged)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, ClassVar
 
 from pydantic import Field
 
-from ..output_blocks import regmean_memory
+from ..output_blocks import regmean_memory, solve_precision
 from ..plan import Step, StepSizes
 from ..registry import MergeMethod, NoOptions
 from ..regmean_plusplus import BlockMerger, activation_budget, model_blocks, prepare_batches
@@ -116,7 +116,8 @@ class RegMeanPlusPlus(MergeMethod):
         if largest is not None:
             module = largest.removesuffix(".weight")
             one = Step("regmean", [largest], [module], dim=dims[module])
-            solve = regmean_memory(one, sizes.of(one, packed=False))
+            precision = solve_precision(inputs.options)
+            solve = regmean_memory(one, sizes.of(one, packed=False), precision=precision)
         k = sizes.k
         return 2 * sizes.read + sizes.widened + k * sum(8 * d * d for d in dims.values()) + solve
 
