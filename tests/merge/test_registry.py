@@ -23,7 +23,7 @@ from lmdx import MergeError
 from lmdx.cli import main
 from lmdx.merge import MergeMethod, NoOptions, merge_models, register_method, stream_merge
 from lmdx.merge.card import model_card
-from lmdx.merge.registry import method_named, methods
+from lmdx.merge.registry import COPY, method_named, methods, step_method
 from pydantic import Field
 from safetensors.numpy import load_file
 
@@ -212,3 +212,29 @@ def test_where_a_method_runs_is_its_own_declaration(folders: list[Path], tmp_pat
     with pytest.raises(MergeError, match=r"^ray_workers: regmean_plusplus merges in this process"):
         stream_merge(folders, tmp_path / "o", "regmean_plusplus", ray_workers=2, progress=False)
     assert not (tmp_path / "o").exists()
+
+
+def test_copying_tensors_not_floating_point_is_no_method_to_choose(
+    folders: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The plan's steps for tensors that are not floating point run the registry's
+    ``COPY``: it is not among the methods, the help or the card's methods, a user cannot
+    choose it, and a method cannot be registered under its name."""
+    assert step_method("copy") is COPY and step_method("average") is methods()["average"]
+    assert "copy" not in methods()
+    with pytest.raises(MergeError, match=r"^method: expected one of .*, got 'copy'"):
+        merge_models(folders, "copy", progress=False)
+    config = tmp_path / "copy.yaml"
+    config.write_text(f"method: copy\nmodels: [{folders[0]}, {folders[1]}]\n")
+    assert main(["merge", str(config), "--out", str(tmp_path / "no")]) == 2
+    assert "method must be one of regmean, average" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["merge", "--help"])
+    assert "  copy: " not in capsys.readouterr().out
+
+    class Clash(MergeMethod):
+        name: ClassVar[str] = "copy"
+
+    with pytest.raises(MergeError, match=r"^register_method: name 'copy' is taken by the copies"):
+        register_method(Clash())
+    assert "copy" not in methods()
