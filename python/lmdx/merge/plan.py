@@ -330,14 +330,8 @@ def _opened(stats: Any) -> Statistics:
 
 
 def stats_files(stats: Statistics) -> list[str] | None:
-    """The files or folders ``stats`` is read from (a joined one's parts), or None where
-    it is (partly) in memory."""
-    if stats.source:
-        return [str(stats.source)]
-    parts = stats.extra.get("joined_from")
-    if isinstance(parts, list) and parts and all(os.path.exists(str(p)) for p in parts):
-        return [str(p) for p in parts]
-    return None
+    """:attr:`Statistics.files <lmdx.stats.Statistics.files>` as a list."""
+    return None if stats.files is None else list(stats.files)
 
 
 def open_stats(
