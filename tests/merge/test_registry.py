@@ -21,7 +21,16 @@ import numpy as np
 import pytest
 from lmdx import MergeError
 from lmdx.cli import main
-from lmdx.merge import MergeMethod, NoOptions, merge_models, register_method, stream_merge
+from lmdx.merge import (
+    MergeMethod,
+    MergeOptions,
+    NoOptions,
+    merge_models,
+    register_method,
+    stream_merge,
+)
+from lmdx.merge.builtin.regmean_plusplus import RegMeanPlusPlusOptions
+from lmdx.merge.builtin.solve_options import SolveOptions
 from lmdx.merge.card import model_card
 from lmdx.merge.registry import COPY, method_named, methods, step_method
 from pydantic import Field
@@ -62,7 +71,7 @@ class KeepFirst(MergeMethod):
 
     def tensor(self, name: str, tensors: Sequence[Any], inputs: Any) -> np.ndarray:
         arrays = [np.asarray(t, dtype=np.float64) for t in tensors]
-        if any(fnmatch.fnmatchcase(name, p) for p in inputs.options.keep):
+        if any(fnmatch.fnmatchcase(name, p) for p in inputs.options.own(KeepOptions).keep):
             return arrays[0]
         return sum(arrays[1:], arrays[0]) / len(arrays)
 
@@ -238,3 +247,19 @@ def test_copying_tensors_not_floating_point_is_no_method_to_choose(
     with pytest.raises(MergeError, match=r"^register_method: name 'copy' is taken by the copies"):
         register_method(Clash())
     assert "copy" not in methods()
+
+
+def test_a_method_reads_its_own_options_typed() -> None:
+    """``MergeOptions.own(model)``: the method's options as its pydantic model (or a base
+    of it), the same values as the attribute reads; another model is refused by name."""
+    options = MergeOptions.checked(2, method="regmean_plusplus", alpha=0.5, max_length=7)
+    own = options.own(RegMeanPlusPlusOptions)
+    assert own is options.method_options and (own.max_length, own.alpha) == (7, 0.5)
+    assert options.own(SolveOptions).alpha == options.alpha == 0.5
+    keep = MergeOptions.checked(2, method="keep_first", keep=["*.weight"])
+    assert keep.own(KeepOptions).keep == keep.keep == ["*.weight"]
+    with pytest.raises(
+        MergeError,
+        match=r"^method 'keep_first' takes no SolveOptions \(its options are KeepOptions\)",
+    ):
+        keep.own(SolveOptions)
