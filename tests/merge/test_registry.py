@@ -21,9 +21,18 @@ import numpy as np
 import pytest
 from lmdx import MergeError
 from lmdx.cli import main
-from lmdx.merge import MergeMethod, NoOptions, merge_models, register_method, stream_merge
+from lmdx.merge import (
+    MergeMethod,
+    MergeOptions,
+    NoOptions,
+    merge_models,
+    register_method,
+    stream_merge,
+)
+from lmdx.merge.builtin.regmean_plusplus import RegMeanPlusPlusOptions
+from lmdx.merge.builtin.solve_options import SolveOptions
 from lmdx.merge.card import model_card
-from lmdx.merge.registry import method_named, methods
+from lmdx.merge.registry import COPY, method_named, methods, step_method
 from pydantic import Field
 from safetensors.numpy import load_file
 
@@ -62,7 +71,7 @@ class KeepFirst(MergeMethod):
 
     def tensor(self, name: str, tensors: Sequence[Any], inputs: Any) -> np.ndarray:
         arrays = [np.asarray(t, dtype=np.float64) for t in tensors]
-        if any(fnmatch.fnmatchcase(name, p) for p in inputs.options.keep):
+        if any(fnmatch.fnmatchcase(name, p) for p in inputs.options.own(KeepOptions).keep):
             return arrays[0]
         return sum(arrays[1:], arrays[0]) / len(arrays)
 
@@ -212,3 +221,45 @@ def test_where_a_method_runs_is_its_own_declaration(folders: list[Path], tmp_pat
     with pytest.raises(MergeError, match=r"^ray_workers: regmean_plusplus merges in this process"):
         stream_merge(folders, tmp_path / "o", "regmean_plusplus", ray_workers=2, progress=False)
     assert not (tmp_path / "o").exists()
+
+
+def test_copying_tensors_not_floating_point_is_no_method_to_choose(
+    folders: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The plan's steps for tensors that are not floating point run the registry's
+    ``COPY``: it is not among the methods, the help or the card's methods, a user cannot
+    choose it, and a method cannot be registered under its name."""
+    assert step_method("copy") is COPY and step_method("average") is methods()["average"]
+    assert "copy" not in methods()
+    with pytest.raises(MergeError, match=r"^method: expected one of .*, got 'copy'"):
+        merge_models(folders, "copy", progress=False)
+    config = tmp_path / "copy.yaml"
+    config.write_text(f"method: copy\nmodels: [{folders[0]}, {folders[1]}]\n")
+    assert main(["merge", str(config), "--out", str(tmp_path / "no")]) == 2
+    assert "method must be one of regmean, average" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["merge", "--help"])
+    assert "  copy: " not in capsys.readouterr().out
+
+    class Clash(MergeMethod):
+        name: ClassVar[str] = "copy"
+
+    with pytest.raises(MergeError, match=r"^register_method: name 'copy' is taken by the copies"):
+        register_method(Clash())
+    assert "copy" not in methods()
+
+
+def test_a_method_reads_its_own_options_typed() -> None:
+    """``MergeOptions.own(model)``: the method's options as its pydantic model (or a base
+    of it), the same values as the attribute reads; another model is refused by name."""
+    options = MergeOptions.checked(2, method="regmean_plusplus", alpha=0.5, max_length=7)
+    own = options.own(RegMeanPlusPlusOptions)
+    assert own is options.method_options and (own.max_length, own.alpha) == (7, 0.5)
+    assert options.own(SolveOptions).alpha == options.alpha == 0.5
+    keep = MergeOptions.checked(2, method="keep_first", keep=["*.weight"])
+    assert keep.own(KeepOptions).keep == keep.keep == ["*.weight"]
+    with pytest.raises(
+        MergeError,
+        match=r"^method 'keep_first' takes no SolveOptions \(its options are KeepOptions\)",
+    ):
+        keep.own(SolveOptions)

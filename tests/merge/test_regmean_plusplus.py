@@ -460,3 +460,22 @@ def test_models_that_pass_blocks_per_block_arguments_are_refused():
     data = [H.random_batches("llama", 20 + i) for i in range(2)]
     with pytest.raises(MergeError, match=r"passes block 1 a different attention_mask= than"):
         merge_models(models, "regmean_plusplus", data=data, heads=["score.*"], progress=False)
+
+
+def test_integer_tensors_in_a_block_are_the_first_models():
+    """A buffer inside a block that is not floating point (here one int64 value beyond
+    float64's exact integers, different per model) comes back as the first model's, a
+    copy of it; the block's weights are merged as without it."""
+    _, models, batches = H.cached_family("bert", "float32")
+    models = [copy.deepcopy(m) for m in models]
+    big = 2**62 + 1
+    for i, m in enumerate(models):
+        m.bert.encoder.layer[1].register_buffer("marks", torch.tensor([big, i], dtype=torch.int64))
+    name = f"{H.BLOCKS['bert']}.1.marks"
+    result = _merge(models, batches, "bert", alpha=0.9)
+    assert result.state_dict[name].tolist() == [big, 0]
+    assert result.state_dict[name].data_ptr() != models[0].state_dict()[name].data_ptr()
+    _, plain_models, _ = H.cached_family("bert", "float32")
+    plain = _merge(plain_models, batches, "bert", alpha=0.9)
+    for n, t in plain.state_dict.items():
+        assert torch.equal(result.state_dict[n], t), n

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hf_models as H
 import pytest
-from lmdx import ModelMismatchError, StatisticsFileError
+from lmdx import MergeError, ModelMismatchError, StatisticsFileError
 from lmdx.files import Checkpoint
 from lmdx.merge import stream_merge
 from lmdx.stats import Statistics
@@ -88,6 +88,34 @@ def test_parts_that_do_not_belong_together_are_refused(llama):
     fisher = Statistics(kind="fisher", model=mlp0.model, parameters={}, count=1.0)
     with pytest.raises(StatisticsFileError, match="only RegMean Grams join"):
         join_statistics([fisher, rest0])
+
+
+def test_statistics_know_the_files_they_are_read_from(llama, tmp_path):
+    """``Statistics.files``: a loaded file or folder itself; joined parts read from files
+    their files (a join of a join: every part's); None where any part is in memory; a
+    joined one saved and loaded: the file it was loaded from."""
+    mlp_path, rest_path = (str(p) for p in llama["parts"][0])
+    mlp, rest = Statistics.load(mlp_path), Statistics.load(rest_path)
+    assert mlp.files == (mlp_path,) and rest.files == (rest_path,)
+    joined = join_statistics([mlp, rest])
+    assert joined.files == (mlp_path, rest_path)
+    assert join_statistics([join_statistics([mlp]), rest]).files == (mlp_path, rest_path)
+    _, models, batches = H.cached_family("llama")
+    in_memory = H.collect(models[0], batches[0], include=MLP)
+    assert in_memory.files is None and join_statistics([in_memory, rest]).files is None
+    saved = Statistics.load(joined.save(tmp_path / "joined.safetensors"))
+    assert saved.files == (str(tmp_path / "joined.safetensors"),)
+    assert saved.extra["joined_from"] == [mlp_path, rest_path]
+    folder = Statistics.load(joined.save(tmp_path / "joined", max_shard_size="1KB"))
+    assert folder.files == (str(tmp_path / "joined"),)
+    # Ray workers open the statistics again from their files: a part in memory is refused
+    stats = [
+        join_statistics([H.collect(m, b, include=MLP), Statistics.load(parts[1])])
+        for m, b, parts in zip(models, batches, llama["parts"], strict=True)
+    ]
+    with pytest.raises(MergeError, match=r"^ray_workers: the statistics must be files or fold"):
+        stream_merge(llama["models"], tmp_path / "ray", stats=stats, ray_workers=2, progress=False)
+    assert not (tmp_path / "ray").exists()
 
 
 def _same_tensors(a_path, b_path):

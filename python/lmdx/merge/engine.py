@@ -22,7 +22,7 @@ from .methods import cast_merged, poorly_determined, solve_group
 from .options import MergeOptions
 from .output_blocks import output_block_size, solve_in_output_blocks
 from .plan import MergePlan, Step
-from .registry import method_named
+from .registry import method_named, step_method, tensor_step_kind
 from .source import TensorSource
 
 if TYPE_CHECKING:
@@ -110,23 +110,18 @@ class Executor:
             if self.lora is not None:
                 self.lora.observe(name, self.ready[name])
             return
-        if step.kind == "copy":
-            self.ready[name] = self.merge_tensor(name, "copy")
-        else:
-            method_named(step.kind).compute(step, self)
+        step_method(step.kind).compute(step, self)
         if self.blocks is not None and step.block is None:
             self.blocks.record(name, self.ready[name])
 
     def merge_tensor(self, name: str, kind: str) -> Any:
-        """Merged tensor ``name`` by the one-tensor method ``kind`` (or ``"copy"``: the
-        first model's), cast to its input dtype."""
-        if kind != "copy" and self.lora is None:  # large ones in blocks of rows
+        """Merged tensor ``name`` by the one-tensor method ``kind``, cast to its input
+        dtype."""
+        if self.lora is None:  # large ones in blocks of rows
             blocked = method_named(kind).tensor_in_blocks(name, self.sources, self.inputs)
             if blocked is not None:
                 return blocked
         reads = [s.read(name) for s in self.sources]
-        if kind == "copy":  # e.g. integer buffers: the first model's, as a copy
-            return reads[0].clone() if hasattr(reads[0], "clone") else reads[0]
         value = method_named(kind).tensor(name, reads, self.inputs)
         if self.lora is not None:
             self.lora.observe(name, value)
@@ -148,15 +143,17 @@ class Executor:
 
     def block_step(self, step: Step) -> None:
         """A whole block (RegMean++): its linear modules solved on Grams from the merged
-        prefix, the rest averaged (or copied, if not floating point)."""
+        prefix, every other tensor merged alone (:func:`lmdx.merge.registry.tensor_step_kind`:
+        averaged, or copied if not floating point)."""
         assert self.blocks is not None
         merged, groups = self.blocks.solve(step)
         for members, layers in groups:
             self.record(members[0], layers)
         for name in step.tensors:
             if name not in merged:
-                kind = "average" if self.sources[0].is_float(name) else "copy"
-                merged[name] = self.merge_tensor(name, kind)
+                alone = Step(tensor_step_kind(self.inputs, name), [name])
+                step_method(alone.kind).compute(alone, self)
+                merged[name] = self.ready.pop(name)
         self.blocks.finish(step, merged)
         self.ready.update(merged)
 

@@ -12,7 +12,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ValidationError
@@ -36,6 +36,8 @@ __all__ = [
     "solve_memory_budget",
     "unused_option",
 ]
+
+_Own = TypeVar("_Own", bound=BaseModel)
 
 HEAD_POLICIES = ("keep", "drop")
 PRECISIONS = ("auto", "float32", "float64")
@@ -183,7 +185,7 @@ class MergeOptions:
         ``LMDX_SOLVE_MEMORY`` or 4 GB (:func:`solve_memory_budget`).
     method_options
         The method's own options (its pydantic model); read as attributes of this object
-        too (``options.alpha``).
+        too (``options.alpha``), or typed by :meth:`own`.
     """
 
     method: str = "regmean"
@@ -204,6 +206,17 @@ class MergeOptions:
         if name in type(own).model_fields:
             return getattr(own, name)
         raise AttributeError(f"method {self.method!r} has no option {name!r}")
+
+    def own(self, model: type[_Own]) -> _Own:
+        """The method's own options as ``model`` (its pydantic model or a base of it), for
+        a method's code to read them typed: ``inputs.options.own(SolveOptions).alpha``.
+        :class:`MergeError` if they are not one."""
+        if not isinstance(self.method_options, model):
+            raise MergeError(
+                f"method {self.method!r} takes no {model.__name__} (its options are "
+                f"{type(self.method_options).__name__})"
+            )
+        return self.method_options
 
     @classmethod
     def checked(

@@ -30,7 +30,7 @@ from ..files.hf import base_model_info, model_files
 from ..files.identity import describe_mismatch
 from ..stats.file import Statistics
 from ..stats.join import join_statistics
-from .registry import method_named
+from .registry import method_named, step_method, tensor_step_kind
 from .source import AdapterSource, TensorSource
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ def current_rss_bytes() -> int:
 class Step:
     """One unit of work: a RegMean input group, one tensor, or (RegMean++) one block."""
 
-    kind: str  # the registered method that runs it, or "copy"
+    kind: str  # the method that runs it (lmdx.merge.registry.step_method)
     tensors: list[str]  # input tensor names (RegMean: the members' weights; a block: all its)
     modules: list[str] = field(default_factory=list)
     layout: str = "linear"
@@ -330,14 +330,8 @@ def _opened(stats: Any) -> Statistics:
 
 
 def stats_files(stats: Statistics) -> list[str] | None:
-    """The files or folders ``stats`` is read from (a joined one's parts), or None where
-    it is (partly) in memory."""
-    if stats.source:
-        return [str(stats.source)]
-    parts = stats.extra.get("joined_from")
-    if isinstance(parts, list) and parts and all(os.path.exists(str(p)) for p in parts):
-        return [str(p) for p in parts]
-    return None
+    """:attr:`Statistics.files <lmdx.stats.Statistics.files>` as a list."""
+    return None if stats.files is None else list(stats.files)
 
 
 def open_stats(
@@ -395,8 +389,9 @@ def make_plan(inputs: MergeInputs, *, folder: bool) -> MergePlan:
     and cast as ``options.head_policy`` and ``options.dtype`` say, shards planned);
     otherwise it stays in memory (every non-head tensor in its input dtype). The method's
     group steps come first (RegMean groups, RegMean++'s blocks), every other tensor is
-    one step of the method :meth:`~lmdx.merge.registry.MergeMethod.tensor_kind` names (or
-    a copy, if not floating point).
+    one step of the method :func:`~lmdx.merge.registry.tensor_step_kind` names (the
+    method's :meth:`~lmdx.merge.registry.MergeMethod.tensor_kind`, or a copy if not
+    floating point).
     """
     sources, options, method = inputs.sources, inputs.options, inputs.method
     labels = inputs.labels
@@ -420,15 +415,12 @@ def make_plan(inputs: MergeInputs, *, folder: bool) -> MergePlan:
     covered = {t for s in steps for t in s.tensors}
     for n in body:
         if n not in covered:
-            steps.append(Step(method.tensor_kind(inputs, n) if ref.is_float(n) else "copy", [n]))
+            steps.append(Step(tensor_step_kind(inputs, n), [n]))
     out_size = 0 if options.dtype == "auto" or not folder else itemsize(options.dtype)
     packed = inputs.stats is not None and all(s.source for s in inputs.stats)  # from files
     for step in steps:
         sizes = StepSizes.of_step(step, ref, len(sources), out_size, packed)
-        if step.kind == "copy":
-            step.memory = method_named("average").memory(step, sizes, inputs)
-        else:
-            step.memory = method_named(step.kind).memory(step, sizes, inputs)
+        step.memory = step_method(step.kind).memory(step, sizes, inputs)
     if folder and ref.path is not None and ref.path.is_dir():
         model_files(ref.path)  # refuse what would be copied unsafely, before any work
     outputs, shards, prefix, base_class = plan_outputs(

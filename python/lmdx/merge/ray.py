@@ -23,7 +23,7 @@ from ..stats.file import Statistics
 from ..stats.join import join_statistics
 from .engine import solve_regmean_step
 from .options import MergeOptions
-from .plan import MergePlan, Step, stats_files
+from .plan import MergePlan, Step
 
 if TYPE_CHECKING:
     from .inputs import MergeInputs
@@ -122,7 +122,7 @@ class RayGroupSolver:
         files: every worker opens them itself)."""
         stats = inputs.stats
         assert stats is not None
-        paths = [stats_files(s) for s in stats]
+        paths = [s.files for s in stats]
         if any(p is None for p in paths):
             raise MergeError("ray_workers: the statistics must be files or folders (paths)")
         return cls(

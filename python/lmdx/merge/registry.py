@@ -30,6 +30,10 @@ arithmetic), :meth:`~MergeMethod.compute` (one step in the engine),
 :meth:`~MergeMethod.memory` (a step's memory estimate), :meth:`~MergeMethod.engine_helper`
 (what runs its group steps) and :meth:`~MergeMethod.report` (its entries in
 ``lmdx_merge.json``).
+
+A plan's step names the method that runs it (:func:`step_method`): a registered one, or
+:data:`COPY` for a tensor that is not floating point (an integer buffer), which no user
+chooses and which is not among :func:`methods`.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ if TYPE_CHECKING:
     from .source import TensorSource
 
 __all__ = [
+    "COPY",
     "MergeMethod",
     "NoOptions",
     "method_named",
@@ -57,6 +62,8 @@ __all__ = [
     "methods",
     "option_users",
     "register_method",
+    "step_method",
+    "tensor_step_kind",
 ]
 
 
@@ -142,6 +149,22 @@ class MergeMethod:
         return dict(inputs.options.method_options.model_dump())
 
 
+class Copy(MergeMethod):
+    """The first model's tensor as it is, for tensors that are not floating point (integer
+    buffers such as position ids): the plan's steps for them, never a user's choice."""
+
+    name: ClassVar[str] = "copy"
+    summary: ClassVar[str] = "the first model's tensor, copied (tensors not floating point)"
+
+    def compute(self, step: Step, executor: Executor) -> None:
+        name = step.tensors[0]
+        first = executor.sources[0].read(name)
+        executor.ready[name] = first.clone() if hasattr(first, "clone") else first
+
+
+#: The method of every step that copies a tensor that is not floating point.
+COPY = Copy()
+
 _METHODS: dict[str, MergeMethod] = {}
 
 
@@ -150,6 +173,11 @@ def register_method(method: MergeMethod) -> MergeMethod:
     and ``lmdx merge``; returns it. Registering a name again replaces that method."""
     if not method.name.isidentifier():
         raise MergeError(f"register_method: name {method.name!r} is not an identifier")
+    if method.name == COPY.name:
+        raise MergeError(
+            f"register_method: name {method.name!r} is taken by the copies of tensors that "
+            "are not floating point; choose another"
+        )
     if not issubclass(method.options, NoOptions):
         raise MergeError(
             f"register_method: {method.name}: options must derive from lmdx.merge.NoOptions"
@@ -187,3 +215,16 @@ def method_named(name: str) -> MergeMethod:
 def option_users(key: str) -> list[str]:
     """The registered methods that take option ``key``."""
     return [m.name for m in _builtins().values() if key in m.options.model_fields]
+
+
+def step_method(kind: str) -> MergeMethod:
+    """The method that runs a plan step of ``kind``: :data:`COPY` or a registered one."""
+    return COPY if kind == COPY.name else method_named(kind)
+
+
+def tensor_step_kind(inputs: MergeInputs, name: str) -> str:
+    """The kind of the step that merges tensor ``name`` alone: the method
+    :meth:`MergeMethod.tensor_kind` names for a floating-point tensor, else :data:`COPY`."""
+    if inputs.sources[0].is_float(name):
+        return inputs.method.tensor_kind(inputs, name)
+    return COPY.name

@@ -91,6 +91,8 @@ class Statistics:
         Grams: group name -> ``{"dim", "count"}``.
     parameters
         Fisher: parameter name -> ``{"shape"}``.
+    files
+        The files or folders the statistics are read from (:attr:`files`).
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class Statistics:
         moments: Mapping[str, Moments] | None = None,
         source: str | None = None,
         extra: Mapping[str, Any] | None = None,
+        files: Sequence[str] | None = None,
     ) -> None:
         if kind not in KINDS:
             raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
@@ -124,6 +127,7 @@ class Statistics:
         self._file: Any = None
         self._sha256: dict[str, str] = {}
         self.source = source
+        self._files = None if files is None else tuple(str(f) for f in files)
         self.extra = dict(extra or {})
         if kind == "regmean-gram" and "precision" in self.extra:
             # older files call the Gram accumulation "precision" (its earlier name)
@@ -140,6 +144,13 @@ class Statistics:
         the same."""
         found = self.extra.get("accumulation")
         return found if isinstance(found, str) else None
+
+    @property
+    def files(self) -> tuple[str, ...] | None:
+        """The files or folders these statistics are read from, as given: a loaded one's
+        own, joined ones' parts' (:func:`lmdx.stats.join_statistics`); None where they are
+        (partly) held in memory. Another process can open them again from these."""
+        return self._files
 
     @property
     def not_solved(self) -> dict[str, str]:
@@ -343,6 +354,7 @@ class Statistics:
             count=meta.get("count"),
             source=str(path),
             extra=meta.get("extra"),
+            files=[str(path)],
         )
         stats._file = handle
         present = {}

@@ -30,7 +30,8 @@ def join_statistics(parts: Iterable[Statistics]) -> Statistics:
     against that file's hashes): nothing is copied, added or held. The parts must be of
     one model (same weights hash), one data description and one padding policy, and no
     module or input group may be in two parts. ``accumulation`` is the coarsest of the
-    parts' (the merge's noise floor follows it); ``extra["joined_from"]`` names them.
+    parts' (the merge's noise floor follows it); ``extra["joined_from"]`` names them, and
+    :attr:`~Statistics.files` are the parts' files where every part is read from files.
     ``save`` writes the joined statistics as one file or folder, one group at a time.
     """
     parts = list(parts)
@@ -79,6 +80,9 @@ def join_statistics(parts: Iterable[Statistics]) -> Statistics:
         for spec in p.specs():
             tensors[spec.name] = (lambda q, t: lambda: q.packed(t))(p, spec.name)
     extra: dict[str, Any] = {"joined_from": names}
+    files: list[str] | None = []
+    for p in parts:
+        files = None if files is None or p.files is None else [*files, *p.files]
     accumulation = coarsest_accumulation(parts)
     if accumulation is not None:
         extra["accumulation"] = accumulation
@@ -99,4 +103,5 @@ def join_statistics(parts: Iterable[Statistics]) -> Statistics:
         groups=groups,
         tensors=tensors,
         extra=extra,
+        files=files,
     )

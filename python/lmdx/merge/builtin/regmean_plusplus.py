@@ -125,22 +125,22 @@ class RegMeanPlusPlus(MergeMethod):
         """The block merger the engine hands the blocks to, its data tokenized into
         batches."""
         assert inputs.blocks is not None
-        options = inputs.options
+        own = inputs.options.own(RegMeanPlusPlusOptions)
         batches = prepare_batches(
             inputs.sources,
             inputs.data,
             inputs.tokenizer,
-            max_texts=options.max_texts,
-            max_length=options.max_length,
-            batch_size=options.batch_size,
+            max_texts=own.max_texts,
+            max_length=own.max_length,
+            batch_size=own.batch_size,
         )
         return BlockMerger(
             inputs.sources,
             inputs.blocks,
             batches,
-            options,
+            inputs.options,
             plan.labels,
             tied=set(plan.tied) | set(plan.tied.values()),
-            max_activation_memory=activation_budget(options.max_activation_memory),
+            max_activation_memory=activation_budget(own.max_activation_memory),
             progress=progress,
         )
