@@ -18,7 +18,7 @@ from ..stats.file import Statistics
 from ..stats.format import INDEX_NAME
 from .lora import LoraExport, check_lora_export
 from .options import MergeOptions
-from .plan import Block, content_sha256, open_stats, stats_files
+from .plan import Block, content_sha256, open_stats
 from .registry import MergeMethod, method_named, methods
 from .source import AdapterSource, TensorSource
 
@@ -163,8 +163,8 @@ def _stats_record(stats: Statistics | None) -> str | list[str] | None:
     """Where a model's statistics came from: a file or folder, or the parts joined."""
     if stats is None:
         return None
-    files = stats_files(stats)
-    return files if files is not None and len(files) > 1 else stats.source
+    files = stats.files
+    return list(files) if files is not None and len(files) > 1 else stats.source
 
 
 def inputs_record(inputs: MergeInputs) -> dict[str, Any]:

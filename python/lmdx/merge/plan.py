@@ -51,7 +51,6 @@ __all__ = [
     "open_stats",
     "peak_rss_bytes",
     "plan_outputs",
-    "stats_files",
     "tensor_hashes",
 ]
 
@@ -329,11 +328,6 @@ def _opened(stats: Any) -> Statistics:
     return Statistics.load(stats)
 
 
-def stats_files(stats: Statistics) -> list[str] | None:
-    """:attr:`Statistics.files <lmdx.stats.Statistics.files>` as a list."""
-    return None if stats.files is None else list(stats.files)
-
-
 def open_stats(
     stats: Sequence[Any] | None, kind: str | None, method: str, k: int, labels: Sequence[str]
 ) -> list[Statistics] | None:
@@ -417,7 +411,7 @@ def make_plan(inputs: MergeInputs, *, folder: bool) -> MergePlan:
         if n not in covered:
             steps.append(Step(tensor_step_kind(inputs, n), [n]))
     out_size = 0 if options.dtype == "auto" or not folder else itemsize(options.dtype)
-    packed = inputs.stats is not None and all(s.source for s in inputs.stats)  # from files
+    packed = inputs.stats is not None and all(s.files for s in inputs.stats)  # from files
     for step in steps:
         sizes = StepSizes.of_step(step, ref, len(sources), out_size, packed)
         step.memory = step_method(step.kind).memory(step, sizes, inputs)
