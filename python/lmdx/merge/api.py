@@ -100,26 +100,15 @@ def merge_models(
         them; refused by the other methods of full models).
     options
         The method's own options, checked by its pydantic model (the registry's
-        :attr:`~lmdx.merge.registry.MergeMethod.options`; those of other methods are refused,
-        RegMean's solve options ignored). Built in: ``alpha`` (RegMean's off-diagonal
-        scaling in [0, 1]; the paper uses 0.9 for transformers), ``ridge``,
-        ``allow_regularization`` and ``precision`` (the RegMean solves, see
-        :func:`lmdx.regmean_merge_layer`: ``"float64"`` solves every layer in float64,
-        ``"auto"`` a layer in float32 where a certificate bounds its relative output error
-        by 1e-6, ``"float32"`` always) for ``regmean`` and ``regmean_plusplus``;
-        ``fisher_eps`` (ε added to every Fisher value); ``scaling`` (λ of the task-vector
-        methods: ``θ_base + λ × (merged task vector)``; default 0.3 for
-        ``task_arithmetic`` and ``dare``, 1.0 for ``ties`` and ``dare_ties``), ``density``
-        (in (0, 1]: ``ties`` keeps the ``int(density × numel)`` entries of largest
-        magnitude of each task vector per tensor, default 0.2; ``dare`` and ``dare_ties``
-        keep each entry with probability ``density`` and divide the kept ones by it,
-        default 0.5) and ``seed`` (DARE's drops, default 0: model ``i``'s drops in tensor
-        ``name`` depend only on (seed, i, name)); ``max_texts``, ``max_length``,
-        ``batch_size`` (``regmean_plusplus``'s texts: the first ``max_texts`` of each
-        model's, default all, cut at ``max_length`` tokens, default 128, ``batch_size``
-        per forward pass, default 16) and ``max_activation_memory`` (the most bytes of
-        activations held between blocks, ``"4GB"`` or bytes, default all; the batches
-        beyond it are recomputed from the merged prefix for every block).
+        :attr:`~lmdx.merge.registry.MergeMethod.options`, the one place that defines their
+        types, defaults and meaning; ``lmdx merge --help`` lists them for every registered
+        method). Those of other methods are refused. Built in, e.g.: ``alpha``, ``ridge``,
+        ``allow_regularization`` and ``precision`` for ``regmean`` and
+        ``regmean_plusplus`` (``precision="auto"`` solves a layer in float32 where a
+        certificate bounds its relative output error by 1e-6, see
+        :func:`lmdx.regmean_merge_layer`); ``fisher_eps``; ``scaling``, ``density`` and
+        ``seed`` for the task-vector methods; ``max_texts``, ``max_length``,
+        ``batch_size`` and ``max_activation_memory`` for ``regmean_plusplus``.
 
         ``report["layers"]`` says per RegMean module what was used and the certified
         ``output_error_estimate``, ``report["poorly_determined"]`` lists the systems with
