@@ -42,6 +42,11 @@ constexpr double kMaxContraction = 0.5;
 constexpr double kPredictorFactor = 24.0;
 constexpr double kPredictorDelta = 0.1;
 constexpr double kFloat32Roundoff = 0x1.0p-24;
+// Up to this many Gram differences (K <= 3 models) are held in float32 side by side for the
+// one product [D_1 .. D_m] [dev_1; ..; dev_m] (4 m d_in^2 bytes). More are not held: their
+// rows are formed a second time, block by block, after the pre-check (the memory no longer
+// grows with K; the second formation costs m d_in^2 reads of the Grams).
+constexpr Index kHeldDifferences = 2;
 
 }  // namespace
 
@@ -159,11 +164,12 @@ bool Float32Merge::run(const SolveOptions& opt, bool forced, RegMeanInfo& info,
     }
   }
   clock.lap("deviations");
-  // The Gram differences, once, by tiles of rows: B z = sum_j D_j y_j in float64 (each
-  // tile owns its rows of B z, summed over j in order), D_j rounded into diff32's columns
-  // [j d_in, (j + 1) d_in).
+  // The Gram differences by tiles of rows: B z = sum_j D_j y_j in float64 (each tile owns
+  // its rows of B z, summed over j in order); with m <= kHeldDifferences, D_j also rounded
+  // into diff32's columns [j d_in, (j + 1) d_in).
+  const bool held = m <= kHeldDifferences;
   MatrixXd bz = MatrixXd::Zero(d_in, kProbes);
-  Eigen::MatrixXf diff32(d_in, m * d_in);
+  Eigen::MatrixXf diff32(held ? d_in : 0, held ? m * d_in : 0);
   {
     const Index n_tiles = (d_in + kTile - 1) / kTile;
     LMDX_PRAGMA(omp parallel num_threads(threads)) {
@@ -175,7 +181,7 @@ bool Float32Merge::run(const SolveOptions& opt, bool forced, RegMeanInfo& info,
           difference_rows(models, s, coef, others[j], pivot, alpha, r0, h, t);
           bz.middleRows(r0, h).noalias() +=
               t.topRows(h) * y.middleCols(j * kProbes, kProbes);
-          diff32.block(r0, j * d_in, h, d_in) = t.topRows(h).cast<float>();
+          if (held) diff32.block(r0, j * d_in, h, d_in) = t.topRows(h).cast<float>();
         }
       }
     }
@@ -188,17 +194,46 @@ bool Float32Merge::run(const SolveOptions& opt, bool forced, RegMeanInfo& info,
   }
   clock.lap("precheck");
 
-  // rhs = sum_j D_j (W_j - W-)^T in float32: one product [D_1 .. D_m] [dev_1; ..; dev_m],
-  // by fixed blocks of rows.
+  // rhs = sum_j D_j (W_j - W-)^T in float32, by fixed blocks of rows: held, one product
+  // [D_1 .. D_m] [dev_1; ..; dev_m]; otherwise for each j the block's rows of D_j formed
+  // again (float64 tiles of kTile rows, rounded into a float32 block of rows) and
+  // multiplied by dev_j, summed over j in order.
   Eigen::MatrixXf x32(d_in, d_out);
   {
     const Index row_block = column_block_width(d_in);
     const Index n_row_blocks = (d_in + row_block - 1) / row_block;
-    LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(dynamic, 1))
-    for (Index rb = 0; rb < n_row_blocks; ++rb) {
-      const Index r0 = rb * row_block;
-      const Index h = std::min(row_block, d_in - r0);
-      x32.middleRows(r0, h).noalias() = diff32.middleRows(r0, h) * dev32;
+    if (held) {
+      LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(dynamic, 1))
+      for (Index rb = 0; rb < n_row_blocks; ++rb) {
+        const Index r0 = rb * row_block;
+        const Index h = std::min(row_block, d_in - r0);
+        x32.middleRows(r0, h).noalias() = diff32.middleRows(r0, h) * dev32;
+      }
+    } else {
+      const int block_threads = static_cast<int>(std::min<Index>(threads, n_row_blocks));
+      LMDX_PRAGMA(omp parallel num_threads(block_threads)) {
+        MatrixXd t(kTile, d_in);
+        Eigen::MatrixXf rows32(row_block, d_in);
+        LMDX_PRAGMA(omp for schedule(dynamic, 1))
+        for (Index rb = 0; rb < n_row_blocks; ++rb) {
+          const Index r0 = rb * row_block;
+          const Index h = std::min(row_block, d_in - r0);
+          auto out = x32.middleRows(r0, h);
+          for (Index j = 0; j < m; ++j) {
+            for (Index k0 = 0; k0 < h; k0 += kTile) {
+              const Index th = std::min(kTile, h - k0);
+              difference_rows(models, s, coef, others[j], pivot, alpha, r0 + k0, th, t);
+              rows32.middleRows(k0, th) = t.topRows(th).cast<float>();
+            }
+            const auto dev_j = dev32.middleRows(j * d_in, d_in);
+            if (j == 0) {
+              out.noalias() = rows32.topRows(h) * dev_j;
+            } else {
+              out.noalias() += rows32.topRows(h) * dev_j;
+            }
+          }
+        }
+      }
     }
   }
   diff32.resize(0, 0);

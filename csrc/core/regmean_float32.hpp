@@ -12,9 +12,18 @@
 // (S = A - ridge I), and ||W_M z||_S^2 the merged weight's ||W_M||_S^2.
 // O((K + 4) d_in^2 kProbes) float64 work and three float32 solves with kProbes columns.
 //
-// Each Gram difference D_i and deviation (W_i - W-)^T is formed once: in float64 for the
-// probes' right-hand side B z, and rounded to float32 side by side (D = [D_1 .. D_{K-1}],
-// dev = [dev_1; ..; dev_{K-1}]) for the one product D dev after the factor's pre-check.
+// Each deviation (W_i - W-)^T is formed once: in float64 for the probes, and rounded to
+// float32 side by side (dev = [dev_1; ..; dev_{K-1}]). Each Gram difference D_i is formed in
+// float64 by tiles of rows for the probes' right-hand side B z; with K <= 3 it is also
+// rounded to float32 side by side (D = [D_1 .. D_{K-1}]) for the one product D dev after the
+// factor's pre-check; with more models it is not held but formed again after the pre-check,
+// block of rows by block of rows, for the products D_i dev_i.
+//
+// Memory beyond the system (lhs, 8 d_in^2 bytes) and the caller's arrays: the float32
+// factor (4 d_in^2 bytes), dev (4 (K - 1) d_in d_out bytes), the float32 result (4 d_in
+// d_out bytes), and for the differences 4 (K - 1) d_in^2 bytes with K <= 3 (K: the models
+// with c_i > 0), otherwise at most 4 d_in^2 bytes whatever K (a float32 block of rows per
+// thread, at most one per block of rows) plus 512 d_in bytes per thread (a float64 tile).
 #pragma once
 
 #include <vector>
@@ -67,7 +76,8 @@ struct Float32Merge {
 
   // Merge into merged_t and fill info (precision "float32", output_error_estimate). Returns
   // false, leaving lhs's lower triangle as it was, when the float32 factorization fails or
-  // (unless forced) the predictor or the certificate exceeds kOutputErrorTolerance.
+  // (unless forced) the predictor or the certificate exceeds kOutputErrorTolerance. Its
+  // memory (above) grows with K through the deviations only once K >= 4.
   bool run(const SolveOptions& opt, bool forced, RegMeanInfo& info, MatrixXd& merged_t);
 };
 
