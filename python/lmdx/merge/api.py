@@ -29,7 +29,7 @@ from ..files.hf import model_files
 from ..files.st import model_folder
 from ..stats.file import Statistics
 from .door import check_new_folder, merge_options, prepare_merge
-from .inputs import MergeInputs, inputs_record, model_labels, st_files
+from .inputs import MergeInputs, inputs_record, model_labels, open_inputs, st_files
 from .plan import peak_rss_bytes
 from .ray import RayGroupSolver
 from .result import MergeResult, StreamMergeResult
@@ -153,18 +153,18 @@ def merge_models(
         },
     )
     names = model_labels(models, labels)
-    prepared = prepare_merge(
+    opened = open_inputs(
         models,
         checked,
         labels=names,
         stats=stats,
         base=base,
         open_model=lambda m, lab: model_source(m, lab, progress=progress),
-        folder=False,
         data=data,
         tokenizer=tokenizer,
         lora_rank=lora_rank,
     )
+    prepared = prepare_merge(opened, folder=False)
     inputs, plan = prepared.inputs, prepared.plan
     report = prepared.report(streaming=False)
     sink = MemorySink(plan)
@@ -294,19 +294,18 @@ def stream_merge(
         if ray_workers and not dry_run:
             RayGroupSolver.check_address(ray_address)  # within seconds, before any output
 
-    prepared = prepare_merge(
+    opened = open_inputs(
         models,
         checked,
         labels=names,
         stats=stats,
         base=base,
         open_model=lambda m, lab: Checkpoint(model_folder(m), lab),
-        folder=True,
         data=data,
         tokenizer=tokenizer,
         lora_rank=lora_rank,
-        before_plan=door_checks,
     )
+    prepared = prepare_merge(opened, folder=True, before_plan=door_checks)
     inputs, plan = prepared.inputs, prepared.plan
     if task_folders:
         check_task_folders(plan, head_policy, [src.config for src in inputs.sources])

@@ -6,17 +6,16 @@ and go to."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .._errors import MergeError
 from .engine import Executor, GroupSolver, Sink, run
-from .inputs import MergeInputs, open_inputs
+from .inputs import MergeInputs
 from .options import MergeOptions
 from .plan import MergePlan, make_plan
-from .source import TensorSource
 
 __all__ = ["PreparedMerge", "check_new_folder", "merge_options", "prepare_merge"]
 
@@ -84,32 +83,13 @@ class PreparedMerge:
 
 
 def prepare_merge(
-    models: Sequence[Any],
-    options: MergeOptions,
+    inputs: MergeInputs,
     *,
-    labels: Sequence[str],
-    stats: Sequence[Any] | None,
-    base: Any,
-    open_model: Callable[[Any, str], TensorSource],
     folder: bool,
-    data: Sequence[Any] | None = None,
-    tokenizer: Any = None,
-    lora_rank: int | None = None,
     before_plan: Callable[[MergeInputs], None] | None = None,
 ) -> PreparedMerge:
-    """The input step and the plan, shared by both doors (``before_plan``: the door's own
-    checks on the opened inputs)."""
-    inputs = open_inputs(
-        models,
-        options,
-        labels=labels,
-        stats=stats,
-        base=base,
-        open_model=open_model,
-        data=data,
-        tokenizer=tokenizer,
-        lora_rank=lora_rank,
-    )
+    """The plan of the opened ``inputs`` (:func:`lmdx.merge.inputs.open_inputs`, the input
+    step both doors share), after ``before_plan``: the door's own checks on them."""
     if before_plan is not None:
         before_plan(inputs)
     return PreparedMerge(inputs, make_plan(inputs, folder=folder))
