@@ -11,13 +11,14 @@ Ray is imported only when one of these is called; ``import lmdx`` never imports 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,41 @@ def check_address(address: str) -> None:
         ) from None
 
 
+_HELD = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[list[int]]:
+    """Ctrl-C and SIGTERM recorded, not acted on, inside the block (main thread only): the
+    list it yields gets each one that came. Handlers the block tries to install for them
+    (``ray.init`` sets SIGTERM's to an exit) are not installed; the handlers in place
+    before are put back at the end. Python-level, so it holds whichever thread the
+    operating system delivers the signal to (a mask would not: it holds back only the
+    signals sent to its own thread, and it is inherited by the processes Ray starts)."""
+    received: list[int] = []
+    before = {s: signal.getsignal(s) for s in _HELD}
+    install = signal.signal
+
+    def hold(signum: int, frame: Any) -> None:
+        received.append(signum)
+
+    def set_handler(signum: int, handler: Any) -> Any:
+        if signum in _HELD:
+            return hold  # taken back at the end anyway
+        return install(signum, handler)
+
+    for sig in _HELD:
+        install(sig, hold)
+    signal.signal = set_handler  # type: ignore[assignment]
+    try:
+        yield received
+    finally:
+        signal.signal = install
+        for sig, handler in before.items():
+            if handler is not None:
+                install(sig, handler)
+
+
 def start_ray(address: str | None, num_cpus: int) -> bool:
     """Start or join Ray unless ``ray.init`` was called already; True if this call did.
 
@@ -103,10 +139,10 @@ def start_ray(address: str | None, num_cpus: int) -> bool:
 
     Ctrl-C and SIGTERM are held back while ``ray.init`` runs (an exception raised inside
     it can leave one of Ray's locks taken, and the next Ray call then waits forever), and
-    the handlers in place before it are put back (``ray.init`` replaces SIGTERM's with an
-    exit). A signal that came meanwhile is delivered once ``ray.init`` has returned: Ray
-    is shut down again and the caller gets the KeyboardInterrupt, so Ctrl-C and SIGTERM
-    reach its clean-up.
+    the handlers in place before it stay (``ray.init`` would replace SIGTERM's with an
+    exit). A signal that came meanwhile goes to them once ``ray.init`` has returned, as
+    if it had come just after: a KeyboardInterrupt (Ctrl-C, or SIGTERM under ``lmdx``'s
+    command line) shuts Ray down again and reaches the caller's clean-up.
     """
     ray = import_ray()
     if ray.is_initialized():
@@ -114,28 +150,24 @@ def start_ray(address: str | None, num_cpus: int) -> bool:
     if address is not None:
         check_address(address)
     main = threading.current_thread() is threading.main_thread()
-    signals = {signal.SIGINT, signal.SIGTERM}
-    handlers = {s: signal.getsignal(s) for s in signals} if main else {}
-    # Threads that ray.init starts inherit the mask: the signals stay pending until the
-    # mask is put back below.
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, signals) if main else None
+    held: contextlib.AbstractContextManager[list[int]] = (
+        _signals_held() if main else contextlib.nullcontext([])
+    )
     try:
-        try:
+        with held as received:
             if address is None:
                 ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
             else:
                 ray.init(address=address)
-        finally:
-            for sig, handler in handlers.items():
-                if handler is not None:
-                    signal.signal(sig, handler)
-            if mask is not None:
-                signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a held-back signal: here
+        for sig in dict.fromkeys(received):
+            if signal.getsignal(sig) is signal.SIG_DFL and sig != signal.SIGINT:
+                ray.shutdown()  # the default action ends the process: Ray first
+            signal.raise_signal(sig)  # its handler runs here
     except BaseException as exc:
         if ray.is_initialized():
             ray.shutdown()
         if isinstance(exc, SystemExit) and exc.code == signal.SIGTERM:
-            # Ray's own SIGTERM handler, had a thread started earlier taken the signal
+            # Ray's own SIGTERM handler, had it been installed all the same
             raise KeyboardInterrupt("terminated (SIGTERM)") from None
         raise
     return True

@@ -446,3 +446,68 @@ def test_waiting_ends_when_no_live_node_can_take_the_task(
     lost = f"group 7: lost; no node of the Ray cluster has had {want} to run it for 0.2 s"
     with pytest.raises(RayClusterError, match=re.escape(lost)):
         wait_ready(cluster, ["ref"], cpus, lambda: "group 7", asked)
+
+
+HELD_SCRIPT = """
+import os, signal, sys, threading, time
+import ray
+from lmdx._ray import start_ray
+
+real, install = ray.init, signal.signal
+sigterm = signal.getsignal(signal.SIGTERM)
+starting, returned = threading.Event(), []
+
+def init(*args, **kwargs):
+    # the signal comes while ray.init runs, which also sets its own SIGTERM handler
+    starting.set()
+    time.sleep(0.5)
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(15))
+    out = real(*args, **kwargs)
+    returned.append(True)
+    return out
+
+def children_blocking_sigterm():
+    bit, mine, found = 1 << (signal.SIGTERM - 1), str(os.getpid()), []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            status = dict(ln.split(":", 1) for ln in open(f"/proc/{pid}/status") if ":" in ln)
+        except OSError:
+            continue
+        if status["PPid"].strip() == mine and int(status["SigBlk"], 16) & bit:
+            found.append(status["Name"].strip())
+    return found
+
+if sys.argv[1] == "children":
+    start_ray(None, 1)
+    print("RESULT", ray.is_initialized(), children_blocking_sigterm())
+    ray.shutdown()
+    sys.exit(0)
+# a thread started before, as BLAS and OpenMP pools are: the kernel may hand it the signal
+threading.Thread(target=lambda: starting.wait() and os.kill(os.getpid(), signal.SIGINT)).start()
+ray.init = init
+try:
+    start_ray(None, 1)
+except KeyboardInterrupt:
+    print("RESULT", "interrupted", bool(returned), ray.is_initialized(),
+          signal.getsignal(signal.SIGTERM) is sigterm, signal.signal is install)
+else:
+    print("RESULT", "not interrupted")
+"""
+
+
+def _held(mode: str) -> list[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", HELD_SCRIPT, mode], capture_output=True, text=True, timeout=240
+    )
+    result = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")]
+    assert len(result) == 1, (out.stdout + out.stderr)[-3000:]
+    return result
+
+
+def test_ctrl_c_while_ray_starts_is_delivered_after() -> None:
+    """A Ctrl-C that comes while ``ray.init`` runs (handed to another thread) is held back
+    and raised once it has returned: Ray shut down again, the SIGTERM handler that
+    ``ray.init`` installs not left in place, ``signal.signal`` itself put back; and the
+    processes Ray starts do not inherit SIGTERM blocked."""
+    assert _held("signal") == ["RESULT interrupted True False True True"]
+    assert _held("children") == ["RESULT True []"]

@@ -39,6 +39,10 @@ class Average(MergeMethod):
         """The whole average's (:meth:`MergeMethod.memory`), or one block of rows' where it
         is averaged in blocks (over ``solve_memory``)."""
         whole = super().memory(step, sizes, inputs)
+        if (
+            inputs.lora is not None
+        ):  # merges that also build a LoRA of the merged update: never blocked
+            return whole
         name = step.tensors[0]
         block = average_block_size(name, inputs.sources, inputs.options.solve_memory)
         if block is None:

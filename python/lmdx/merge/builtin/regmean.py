@@ -67,7 +67,12 @@ class RegMean(MergeMethod):
     def memory(self, step: Step, sizes: StepSizes, inputs: MergeInputs) -> int:
         """:func:`~lmdx.merge.output_blocks.regmean_memory`, in blocks of output rows where
         the group is solved so (over ``solve_memory``)."""
-        block = output_block_size(step, inputs.sources, inputs.options)
+        # Merges that also build a LoRA of the merged update are never solved in blocks.
+        block = (
+            None
+            if inputs.lora is not None
+            else output_block_size(step, inputs.sources, inputs.options)
+        )
         return regmean_memory(step, sizes, block, solve_precision(inputs.options))
 
     def report(self, inputs: MergeInputs) -> dict[str, Any]:
