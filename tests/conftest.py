@@ -49,3 +49,16 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture
+def widen_bf16(monkeypatch: pytest.MonkeyPatch):
+    """bfloat16 rows go through the widening Gram kernel in this test (as on a CPU without
+    AVX512_BF16), through the same switch a user has: ``LMDX_DISABLE_CPU_FEATURES``."""
+    from lmdx import _core
+
+    monkeypatch.setenv("LMDX_DISABLE_CPU_FEATURES", "avx512bf16")
+    _core.bf16_dot.cache_clear()
+    yield
+    monkeypatch.undo()
+    _core.bf16_dot.cache_clear()

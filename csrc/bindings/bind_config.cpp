@@ -37,6 +37,7 @@ void bind_config(py::module_& m) {
         d["avx512cd"] = f.avx512cd;
         d["x86-64-v3"] = f.x86_64_v3;
         d["x86-64-v4"] = f.x86_64_v4;
+        d["avx512bf16"] = f.avx512bf16;
         return d;
       },
       "CPU features detected at run time (x86-64; all False elsewhere).");
@@ -50,6 +51,8 @@ void bind_config(py::module_& m) {
         return d;
       },
       "Register tile (rows, columns) of this variant's Gram kernel per precision.");
+  m.def("bf16_dot_available", &lmdx::bf16_dot_available,
+        "Whether this module has the bf16 dot-product Gram kernel and this CPU runs it.");
   m.def("scratch_bytes", &lmdx::scratch_bytes, "Bytes held by the kernels' scratch pool.");
   m.def("release_scratch", &lmdx::release_scratch, "Free the kernels' pooled scratch buffers.");
   m.def(
@@ -60,6 +63,14 @@ void bind_config(py::module_& m) {
       },
       py::kw_only(), py::arg("double_precision"), py::arg("n_threads"), py::arg("seconds"),
       "GFLOP/s of a register-resident FMA loop on this machine.");
+  m.def(
+      "measure_bf16_peak_gflops",
+      [](int n_threads, double seconds) {
+        py::gil_scoped_release release;
+        return lmdx::measure_bf16_peak_gflops(n_threads, seconds);
+      },
+      py::kw_only(), py::arg("n_threads"), py::arg("seconds"),
+      "GFLOP/s of a register-resident bf16 dot-product loop (0 without the bf16 kernel).");
 }
 
 }  // namespace lmdx_bind

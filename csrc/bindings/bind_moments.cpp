@@ -29,11 +29,14 @@ std::unique_ptr<Moments> from_state(double count, const py::array& sum, const py
 }
 
 void update(Moments& self, const py::array& x, const std::optional<py::array>& weights,
-            int n_threads, bool bfloat16) {
+            int n_threads, bool bfloat16, bool bf16_dot) {
   // 16-bit rows (float16, or bfloat16 passed as its uint16 bit patterns) go to the kernel
   // as they are: it widens them while packing, so no float32 copy is made.
   const bool half = !bfloat16 && x.dtype().kind() == 'f' && x.dtype().itemsize() == 2;
   const bool narrow = half || bfloat16;
+  if (bf16_dot && !bfloat16) {
+    throw std::invalid_argument("bf16_dot: the bf16 dot-product kernel takes bfloat16 rows only");
+  }
   if (bfloat16 && !(x.dtype().kind() == 'u' && x.dtype().itemsize() == 2)) {
     throw std::invalid_argument("x: bfloat16 rows are passed as a uint16 view, got a " +
                                 describe(x));
@@ -51,7 +54,8 @@ void update(Moments& self, const py::array& x, const std::optional<py::array>& w
   // The arrays stay alive (held by the caller's frame) while the GIL is released.
   py::gil_scoped_release release;
   if (bfloat16) {
-    self.update(static_cast<const Eigen::bfloat16*>(data), rows, cols, wp, n_threads);
+    self.update(static_cast<const Eigen::bfloat16*>(data), rows, cols, wp, n_threads,
+                bf16_dot ? lmdx::GramPath::bf16_dot : lmdx::GramPath::widen);
   } else if (half) {
     self.update(static_cast<const Eigen::half*>(data), rows, cols, wp, n_threads);
   } else if (xv.is_float32) {
@@ -72,9 +76,10 @@ void bind_moments(py::module_& m) {
                   py::arg("gram"), py::arg("chunk_rows"),
                   "Rebuild from a saved count, sum (d,) and Gram (d, d), all float64.")
       .def("update", &update, py::kw_only(), py::arg("x"), py::arg("weights"), py::arg("n_threads"),
-           py::arg("bfloat16"),
+           py::arg("bfloat16"), py::arg("bf16_dot") = false,
            "Add the rows of x (rows, dim) with optional float64 weights (rows,).\n"
-           "bfloat16: x holds bfloat16 values as their uint16 bit patterns.")
+           "bfloat16: x holds bfloat16 values as their uint16 bit patterns.\n"
+           "bf16_dot: multiply them with the CPU's bf16 dot product (bf16_dot_available()).")
       .def(
           "merge",
           [](Moments& self, const Moments& other) {

@@ -74,6 +74,7 @@ CpuFeatures cpu_features() noexcept {
   f.avx512cd = __builtin_cpu_supports("avx512cd");
   f.x86_64_v3 = f.avx2 && f.fma && f.f16c && f.bmi2 && __builtin_cpu_supports("movbe");
   f.x86_64_v4 = f.x86_64_v3 && f.avx512f && f.avx512bw && f.avx512dq && f.avx512vl && f.avx512cd;
+  f.avx512bf16 = __builtin_cpu_supports("avx512bf16");
 #endif
   return f;
 }

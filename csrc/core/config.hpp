@@ -49,6 +49,7 @@ struct CpuFeatures {
   bool avx2 = false, fma = false, f16c = false, bmi2 = false;
   bool avx512f = false, avx512bw = false, avx512dq = false, avx512vl = false, avx512cd = false;
   bool x86_64_v3 = false, x86_64_v4 = false;
+  bool avx512bf16 = false;  // the bf16 dot product (VDPBF16PS); not part of a level
 };
 CpuFeatures cpu_features() noexcept;
 

@@ -5,7 +5,6 @@
 #include <string>
 
 #include "core/checks.hpp"
-#include "core/gram_kernel.hpp"
 
 LMDX_NAMESPACE_BEGIN
 
@@ -91,14 +90,15 @@ void Moments::update(const Eigen::half* x, Index rows, Index cols, const ArrayVi
 }
 
 void Moments::update(const Eigen::bfloat16* x, Index rows, Index cols, const ArrayView* weights,
-                     int n_threads) {
-  update_impl(x, rows, cols, weights, n_threads);
+                     int n_threads, GramPath path) {
+  update_impl(x, rows, cols, weights, n_threads, path);
 }
 
 template <typename T>
 void Moments::update_impl(const T* x, Index rows, Index cols, const ArrayView* weights,
-                          int n_threads) {
+                          int n_threads, GramPath path) {
   resolve_threads(n_threads);  // the thread-count rule holds for every call, empty or not
+
   if (rows < 0) throw std::invalid_argument("x: negative row count");
   if (cols != dim_) {
     throw std::invalid_argument("x: expected " + std::to_string(dim_) +
@@ -117,7 +117,8 @@ void Moments::update_impl(const T* x, Index rows, Index cols, const ArrayView* w
   } else {
     for (Index r = 0; r < rows; ++r) count += w[r];
   }
-  gram_update(x, rows, dim_, w, chunk_rows_, n_threads, gram_.data(), gram_.rows(), sum_.data());
+  gram_update(x, rows, dim_, w, chunk_rows_, n_threads, gram_.data(), gram_.rows(), sum_.data(),
+              path);
   count_ += count;
 }
 
@@ -142,11 +143,13 @@ void Moments::gram(double* out) const {
   full.triangularView<Eigen::StrictlyUpper>() = gram_.transpose();
 }
 
-template void Moments::update_impl<float>(const float*, Index, Index, const ArrayView*, int);
-template void Moments::update_impl<double>(const double*, Index, Index, const ArrayView*, int);
+template void Moments::update_impl<float>(const float*, Index, Index, const ArrayView*, int,
+                                          GramPath);
+template void Moments::update_impl<double>(const double*, Index, Index, const ArrayView*, int,
+                                           GramPath);
 template void Moments::update_impl<Eigen::half>(const Eigen::half*, Index, Index, const ArrayView*,
-                                                int);
+                                                int, GramPath);
 template void Moments::update_impl<Eigen::bfloat16>(const Eigen::bfloat16*, Index, Index,
-                                                    const ArrayView*, int);
+                                                    const ArrayView*, int, GramPath);
 
 LMDX_NAMESPACE_END

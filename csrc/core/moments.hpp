@@ -17,6 +17,7 @@
 #include <mutex>
 
 #include "core/arrays.hpp"
+#include "core/gram_kernel.hpp"
 
 LMDX_NAMESPACE_BEGIN
 
@@ -38,11 +39,12 @@ class Moments {
   /// `weights` is nullptr or a float64 view of `rows` non-negative finite values.
   void update(const float* x, Index rows, Index cols, const ArrayView* weights, int n_threads);
   void update(const double* x, Index rows, Index cols, const ArrayView* weights, int n_threads);
-  /// 16-bit rows: widened to float32 while packing (exact), then as float32.
+  /// 16-bit rows: widened to float32 while packing (exact), then as float32; bfloat16
+  /// rows with GramPath::bf16_dot use the CPU's bf16 dot product (core/gram_kernel.hpp).
   void update(const Eigen::half* x, Index rows, Index cols, const ArrayView* weights,
               int n_threads);
   void update(const Eigen::bfloat16* x, Index rows, Index cols, const ArrayView* weights,
-              int n_threads);
+              int n_threads, GramPath path = GramPath::widen);
 
   /// Add another accumulator's statistics (disjoint data): count, sum and Gram add.
   void merge(const Moments& other);
@@ -63,7 +65,8 @@ class Moments {
   Moments(Index dim, double count, const double* sum, const double* gram_row_major,
           Index chunk_rows);
   template <typename T>
-  void update_impl(const T* x, Index rows, Index cols, const ArrayView* weights, int n_threads);
+  void update_impl(const T* x, Index rows, Index cols, const ArrayView* weights, int n_threads,
+                   GramPath path = GramPath::widen);
 
   mutable std::mutex mutex_;  // update/merge/gram on one object are serialized
   Index dim_;

@@ -10,4 +10,8 @@ LMDX_NAMESPACE_BEGIN
 /// for about `seconds`. float64 if `double_precision`, else float32.
 double measure_peak_gflops(bool double_precision, int n_threads, double seconds);
 
+/// GFLOP/s of a register-resident bf16 dot-product loop (VDPBF16PS: 2 flops per bfloat16
+/// product), or 0 where this copy of the core has no bf16 dot-product kernel for this CPU.
+double measure_bf16_peak_gflops(int n_threads, double seconds);
+
 LMDX_NAMESPACE_END

@@ -1,5 +1,6 @@
 #include "core/workspace.hpp"
 
+#include <cstdint>
 #include <cstdlib>
 #include <mutex>
 #include <new>
@@ -64,6 +65,7 @@ BufferLease<T>::~BufferLease() {
 template class BufferLease<float>;
 template class BufferLease<double>;
 template class BufferLease<Index>;
+template class BufferLease<std::uint16_t>;
 
 void release_scratch() noexcept {
   std::lock_guard<std::mutex> lock(pool().mutex);

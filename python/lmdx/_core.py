@@ -19,6 +19,7 @@ treat the CPU as lacking them, to test that path or to avoid AVX-512 on purpose.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.machinery
 import importlib.util
@@ -29,9 +30,11 @@ from typing import TYPE_CHECKING
 
 __all__ = [
     "VARIANTS",
+    "bf16_dot",
     "built_variants",
     "core",
     "cpu_features",
+    "gram_paths",
     "load",
     "load_native",
     "missing_features",
@@ -172,3 +175,22 @@ if TYPE_CHECKING:  # every variant has the interface of the stub
 else:
     #: The variant used by the lmdx API.
     core = load()
+
+
+@functools.cache
+def bf16_dot() -> bool:
+    """Whether bfloat16 rows go to the core's bf16 dot-product Gram kernel: the variant in
+    use has it, this CPU runs it (AVX512_BF16) and ``$LMDX_DISABLE_CPU_FEATURES`` does not
+    name ``avx512bf16``. Decided once per process, like the variant."""
+    return bool(core.bf16_dot_available()) and cpu_features().get("avx512bf16", False)
+
+
+def gram_paths() -> dict[str, str]:
+    """How the Gram kernel multiplies rows of each input dtype in this process (in the SIMD
+    path of :data:`core`)."""
+    return {
+        "float32": "fma",
+        "float64": "fma",
+        "bfloat16": "avx512bf16 dot product" if bf16_dot() else "widened to float32",
+        "float16": "widened to float32",
+    }

@@ -16,6 +16,7 @@ __all__: list[str] = [
     "NotPositiveDefiniteError",
     "RegMeanInfo",
     "SolveInfo",
+    "bf16_dot_available",
     "compiler",
     "cpu_features",
     "eigen_simd",
@@ -25,6 +26,7 @@ __all__: list[str] = [
     "has_openmp",
     "isa",
     "max_threads",
+    "measure_bf16_peak_gflops",
     "measure_peak_gflops",
     "regmean_low_rank_solve",
     "regmean_merge_layer",
@@ -74,10 +76,12 @@ class Moments:
         weights: numpy.ndarray | None,
         n_threads: typing.SupportsInt | typing.SupportsIndex,
         bfloat16: bool,
+        bf16_dot: bool = False,
     ) -> None:
         """
         Add the rows of x (rows, dim) with optional float64 weights (rows,).
         bfloat16: x holds bfloat16 values as their uint16 bit patterns.
+        bf16_dot: multiply them with the CPU's bf16 dot product (bf16_dot_available()).
         """
     @property
     def chunk_rows(self) -> int: ...
@@ -175,6 +179,11 @@ class RegMeanInfo(SolveInfo):
         Eigendirections below the statistics' noise floor, kept at the average.
         """
 
+def bf16_dot_available() -> bool:
+    """
+    Whether this module has the bf16 dot-product Gram kernel and this CPU runs it.
+    """
+
 def compiler() -> str:
     """
     The compiler that built this module.
@@ -225,6 +234,15 @@ def isa() -> str:
 def max_threads() -> int:
     """
     Threads available to OpenMP (1 without it); every n_threads must be >= 1.
+    """
+
+def measure_bf16_peak_gflops(
+    *,
+    n_threads: typing.SupportsInt | typing.SupportsIndex,
+    seconds: typing.SupportsFloat | typing.SupportsIndex,
+) -> float:
+    """
+    GFLOP/s of a register-resident bf16 dot-product loop (0 without the bf16 kernel).
     """
 
 def measure_peak_gflops(

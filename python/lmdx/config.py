@@ -80,6 +80,7 @@ def config() -> dict[str, Any]:
         "eigen": core.eigen_version(),
         "eigen_simd": core.eigen_simd(),
         "gram_tile": {k: f"{r}x{c}" for k, (r, c) in core.gram_tile().items()},
+        "gram_paths": _core.gram_paths(),
         "compiler": core.compiler(),
         "openmp": core.has_openmp(),
         "default_threads": default_threads(),

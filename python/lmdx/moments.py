@@ -83,7 +83,11 @@ class Moments:
         rows, leading, bfloat16 = as_gram_rows(x, self.dim, "x")
         w = as_weights(mask, weights, leading, rows.shape[0])
         self._native.update(
-            x=rows, weights=w, n_threads=resolve_threads(n_threads), bfloat16=bfloat16
+            x=rows,
+            weights=w,
+            n_threads=resolve_threads(n_threads),
+            bfloat16=bfloat16,
+            bf16_dot=bfloat16 and _core.bf16_dot(),
         )
         return self
 

@@ -94,10 +94,11 @@ def test_moments_half_precision_values_are_widened_exactly(rng, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, "numpy float16"])
 @pytest.mark.parametrize("use", ["none", "mask", "weights"])
-def test_moments_16_bit_rows_need_no_widened_copy_and_match_it(rng, dtype, use):
+def test_moments_16_bit_rows_need_no_widened_copy_and_match_it(rng, dtype, use, widen_bf16):
     # 16-bit rows go to the kernel as they are and are widened while packing: the result
     # must be bit-identical to updating with the float32 copy, at 1 and 2 threads, across
-    # several register tiles and blocks.
+    # several register tiles and blocks. (bfloat16 rows on the bf16 dot-product kernel:
+    # tests/core/test_gram_bf16.py.)
     x32 = (rng.standard_normal((700, 150)) * 3 + 1).astype(np.float32)
     if dtype == "numpy float16":
         x = x32.astype(np.float16)
