@@ -18,6 +18,8 @@ def test_info_prints_the_configuration(capsys) -> None:
     out = capsys.readouterr().out
     assert f"simd_path: {lmdx.config()['simd_path']}" in out
     assert f"version: {lmdx.__version__}" in out
+    bf16 = lmdx.config()["gram_paths"]["bfloat16"]
+    assert f"gram_paths: float32 fma, float64 fma, bfloat16 {bf16}, float16 widened" in out
 
 
 def test_no_command_prints_usage_and_fails(capsys) -> None:

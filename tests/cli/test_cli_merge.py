@@ -466,6 +466,27 @@ def test_stats_disk_backed_and_sharded(workspace: Path, capsys: pytest.CaptureFi
     assert "--max-memory: only for --kind regmean" in capsys.readouterr().err
 
 
+def test_stats_on_a_device_the_model_cannot_use_is_one_line_and_nothing_written(
+    workspace: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model, data = str(workspace / "m0"), str(workspace / "all.txt")
+    out = workspace / "on-device.safetensors"
+    rc = main(["stats", model, data, "--device", "cuda:64", "--out", str(out), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc != 0 and not out.exists()
+    assert err.count("\n") == 1 and "device cuda:64: cannot run the model there" in err, err
+    fisher = ["--kind", "fisher", "--device", "cpu", "--out", str(out)]
+    assert main(["stats", model, data, *fisher]) == 2
+    assert "--device: only for --kind regmean without --ray" in capsys.readouterr().err
+    # on the CPU the native kernels collect, as without --device
+    rc = main(["stats", model, data, "--device", "cpu", "--out", str(out), "--no-progress"])
+    assert rc == 0, capsys.readouterr().err
+    got, ref = Statistics.load(out), Statistics.load(workspace / "s0.safetensors")
+    assert got.accumulation == "mixed" and got.modules == ref.modules
+    for m in ref.modules:
+        assert got.count(m) == ref.count(m) and _rel(got.gram(m), ref.gram(m)) < 1e-6, m
+
+
 def test_merge_dry_run_and_in_memory_equal_streaming(
     workspace: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -51,19 +51,28 @@ def _state(rng: np.random.Generator, base: dict[str, np.ndarray] | None) -> dict
     return state
 
 
-def _statistics(state: dict[str, Any], rng: np.random.Generator) -> Any:
+def _statistics(state: dict[str, Any], rng: np.random.Generator, on_torch: bool) -> Any:
+    """RegMean statistics of bfloat16 rows as the collectors accumulate them: lmdx's
+    kernel (the bf16 dot product where the CPU has it; ``"mixed"``), or torch's
+    (``"torch-float32"``, :mod:`lmdx.stats.torch_gram`)."""
+    import torch
+    from lmdx import Moments
     from lmdx.files.identity import model_identity
     from lmdx.stats import Statistics
-    from lmdx.stats.packing import pack_upper
+    from lmdx.stats.torch_gram import TorchGram
 
     identity = model_identity(state)
-    modules, groups, tensors = {}, {}, {}
+    modules, groups, moments = {}, {}, {}
     for m in MODULES:
-        x = rng.standard_normal((ROWS, D_IN))
+        x = torch.from_numpy(rng.standard_normal((ROWS, D_IN))).to(torch.bfloat16)
         modules[m] = {"group": m, "layout": "linear", "weight": f"{m}.weight", "dim": D_IN}
         groups[m] = {"dim": D_IN, "count": float(ROWS)}
-        tensors[f"gram/{m}"] = pack_upper(x.T @ x)
-        tensors[f"sum/{m}"] = x.sum(axis=0)
+        if on_torch:
+            acc = TorchGram(D_IN, "cpu")
+            acc.update(x)
+            moments[m] = acc.moments(m)
+        else:
+            moments[m] = Moments(D_IN).update(x)
     return Statistics(
         kind="regmean-gram",
         model=identity,
@@ -71,7 +80,8 @@ def _statistics(state: dict[str, Any], rng: np.random.Generator) -> Any:
         padding="excluded",
         modules=modules,
         groups=groups,
-        tensors=tensors,
+        moments=moments,
+        extra={"accumulation": "torch-float32" if on_torch else "mixed"},
     )
 
 
@@ -134,7 +144,7 @@ class Workspace:
         for i in range(2):
             state = _state(rng, base)
             _write_checkpoint(self.clean / f"m{i}", state, sharded=i == 1)
-            stats = _statistics(state, rng)
+            stats = _statistics(state, rng, on_torch=i == 1)
             stats.save(
                 self.clean / f"s{i}" if i else self.clean / "s0.safetensors",
                 max_shard_size="200B" if i else None,

@@ -166,8 +166,18 @@ def add_stats_parser(sub: Any) -> None:
         "--max-memory",
         default=None,
         metavar="SIZE",
-        help="bound on the Grams held in memory (e.g. 4GB): more passes over the data, each "
-        "writing its Grams to --out as it ends (regmean, without --ray)",
+        help="bound on the Grams held in memory (e.g. 4GB; on --device, that device's): more "
+        "passes over the data, each writing its Grams to --out as it ends (regmean, "
+        "without --ray)",
+    )
+    p.add_argument(
+        "--device",
+        default=None,
+        metavar="DEVICE",
+        help="run the model and accumulate the Grams on this torch device (e.g. cuda, "
+        "cuda:1; regmean, without --ray): the model and its float64 Grams must fit there "
+        "(--max-memory bounds the Grams); the file records accumulation torch-float32 "
+        "(default: cpu, lmdx's kernels)",
     )
     p.add_argument(
         "--max-shard-size",
@@ -305,6 +315,8 @@ def _stats_collect(args: argparse.Namespace, claimed: Claimed) -> int:
     accumulation = _accumulation(args)
     if args.max_memory is not None and (args.ray is not None or args.kind != "regmean"):
         raise CliError("--max-memory: only for --kind regmean without --ray")
+    if args.device is not None and (args.ray is not None or args.kind != "regmean"):
+        raise CliError("--device: only for --kind regmean without --ray")
     model_dir = Path(args.model)
     adapter = model_dir if is_adapter_folder(model_dir) else None
     if adapter is not None:
@@ -401,6 +413,7 @@ def _stats_collect(args: argparse.Namespace, claimed: Claimed) -> int:
             out=out,
             max_memory=args.max_memory,
             max_shard_size=args.max_shard_size,
+            device=args.device,
             **regmean_options,
             **common,
         )

@@ -266,9 +266,10 @@ def regmean_groups(
 
 
 #: Relative rounding of a Gram's entries for each statistics accumulation precision
-#: (``Statistics.accumulation``): float32 products summed in float64 ("mixed"), or
-#: float64 throughout. Statistics that record none are taken as exact.
-GRAM_ROUNDOFF = {"mixed": 2.0**-24, "float64": 2.0**-53}
+#: (``Statistics.accumulation``): float32 products summed in float64 ("mixed" by lmdx's
+#: kernel, "torch-float32" by torch on the collecting device), or float64 throughout.
+#: Statistics that record none are taken as exact.
+GRAM_ROUNDOFF = {"torch-float32": 2.0**-24, "mixed": 2.0**-24, "float64": 2.0**-53}
 
 
 def noise_floor(stats: Sequence[Statistics]) -> float:

@@ -29,7 +29,8 @@ def add_statistics(parts: Iterable[Statistics], *, data: str | None = None) -> S
     All parts must be of one kind, one model (same weights hash), one padding policy and
     one module/group layout. Tensors are summed lazily when read or saved (one group at a
     time), so adding large files does not hold them all in memory. Grams keep the
-    coarsest accumulation of their parts (``"mixed"`` if any part is), so that a merge
+    coarsest accumulation of their parts (``"torch-float32"`` if any part is, else
+    ``"mixed"`` if any part is), so that a merge
     from the sum knows the same noise floor as a merge from the parts.
     """
     parts = list(parts)

@@ -20,22 +20,25 @@ Diagonal Fisher statistics are :func:`lmdx.stats.fisher.collect_fisher`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
-from collections.abc import Iterable, Mapping, Sequence, Sized
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
 from typing import Any
 
+from .._tensors import is_tensor
 from .._util import parse_size, progress_bar, split_in_order
 from ..config import resolve_threads
 from ..data.batches import as_kwargs
 from ..files.identity import model_identity
 from ..files.st import hf_model_of
-from .collector import GramCollector, accumulation_option
+from .collector import BACKENDS, GramCollector, accumulation_option
 from .file import Statistics
 from .packing import pack_upper
 from .sites import DECODER_KEYS, find_sites, first_sequence, probe_decoder_rows
 from .stop import run_until_stopped, stop_before
+from .torch_gram import BLOCK_ROWS, exact_float32_matmul
 from .writer import StatisticsWriter
 
 __all__ = ["GramCollector", "collect_regmean_stats"]
@@ -95,6 +98,8 @@ def collect_regmean_stats(
     max_shard_size: int | str | None = None,
     progress: bool = True,
     n_threads: int | None = None,
+    device: Any = None,
+    backend: str | None = None,
     precision: str | None = None,
 ) -> Statistics:
     """Gram statistics of every selected linear module's input over ``batches``.
@@ -132,7 +137,11 @@ def collect_regmean_stats(
         ``"float64"``: activations are widened and multiplied in float64 (about twice
         the collection overhead in ``bench/bench_regmean.py``; for RegMean at α = 1 on
         ill-conditioned Grams, where the solve amplifies the Gram's relative error by the
-        condition number).
+        condition number). bfloat16 activations on a CPU with AVX512_BF16 are multiplied
+        with its bf16 dot product (``lmdx info``: ``gram_paths``), within the same bound.
+        With ``backend="torch"`` the file records ``"torch-float32"`` for ``"mixed"``:
+        float32 products of blocks of 256 rows summed in float64
+        (:mod:`lmdx.stats.torch_gram`).
     description
         Free text stored in the statistics file (what data, how much, from whom).
     out
@@ -153,6 +162,18 @@ def collect_regmean_stats(
         Show a progress bar over batches.
     n_threads
         Threads of the native accumulation (default: lmdx's thread count).
+    device
+        Run the model there (``"cuda"``, ``"cuda:1"``, a ``torch.device``): it is moved
+        there for the collection and back to where it was afterwards, and every batch is
+        moved there. Default: where the model is. The model must fit on the device, with
+        the float64 Grams (8 d² bytes per input group) that the pass holds: ``max_memory``
+        bounds those (more passes over the data); a model larger than the device cannot
+        be collected there (collect on the CPU, where ``include``/``exclude`` parts join
+        exactly, :func:`lmdx.stats.join_statistics`).
+    backend
+        Where the Gram arithmetic runs: ``"lmdx"`` (the native core, on the CPU) or
+        ``"torch"`` (matmuls on the model's device, :mod:`lmdx.stats.torch_gram`).
+        Default: lmdx on the CPU, torch on any other device.
     precision
         Deprecated spelling of ``accumulation`` (a :class:`DeprecationWarning`).
 
@@ -161,18 +182,94 @@ def collect_regmean_stats(
     Statistics
         ``kind="regmean-gram"``; save with :meth:`Statistics.save` (or already in ``out``).
     """
-    import torch
-
     accumulation = accumulation_option(accumulation, precision, "collect_regmean_stats")
     if out is None and (max_memory is not None or max_shard_size is not None):
         raise ValueError("max_memory and max_shard_size need out= (a file or folder to write)")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend: expected 'lmdx' or 'torch', got {backend!r}")
     budget = None if max_memory is None else parse_size(max_memory)
     model = hf_model_of(model)  # a SentenceTransformer: its Hugging Face encoder
+    with on_device(model, device) as target:
+        backend = backend or ("lmdx" if target.type == "cpu" else "torch")
+        if backend == "lmdx" and target.type != "cpu":
+            raise ValueError(
+                f"backend='lmdx' runs on the CPU, the model is on {target}; use "
+                "backend='torch' (the default there)"
+            )
+        with exact_float32_matmul():
+            return _collect(
+                model,
+                batches,
+                target,
+                include=include,
+                exclude=exclude,
+                include_padding=include_padding,
+                share_inputs=share_inputs,
+                mask_key=mask_key,
+                accumulation=accumulation,
+                backend=backend,
+                description=description,
+                out=out,
+                max_memory=max_memory,
+                budget=budget,
+                max_shard_size=max_shard_size,
+                progress=progress,
+                n_threads=n_threads,
+            )
+
+
+@contextlib.contextmanager
+def on_device(model: Any, device: Any) -> Iterator[Any]:
+    """The model on ``device`` (default: where its parameters are) while inside, moved
+    back where it was afterwards; yields the ``torch.device``."""
+    import torch
+
+    first = next(itertools.chain(model.parameters(), model.buffers()), None)
+    home = first.device if first is not None else torch.device("cpu")
+    try:
+        target = home if device is None else torch.device(device)
+        if target.type == "cuda" and target.index is None:
+            target = torch.device("cuda", torch.cuda.current_device())
+        if target != home:
+            model.to(target)
+    except (RuntimeError, AssertionError) as exc:  # no such device, or out of its memory
+        model.to(home)
+        raise ValueError(f"device {device}: cannot run the model there ({exc})") from None
+    try:
+        yield target
+    finally:
+        if target != home:
+            model.to(home)
+
+
+def _collect(
+    model: Any,
+    batches: Iterable[Any],
+    device: Any,
+    *,
+    include: Sequence[str] | None,
+    exclude: Sequence[str] | None,
+    include_padding: bool,
+    share_inputs: bool,
+    mask_key: str,
+    accumulation: str,
+    backend: str,
+    description: str,
+    out: str | os.PathLike[str] | None,
+    max_memory: int | str | None,
+    budget: int | None,
+    max_shard_size: int | str | None,
+    progress: bool,
+    n_threads: int | None,
+) -> Statistics:
+    """:func:`collect_regmean_stats` with its options checked, on ``device``."""
+    import torch
+
     iterator = iter(batches)
     first = next(iterator, None)
     if first is None:
         raise ValueError("collect_regmean_stats: batches is empty")
-    first_kwargs = as_kwargs(first)
+    first_kwargs = to_device(as_kwargs(first), device)
     first_kwargs.pop("labels", None)
     _check_decoder_inputs(model, first_kwargs)
     was_training = model.training
@@ -188,6 +285,7 @@ def collect_regmean_stats(
                 mask_key=mask_key,
                 n_threads=resolve_threads(n_threads),
                 accumulation=accumulation,
+                backend=backend,
                 experts=sites.experts,
                 entries=sites.entries,
             )
@@ -206,9 +304,13 @@ def collect_regmean_stats(
         counts: dict[str, float] = {}
         extra: dict[str, Any] = {
             "share_inputs": share_inputs,
-            "accumulation": accumulation,
+            "accumulation": collector.accumulation,
             "passes": len(passes),
         }
+        if collector.torch:
+            extra["collected_on"] = str(device)
+            if not collector.float64:
+                extra["block_rows"] = BLOCK_ROWS
         if sites.routed:
             extra["experts"] = {saved_group[s]: v for s, v in sites.routed.items() if s in dims}
         if sites.not_solved:
@@ -246,7 +348,7 @@ def collect_regmean_stats(
                     if any(collector.group_of[s] in groups for s in collector.sites_of(n))
                 }
                 collector.active = set(groups)
-                seen = _run_pass(model, collector, members, source, bar)
+                seen = _run_pass(model, collector, members, source, bar, device)
                 if p == 0:
                     n_batches = seen
                 elif seen != n_batches:
@@ -272,7 +374,7 @@ def collect_regmean_stats(
                     counts[g] = collector.moments[g].count
                 if writer is not None:
                     for g in groups:
-                        m = collector.moments.pop(g)
+                        m = collector.final_moments(g)
                         writer.write(f"sum/{saved_group[g]}", m.sum)
                         writer.write(f"gram/{saved_group[g]}", pack_upper(m.gram()))
                         del m
@@ -284,7 +386,7 @@ def collect_regmean_stats(
             writer.close(make_stats(groups=groups_meta).metadata())
             writer = None
             return Statistics.load(out)  # type: ignore[arg-type]
-        moments = {saved_group[g]: m for g, m in collector.moments.items()}
+        moments = {saved_group[g]: collector.final_moments(g) for g in list(collector.moments)}
         return make_stats(groups=groups_meta, moments=moments)
     except BaseException as exc:
         if writer is not None:
@@ -305,12 +407,18 @@ def _check_decoder_inputs(model: Any, kwargs: Mapping[str, Any]) -> None:
         )
 
 
+def to_device(kwargs: dict[str, Any], device: Any) -> dict[str, Any]:
+    """A batch's tensors moved to ``device`` (the others as they are)."""
+    return {k: v.to(device) if is_tensor(v) else v for k, v in kwargs.items()}
+
+
 def _run_pass(
     model: Any,
     collector: GramCollector,
     members: set[str],
     batches: Iterable[Any],
     bar: Any,
+    device: Any,
 ) -> int:
     """One pass over the data accumulating the groups of ``members`` (hooked modules);
     returns the number of batches."""
@@ -325,7 +433,7 @@ def _run_pass(
         collector.hooks(members),
     ):
         for batch in batches:
-            kwargs = as_kwargs(batch)
+            kwargs = to_device(as_kwargs(batch), device)
             kwargs.pop("labels", None)
             collector.start_batch(kwargs)
             run_until_stopped(functools.partial(model, **kwargs))

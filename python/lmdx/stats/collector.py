@@ -29,9 +29,13 @@ over a whole model, RegMean++ over one block at a time):
   and of the same tokens' inputs to its down projection, computed from its own weights
   as transformers' experts forward does (up projection, bias, gate or activation);
 * fp32/bf16/fp16 activations are handed to the core as they are (16-bit floats are
-  widened exactly while the kernel packs them) and accumulated in float64: with
-  ``accumulation="mixed"`` float32 products of chunks of rows are summed in float64, with
-  ``"float64"`` the rows are widened and multiplied in float64 (:data:`ACCUMULATIONS`).
+  widened exactly while the kernel packs them, or multiplied with the CPU's bf16 dot
+  product) and accumulated in float64: with ``accumulation="mixed"`` float32 products of
+  chunks of rows are summed in float64, with ``"float64"`` the rows are widened and
+  multiplied in float64 (:data:`ACCUMULATIONS`);
+* with ``backend="torch"`` (a model on a GPU) each Gram is accumulated by torch on the
+  activations' own device instead (:mod:`lmdx.stats.torch_gram`), masked the same way,
+  and the file's accumulation label says so (``"torch-float32"``).
 """
 
 from __future__ import annotations
@@ -49,13 +53,18 @@ from .._tensors import as_float64, as_rows
 from ..moments import Moments
 from .file import Statistics
 from .sites import DECODER_MASK_KEY, ROUTING_KEYS, Entry, expert_site
+from .torch_gram import TORCH_ACCUMULATIONS, TorchGram
 
-__all__ = ["ACCUMULATIONS", "GramCollector", "accumulation_option"]
+__all__ = ["ACCUMULATIONS", "BACKENDS", "GramCollector", "accumulation_option"]
 
 #: How a Gram is accumulated (``accumulation=``, ``--accumulation``, and the statistics
 #: file's ``extra["accumulation"]``): float32 products summed in float64, or float64
 #: throughout.
 ACCUMULATIONS = ("mixed", "float64")
+
+#: Where the Gram arithmetic runs: lmdx's core (on the CPU), or torch on the activations'
+#: device (:mod:`lmdx.stats.torch_gram`).
+BACKENDS = ("lmdx", "torch")
 
 
 def accumulation_option(accumulation: str, precision: str | None, where: str) -> str:
@@ -108,8 +117,10 @@ class GramCollector:
     modules
         Module name -> (module, layout), as :func:`lmdx.stats.sites.find_linear_modules`
         returns them: each a site (one input).
-    include_padding, share_inputs, mask_key, accumulation
-        As in :func:`lmdx.stats.collect.collect_regmean_stats`.
+    include_padding, share_inputs, mask_key, accumulation, backend
+        As in :func:`lmdx.stats.collect.collect_regmean_stats`; :attr:`accumulation` is
+        then the label the statistics record (``"torch-float32"`` for ``"mixed"`` with
+        ``backend="torch"``).
     n_threads
         Threads of the native accumulation.
     experts
@@ -129,11 +140,15 @@ class GramCollector:
         mask_key: str = "attention_mask",
         n_threads: int,
         accumulation: str = "mixed",
+        backend: str = "lmdx",
         experts: Mapping[str, tuple[Any, Mapping[int, set[str]]]] | None = None,
         entries: Mapping[str, Sequence[Entry]] | None = None,
     ) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: expected 'lmdx' or 'torch', got {backend!r}")
         self.float64 = accumulation == "float64"
-        self.accumulation = accumulation
+        self.torch = backend == "torch"
+        self.accumulation = TORCH_ACCUMULATIONS[accumulation] if self.torch else accumulation
         self.modules = modules
         self.entries = dict(entries or {})
         for name, (_m, layout) in modules.items():
@@ -146,13 +161,14 @@ class GramCollector:
         self.mask_key = mask_key
         self.n_threads = n_threads
         self.group_of: dict[str, str] = {}
-        self.moments: dict[str, Moments] = {}
+        self.moments: dict[str, Moments | TorchGram] = {}
         self.active: set[str] | None = None  # groups of the current pass (None: all)
         self.stack_of: dict[str, str] = {}  # hooked module -> "encoder" | "decoder"
         # per batch: tensors accumulated per group (weak references) and calls per module
         self._accumulated: dict[str, list[weakref.ref[Any]]] = {}
         self._calls: dict[str, int] = {}
         self._masks: dict[str, tuple[Any, tuple[int, ...]] | None] = {}
+        self._kept: dict[tuple[int, str], Any] = {}  # per batch: a mask on a torch device
         self._probe_inputs: dict[str, list[Any]] | None = None
         self._signatures = {n: inspect.signature(m.forward) for n, (m, _) in self.experts.items()}
         for name, (_module, wanted) in self.experts.items():
@@ -284,7 +300,7 @@ class GramCollector:
                 f"modules never called during the forward pass: {missing[:5]}"
                 f"{' ...' if len(missing) > 5 else ''}; exclude them"
             )
-        moments, self.moments = self.moments, {}
+        moments = {g: self.final_moments(g) for g in list(self.moments)}
         return Statistics(
             kind="regmean-gram",
             model=model,
@@ -297,6 +313,14 @@ class GramCollector:
             moments={self.group_name(g): m for g, m in moments.items()},
             extra={"share_inputs": self.share_inputs, "accumulation": self.accumulation},
         )
+
+    def final_moments(self, group: str) -> Moments:
+        """Input group ``group``'s statistics, taken out of the collector as a host
+        :class:`Moments` (a torch accumulator's checked for NaN/Inf and copied over)."""
+        acc = self.moments.pop(group)
+        if isinstance(acc, TorchGram):
+            return acc.moments(f"input group {self.group_name(group)!r}")
+        return acc
 
     @contextlib.contextmanager
     def hooks(self, names: Iterable[str] | None = None) -> Iterator[None]:
@@ -323,6 +347,7 @@ class GramCollector:
     def start_batch(self, kwargs: Mapping[str, Any]) -> None:
         self._accumulated = {}
         self._calls = {}
+        self._kept = {}
         self._masks = {
             "encoder": self._mask(kwargs, self.mask_key),
             "decoder": self._mask(kwargs, DECODER_MASK_KEY),
@@ -384,11 +409,19 @@ class GramCollector:
         done.append(weakref.ref(x))
 
     def _update(self, group: str, name: str, x: Any, d: int, weights: Any) -> None:
+        if self.torch:
+            acc = self.moments.get(group)
+            if acc is None:
+                acc = self.moments[group] = TorchGram(d, x.device, float64=self.float64)
+            assert isinstance(acc, TorchGram)
+            acc.update(x, None if weights is None else self._kept_on(weights, x.device))
+            return
         # float16/bfloat16 activations stay 16-bit: widened exactly inside the kernel
         rows = as_rows(x, d, f"module {name!r} input")[0].astype(np.float64) if self.float64 else x
         acc = self.moments.get(group)
         if acc is None:
             acc = self.moments[group] = Moments(d)
+        assert isinstance(acc, Moments)
         try:  # the core checks every value (threaded) before adding anything
             acc.update(rows, weights=weights, n_threads=self.n_threads)
         except ValueError as exc:
@@ -399,10 +432,19 @@ class GramCollector:
                 ) from None
             raise ValueError(f"module {name!r}: {exc}") from None
 
+    def _kept_on(self, weights: Any, device: Any) -> Any:
+        """A 0/1 row mask (NumPy, from :meth:`_row_weights`) as a boolean tensor on
+        ``device``, copied once per batch."""
+        import torch
+
+        key = (id(weights), str(device))
+        if key not in self._kept:
+            self._kept[key] = torch.from_numpy(weights > 0).to(device)
+        return self._kept[key]
+
     def _accumulate_experts(self, name: str, x: Any, index: Any) -> None:
         """Each selected expert's routed rows (padding left out), and their inputs to
         its down projection."""
-        import torch
 
         module, wanted = self.experts[name]
         self._calls[name] = self._calls.get(name, 0) + 1
@@ -411,12 +453,17 @@ class GramCollector:
             return
         for site in sites:  # an expert no token reaches still has (empty) statistics
             if site not in self.moments:
-                self.moments[site] = Moments(self.dim_of(site))
+                d_site = self.dim_of(site)
+                self.moments[site] = (
+                    TorchGram(d_site, x.device, float64=self.float64)
+                    if self.torch
+                    else Moments(d_site)
+                )
         d = x.shape[-1]
         rows = x.reshape(-1, d)
         weights = self._row_weights(name, tuple(x.shape[:-1]), int(rows.shape[0]))
         routes = index.reshape(rows.shape[0], -1)
-        real = None if weights is None else torch.from_numpy(weights > 0)
+        real = None if weights is None else self._kept_on(weights, rows.device)
         for e in sorted(wanted):
             hit = (routes == e).any(dim=1)
             if real is not None:

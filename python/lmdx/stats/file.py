@@ -55,8 +55,12 @@ from .writer import StatisticsWriter
 __all__ = ["ACCUMULATIONS", "Statistics", "coarsest_accumulation"]
 
 
-#: How Grams are accumulated, from the coarsest to the finest (``Statistics.accumulation``).
-ACCUMULATIONS = ("mixed", "float64")
+#: How Grams are accumulated, from the coarsest to the finest (``Statistics.accumulation``):
+#: float32 products summed by torch in blocks of rows on the collecting device, then in
+#: float64 (:mod:`lmdx.stats.torch_gram`); lmdx's kernel: float32 sums over at most 64
+#: rows, then float64 (the bf16 dot-product kernel adds up to 8 such sums in float32
+#: first, :mod:`lmdx.moments`); float64 throughout.
+ACCUMULATIONS = ("torch-float32", "mixed", "float64")
 
 
 def coarsest_accumulation(parts: Sequence[Statistics]) -> str | None:
@@ -138,8 +142,10 @@ class Statistics:
 
     @property
     def accumulation(self) -> str | None:
-        """Grams: how they were accumulated (``"mixed"``: float32 products summed in
-        float64; ``"float64"``), or None where the statistics do not say (files
+        """Grams: how they were accumulated (:data:`ACCUMULATIONS`: ``"mixed"``, float32
+        products of chunks of rows summed in float64 by lmdx's kernel; ``"torch-float32"``,
+        the same by torch's matmul in blocks of 256 rows on the collecting device;
+        ``"float64"``), or None where the statistics do not say (files
         written before lmdx recorded it). Files that call it ``extra["precision"]`` read
         the same."""
         found = self.extra.get("accumulation")
