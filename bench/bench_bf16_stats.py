@@ -151,6 +151,7 @@ def run_gram(args: argparse.Namespace, peaks: dict[str, float]) -> list[str]:
         "| rel. err (F) |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
+    print("\n".join(rows_out), flush=True)
     methods = gram_methods(args.threads)
     rng = np.random.default_rng(args.seed)
     for d in args.dims:
@@ -259,6 +260,7 @@ def run_collect(args: argparse.Namespace, peaks: dict[str, float]) -> list[str]:
         "(time over the forward) | % bf16 peak |",
         "|---|---:|---:|---:|---:|---:|",
     ]
+    print("\n".join(out), flush=True)
     for name in variants:
         t = statistics.median(times[name])
         if name == "forward alone":
