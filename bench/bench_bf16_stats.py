@@ -27,7 +27,9 @@ Two parts, in one process, on the same inputs:
    Gram path (its forward included), so ``overhead = collect / forward - 1``.
 
 Repetitions alternate between the methods (``--reps``, medians). Threads: ``--threads``
-for lmdx and torch alike.
+for lmdx and torch alike. ``--clock cpu`` times the process's CPU seconds instead of wall
+seconds: with ``--threads 1`` a figure that other work on a shared machine barely moves
+(with more threads it also counts threads waiting for each other).
 
     python bench/bench_bf16_stats.py                       # both parts, ~3 min on 2 cores
     python bench/bench_bf16_stats.py --only gram --dims 4096 14336 --tokens 4096
@@ -84,52 +86,77 @@ def machine_line(threads: int, peaks: dict[str, float]) -> str:
         f"{fields.get('cpu family', '?')} model {fields.get('model', '?')}), "
         f"{os.cpu_count()} CPUs, lmdx {cfg['version']} `{cfg['simd_path']}` path, Gram paths "
         f"{cfg['gram_paths']}; {threads} threads; peaks measured now: bf16 dot "
-        f"{peaks['bf16']:.1f}, fp32 FMA {peaks['fp32']:.1f} GFLOP/s; torch "
+        f"{peaks['bf16']:.1f}, fp32 FMA {peaks['fp32']:.1f} GFLOP/s (best of 3); torch "
         f"{torch.__version__}; load average {load}.*"
     )
 
 
 def measure_peaks(threads: int) -> dict[str, float]:
+    """The core's register-resident bf16 dot and fp32 FMA loops, best of 3, in GFLOP/s of
+    the ``--clock``: with ``cpu``, the rate the core reports (over wall time) is scaled by
+    wall / CPU seconds of the call, so time the process did not run is not counted."""
     core = dispatch.core
+
+    def rate(fn: Callable[[], float]) -> float:
+        wall, cpu = time.perf_counter(), time.process_time()
+        gflops = fn()
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        return gflops * (1.0 if clock is time.perf_counter else wall * threads / cpu)
+
     return {
         "bf16": max(
-            core.measure_bf16_peak_gflops(n_threads=threads, seconds=0.5) for _ in range(3)
+            rate(lambda: core.measure_bf16_peak_gflops(n_threads=threads, seconds=0.5))
+            for _ in range(3)
         ),
         "fp32": max(
-            core.measure_peak_gflops(double_precision=False, n_threads=threads, seconds=0.5)
+            rate(
+                lambda: core.measure_peak_gflops(
+                    double_precision=False, n_threads=threads, seconds=0.5
+                )
+            )
             for _ in range(3)
         ),
     }
 
 
+clock: Callable[[], float] = time.perf_counter  # --clock cpu: process CPU seconds per thread
+
+
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    start = time.perf_counter()
+    """Seconds ``fn()`` takes on the ``--clock`` (wall, or this process's CPU time), and
+    its result."""
+    start = clock()
     out = fn()
-    return time.perf_counter() - start, out
+    return clock() - start, out
 
 
 # --------------------------------------------------------------------------- Gram alone
 
 
-def gram_methods(threads: int) -> dict[str, Callable[[torch.Tensor], Any]]:
-    def lmdx_update(x: torch.Tensor) -> Any:
-        m = lmdx.Moments(x.shape[1])
-        m.update(x, n_threads=threads)
-        return m
+def gram_methods(threads: int) -> dict[str, Callable[[torch.Tensor], tuple[float, Any]]]:
+    """Method name -> a function of X returning (seconds, result). An accumulator is made,
+    and its memory touched by one row, before the clock starts: what is timed is adding
+    the other rows, as collection does batch after batch."""
 
-    def widen(x: torch.Tensor) -> Any:
+    def lmdx_update(x: torch.Tensor) -> tuple[float, Any]:
+        m = lmdx.Moments(x.shape[1])
+        m.update(x[:1], n_threads=threads)
+        return timed(lambda: m.update(x[1:], n_threads=threads))
+
+    def widen(x: torch.Tensor) -> tuple[float, Any]:
         with widened():
             return lmdx_update(x)
 
-    def torch_blocks(x: torch.Tensor) -> Any:
+    def torch_blocks(x: torch.Tensor) -> tuple[float, Any]:
         acc = TorchGram(x.shape[1], "cpu")
-        acc.update(x)
-        return acc
+        acc.update(x[:1])
+        seconds, _ = timed(lambda: acc.update(x[1:]))
+        return seconds, acc
 
-    def torch_bf16(x: torch.Tensor) -> Any:
-        return x.T @ x
+    def torch_bf16(x: torch.Tensor) -> tuple[float, Any]:
+        return timed(lambda: x.T @ x)
 
-    methods: dict[str, Callable[[torch.Tensor], Any]] = {}
+    methods: dict[str, Callable[[torch.Tensor], tuple[float, Any]]] = {}
     if dispatch.bf16_dot():
         methods["lmdx bf16 dot"] = lmdx_update
     methods["lmdx widen"] = widen
@@ -165,13 +192,13 @@ def run_gram(args: argparse.Namespace, peaks: dict[str, float]) -> list[str]:
         errors: dict[str, float] = {}
         for name, fn in methods.items():  # warm-up, and the error
             errors[name] = float(
-                np.linalg.norm(gram_of(fn(x), cols) - reference) / np.linalg.norm(reference)
+                np.linalg.norm(gram_of(fn(x)[1], cols) - reference) / np.linalg.norm(reference)
             )
         for _ in range(args.reps):
             for name, fn in methods.items():
                 time.sleep(args.settle)
-                times[name].append(timed(lambda fn=fn, x=x: fn(x))[0])
-        flops = args.tokens * d * (d + 1)
+                times[name].append(fn(x)[0])
+        flops = (args.tokens - 1) * d * (d + 1)  # the rows timed (torch bf16: all, ~ the same)
         base = statistics.median(times["lmdx widen"])
         for name in methods:
             t = statistics.median(times[name])
@@ -288,7 +315,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check-cols", type=int, default=256)
     p.add_argument("--settle", type=float, default=0.2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     args = p.parse_args(argv)
+    if args.clock == "cpu":  # CPU seconds per thread: the wall time of an unloaded machine
+        global clock
+        threads = args.threads
+        clock = lambda: time.process_time() / threads  # noqa: E731
+
     torch.set_num_threads(args.threads)
     peaks = measure_peaks(args.threads)
     print(machine_line(args.threads, peaks))

@@ -146,6 +146,8 @@ LMDX_TARGET_BF16 void micro_tile_bf16(const std::uint16_t* a, const std::uint16_
         for (int n = 0; n < P::NR; ++n) acc[p][n] = _mm512_setzero_ps();
       }
       const Index stop = std::min(steps, k + flush_steps);
+      // the last segment before the flush: ask for the float64 tile's cache lines now
+      if (segment + 1 == kBf16Segments || stop == steps) prefetch_tile<float, MPe>(out);
       for (; k < stop; ++k) {
         const std::uint16_t* ak = a + k * step;
         const std::uint16_t* bk = b + k * step;
@@ -164,7 +166,6 @@ LMDX_TARGET_BF16 void micro_tile_bf16(const std::uint16_t* a, const std::uint16_
         for (int n = 0; n < P::NR; ++n) total[p][n] = _mm512_add_ps(total[p][n], acc[p][n]);
       }
     }
-    prefetch_tile<float, MPe>(out);
     flush_tile<float, MPe>(total, out);
   }
 }
