@@ -515,7 +515,7 @@ def test_sigterm_during_merge_leaves_nothing(workspace: Path, tmp_path: Path) ->
     cfg = _regmean_config(workspace, "term.yaml")
     out = tmp_path / "merged"
     script = (
-        "import time, lmdx.merge.methods as s\n"
+        "import time, lmdx.merge.builtin.regmean_solve as s\n"
         "s.regmean_merge_layer = lambda *a, **k: time.sleep(60)\n"
         "from lmdx.cli import main\n"
         f"raise SystemExit(main(['merge', {str(cfg)!r}, '--out', {str(out)!r}, '--no-progress']))\n"

@@ -31,10 +31,11 @@ from lmdx import (
 )
 from lmdx.files.checkpoint import Checkpoint
 from lmdx.files.peft import LoraAdapter
+from lmdx.merge.builtin.regmean import low_rank_inputs, regmean_low_rank, solve_group_low_rank
+from lmdx.merge.builtin.regmean_solve import solve_group
 from lmdx.merge.config import load_merge_config, run_merge
-from lmdx.merge.lora import low_rank_inputs, regmean_low_rank, solve_group_low_rank
-from lmdx.merge.methods import solve_group
 from lmdx.merge.options import MergeOptions
+from lmdx.merge.registry import merge_options
 from lmdx.merge.source import AdapterSource
 from lmdx.stats import Statistics
 from lmdx.stats.packing import pack_upper
@@ -282,7 +283,7 @@ def test_fisher_of_a_peft_model_is_refused(families):
 
 
 def _options(**kwargs: Any) -> MergeOptions:
-    return MergeOptions.checked(K, method="regmean", **kwargs)
+    return merge_options(K, "regmean", kwargs)
 
 
 @pytest.mark.parametrize("arch", ["bert", "gpt2", "llama"])

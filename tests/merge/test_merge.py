@@ -33,7 +33,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from lmdx import MergeError, ModelMismatchError, merge_models, save_merged
 from lmdx.files.hf import load_model
-from lmdx.merge.methods import noise_floor
+from lmdx.merge.builtin.regmean_solve import noise_floor
 from lmdx.stats.collect import collect_regmean_stats
 from lmdx.stats.fisher import collect_fisher
 

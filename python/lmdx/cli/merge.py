@@ -140,11 +140,11 @@ def run_merge_cli(args: argparse.Namespace) -> int:
 
 
 def _merge(args: argparse.Namespace, claimed: Claimed) -> int:
+    from .._util import peak_rss_bytes
     from ..files.atomic import existing_parent
     from ..merge.config import load_merge_config, plan_merge, run_merge
     from ..merge.door import check_new_folder
     from ..merge.lora import lora_errors
-    from ..merge.plan import peak_rss_bytes
     from ..merge.registry import method_named
     from ..merge.sink import HEADS_DIR, MERGE_RECORD, TASKS_DIR
 

@@ -24,14 +24,17 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import MergeError
+from .._util import peak_rss_bytes
 from ..files.checkpoint import Checkpoint
 from ..files.hf import model_files
 from ..files.st import model_folder
 from ..stats.file import Statistics
-from .door import check_new_folder, merge_options, prepare_merge
-from .inputs import MergeInputs, inputs_record, model_labels, open_inputs, st_files
-from .plan import peak_rss_bytes
+from .builtin import DEFAULT_METHOD
+from .door import check_new_folder, prepare_merge
+from .inputs import inputs_record, model_labels, open_inputs, st_files
+from .method import MergeInputs
 from .ray import RayGroupSolver
+from .registry import merge_options, method_named, methods
 from .result import MergeResult, StreamMergeResult
 from .save import check_task_folders, save_merged
 from .sink import FolderSink, MemorySink, merge_record, output_config
@@ -50,7 +53,7 @@ StatsArg = Sequence[Statistics | str | os.PathLike[str]] | None
 
 def merge_models(
     models: Sequence[Any],
-    method: str = "regmean",
+    method: str = DEFAULT_METHOD,
     *,
     stats: StatsArg = None,
     coefficients: Sequence[float] | None = None,
@@ -155,7 +158,9 @@ def merge_models(
     names = model_labels(models, labels)
     opened = open_inputs(
         models,
+        method_named(method),
         checked,
+        registered=methods(),
         labels=names,
         stats=stats,
         base=base,
@@ -201,7 +206,7 @@ def _tokenizer_folder(source: TensorSource) -> Path | None:
 def stream_merge(
     models: Sequence[str | os.PathLike[str]],
     out_dir: str | os.PathLike[str],
-    method: str = "regmean",
+    method: str = DEFAULT_METHOD,
     *,
     stats: StatsArg = None,
     coefficients: Sequence[float] | None = None,
@@ -289,14 +294,16 @@ def stream_merge(
                 f"ray_workers: {inputs.method.name} merges in this process; drop ray_workers"
             )
         files.update(st_files(models, names))
-        if ray_workers and inputs.adapters:
+        if ray_workers and any(isinstance(s, AdapterSource) for s in inputs.sources):
             raise MergeError("ray_workers: not for LoRA adapter inputs; merge them without Ray")
         if ray_workers and not dry_run:
             RayGroupSolver.check_address(ray_address)  # within seconds, before any output
 
     opened = open_inputs(
         models,
+        method_named(method),
         checked,
+        registered=methods(),
         labels=names,
         stats=stats,
         base=base,

@@ -82,10 +82,9 @@ from ..files.st import check_same_modules, sentence_transformer
 from .api import merge_models, stream_merge
 from .block_data import MODEL_DATA_OPTIONS
 from .door import check_new_folder
-from .inputs import base_users
-from .options import HEAD_POLICIES, OptionError, all_options, method_options
+from .options import HEAD_POLICIES, OptionError
 from .plan import MergePlan
-from .registry import method_named, method_names
+from .registry import all_options, method_named, method_names, method_options, methods
 from .save import save_merged
 
 __all__ = ["MergeConfig", "ModelEntry", "load_merge_config", "plan_merge", "run_merge"]
@@ -397,7 +396,8 @@ def _resolved(checked: _ConfigBase, root: Path, where: str) -> MergeConfig:
     elif checked.base is not None:
         raise MergeError(
             f"{where}: base is only used by LoRA adapters (models[].adapter) and by "
-            f"{', '.join(base_users())}, not by {method} of full models"
+            f"{', '.join(m.name for m in methods().values() if m.needs_base)}, not by "
+            f"{method} of full models"
         )
     if checked.heads is not None:
         cfg.head_patterns = list(checked.heads.patterns or [])

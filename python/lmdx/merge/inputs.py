@@ -1,12 +1,11 @@
 """The input step both front doors share: the models opened as tensor sources, the
-statistics, base and data a method needs checked against what the registry says it
-takes, before any work; and the record of the inputs written to ``lmdx_merge.json``."""
+statistics, base and data a method needs checked against what the method says it takes,
+before any work; and the record of the inputs written to ``lmdx_merge.json``."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,38 +15,14 @@ from ..files.peft import LoraAdapter, is_adapter_folder
 from ..files.st import check_same_modules, sentence_transformer
 from ..stats.file import Statistics
 from ..stats.format import INDEX_NAME
+from ..stats.join import join_statistics
 from .lora import LoraExport, check_lora_export
+from .method import MergeInputs, MergeMethod
 from .options import MergeOptions
-from .plan import Block, content_sha256, open_stats
-from .registry import MergeMethod, method_named, methods
+from .plan import content_sha256
 from .source import AdapterSource, TensorSource
 
-__all__ = ["MergeInputs", "inputs_record", "model_labels", "open_inputs", "st_files"]
-
-
-@dataclass
-class MergeInputs:
-    """Everything a merge reads, checked: the method and its options, the models as
-    tensor sources with their names, the statistics (one per model, for methods that need
-    them), the base (for methods that merge task vectors), the data (methods that take
-    data) and what the method prepared (RegMean++'s blocks)."""
-
-    method: MergeMethod
-    options: MergeOptions
-    sources: list[TensorSource]
-    labels: list[str]
-    stats: list[Statistics] | None = None
-    base: TensorSource | None = None
-    data: Sequence[Any] | None = None
-    tokenizer: Any = None
-    lora: LoraExport | None = None
-    blocks: list[Block] | None = None
-    notes: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def adapters(self) -> bool:
-        """Whether any model is a LoRA adapter over the base."""
-        return any(isinstance(s, AdapterSource) for s in self.sources)
+__all__ = ["inputs_record", "model_labels", "open_inputs", "open_stats", "st_files"]
 
 
 def model_labels(models: Sequence[Any], labels: Sequence[str] | None) -> list[str]:
@@ -85,15 +60,12 @@ def _open_models(
     return sources
 
 
-def base_users() -> list[str]:
-    """The registered methods that take a base model."""
-    return [m.name for m in methods().values() if m.needs_base]
-
-
 def open_inputs(
     models: Sequence[Any],
+    method: MergeMethod,
     options: MergeOptions,
     *,
+    registered: Mapping[str, MergeMethod],
     labels: Sequence[str],
     stats: Sequence[Any] | None,
     base: Any,
@@ -103,15 +75,16 @@ def open_inputs(
     lora_rank: int | None = None,
 ) -> MergeInputs:
     """The input step: open ``models`` (and ``base``) with ``open_model`` and check that
-    the method gets the statistics, base and data it takes, and nothing else."""
-    method = method_named(options.method)
+    ``method`` gets the statistics, base and data it takes, and nothing else
+    (``registered``: every registered method, named in the messages)."""
     base_source = None if base is None else open_model(base, "base")
     sources = _open_models(models, labels, base_source, open_model)
     adapters = any(isinstance(s, AdapterSource) for s in sources)
     if base is not None and not method.needs_base and not adapters:
+        users = [m.name for m in registered.values() if m.needs_base]
         raise MergeError(
             f"base: used by LoRA adapters (models that are adapter folders) and by "
-            f"{', '.join(base_users())}, not by {method.name} of full models"
+            f"{', '.join(users)}, not by {method.name} of full models"
         )
     lora = (
         None if lora_rank is None else LoraExport(check_lora_export(sources, lora_rank), lora_rank)
@@ -120,7 +93,7 @@ def open_inputs(
     if method.needs_base and base_source is None:
         raise MergeError(f"{method.name} needs base= (the pre-trained model)")
     if data is not None and not method.takes_data:
-        users = [m.name for m in methods().values() if m.takes_data]
+        users = [m.name for m in registered.values() if m.takes_data]
         raise MergeError(f"data: only method {', '.join(users)} takes data, not {method.name!r}")
     inputs = MergeInputs(
         method,
@@ -135,6 +108,42 @@ def open_inputs(
     )
     method.check(inputs)
     return inputs
+
+
+def _opened(stats: Any) -> Statistics:
+    """One model's statistics: a :class:`Statistics`, a file or folder, or a list of them
+    (parts collected over disjoint modules, :func:`lmdx.stats.join_statistics`)."""
+    if isinstance(stats, Statistics):
+        return stats
+    if isinstance(stats, (list, tuple)):
+        return join_statistics([_opened(part) for part in stats])
+    return Statistics.load(stats)
+
+
+def open_stats(
+    stats: Sequence[Any] | None, kind: str | None, method: str, k: int, labels: Sequence[str]
+) -> list[Statistics] | None:
+    """The K statistics of ``kind`` method ``method`` needs (None for methods without),
+    loaded and checked for kind and a common padding policy; not yet checked against the
+    models."""
+    if kind is None:
+        if stats:
+            raise MergeError(f"method {method!r} takes no statistics")
+        return None
+    if stats is None or len(stats) != k:
+        raise MergeError(
+            f"method {method!r} needs one {kind} statistics per model ({k}), got "
+            f"{0 if stats is None else len(stats)}"
+        )
+    objs = [_opened(s) for s in stats]
+    for i, (s, lab) in enumerate(zip(objs, labels, strict=True)):
+        if s.kind != kind:
+            raise MergeError(f"stats[{i}] ({s.source or lab}): kind {s.kind!r}, expected {kind!r}")
+    if kind == "regmean-gram" and len({s.padding for s in objs}) > 1:
+        raise MergeError(
+            "statistics mix padding policies (excluded and included); collect them all the same way"
+        )
+    return objs
 
 
 def st_files(folders: Sequence[Any], labels: Sequence[str]) -> dict[str, bytes]:

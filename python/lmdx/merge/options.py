@@ -1,60 +1,44 @@
 """The options of one merge, checked once for both front doors (in memory and streaming).
 
 The options every method shares (coefficients, patterns, output) are :class:`MergeOptions`'s
-own fields; a method's own options are its pydantic model (:attr:`lmdx.merge.registry.
+own fields; a method's own options are its pydantic model (:attr:`lmdx.merge.method.
 MergeMethod.options`), the single definition of their types, defaults, checks and help, from
-which the front doors' keyword arguments, the configuration schema and the report follow.
+which the front doors' keyword arguments, the configuration schema and the report follow
+(checked by :func:`lmdx.merge.registry.method_options`).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
-import numpy as np
 from pydantic import BaseModel, ValidationError
 
 from .._errors import MergeError
 from .._tensors import OUTPUT_DTYPES
 from .._util import parse_size
-from .registry import NoOptions, method_named, method_names, methods, option_users
 
 __all__ = [
     "DEFAULT_SOLVE_MEMORY",
     "HEAD_POLICIES",
-    "PRECISIONS",
     "SOLVE_MEMORY_ENV",
     "MergeOptions",
     "OptionError",
-    "all_options",
     "check_output",
-    "method_options",
     "option_error",
     "solve_memory_budget",
-    "unused_option",
 ]
 
 _Own = TypeVar("_Own", bound=BaseModel)
 
 HEAD_POLICIES = ("keep", "drop")
-PRECISIONS = ("auto", "float32", "float64")
 #: The environment variable giving ``solve_memory``'s default (e.g. ``8GB``).
 SOLVE_MEMORY_ENV = "LMDX_SOLVE_MEMORY"
 #: ``solve_memory`` without the option or the environment variable: 4 GB.
 DEFAULT_SOLVE_MEMORY = 4 * 10**9
-
-
-def __getattr__(name: str) -> Any:
-    """``METHODS`` (every registered method's name) and ``TASK_VECTOR_METHODS`` (those
-    that take task vectors against a base), read from the registry when asked for."""
-    if name == "METHODS":
-        return method_names()
-    if name == "TASK_VECTOR_METHODS":
-        return tuple(m.name for m in methods().values() if m.needs_base)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class OptionError(MergeError):
@@ -88,71 +72,6 @@ def option_error(key: str, model: type[BaseModel], exc: ValidationError) -> Opti
     return OptionError(key, msg, err.get("input"))
 
 
-def unused_option(key: str, method: str) -> OptionError:
-    """Option ``key`` given to a method that does not take it."""
-    users = option_users(key)
-    who = f"method {users[0]}" if len(users) == 1 else ", ".join(users)
-    return OptionError(key, f"used by {who}, not {method}", None, unused=True)
-
-
-def _ignored_elsewhere(key: str) -> bool:
-    """Whether option ``key`` is accepted, and ignored, by methods that do not take it
-    (``json_schema_extra={"elsewhere": "ignored"}``, as the RegMean solve's options)."""
-    for m in methods().values():
-        f = m.options.model_fields.get(key)
-        extra = None if f is None else f.json_schema_extra
-        if isinstance(extra, dict) and extra.get("elsewhere") == "ignored":
-            return True
-    return False
-
-
-def _plain(value: Any) -> Any:
-    """NumPy scalars as Python numbers (the options' schema is strict)."""
-    return value.item() if isinstance(value, np.generic) else value
-
-
-def _check_one(model: type[BaseModel], key: str, value: Any) -> None:
-    """Option ``key`` of ``model`` checked alone (its error names it)."""
-    try:
-        model.model_validate({key: value})
-    except ValidationError as exc:
-        raise option_error(key, model, exc) from None
-
-
-def method_options(method: str, given: Mapping[str, Any]) -> BaseModel:
-    """``method``'s options from the ``given`` keys (None: the default), checked by its
-    pydantic model; keys other methods take are refused (or, for the solver's, ignored)."""
-    model = method_named(method).options
-    own: dict[str, Any] = {}
-    for key, value in given.items():
-        if value is None:
-            continue
-        if key in model.model_fields:
-            own[key] = _plain(value)
-        elif not option_users(key):
-            raise MergeError(f"unknown option {key!r}; the options are {sorted(all_options())}")
-        else:  # a valid value of another method's option: refused, or ignored here
-            _check_one(method_named(option_users(key)[0]).options, key, _plain(value))
-            if not _ignored_elsewhere(key):
-                raise unused_option(key, method)
-    for key, value in own.items():
-        _check_one(model, key, value)
-    try:
-        return model.model_validate(own)
-    except ValidationError as exc:  # a check across fields
-        raise MergeError(f"method {method}: {option_error('', model, exc)}") from None
-
-
-def all_options() -> dict[str, Any]:
-    """Every method option of the registered methods: name -> its pydantic field (the first
-    method's that declares it)."""
-    out: dict[str, Any] = {}
-    for m in methods().values():
-        for key, f in m.options.model_fields.items():
-            out.setdefault(key, f)
-    return out
-
-
 @dataclass(frozen=True)
 class MergeOptions:
     """What to merge and how; :meth:`checked` validates user input into one.
@@ -163,7 +82,7 @@ class MergeOptions:
         The registered method's name (``"regmean"``, ``"average"``, ``"fisher"``,
         ``"task_arithmetic"``, ``"ties"``, ``"dare"``, ``"dare_ties"``,
         ``"regmean_plusplus"`` or one registered with
-        :func:`lmdx.merge.registry.register_method`).
+        :func:`lmdx.merge.register_method`).
     coefficients
         Per-model non-negative coefficients (None: all equal).
     exclude
@@ -197,7 +116,19 @@ class MergeOptions:
     max_shard_size: int = 2 * 10**9
     n_threads: int | None = None
     solve_memory: int = DEFAULT_SOLVE_MEMORY
-    method_options: BaseModel = field(default_factory=NoOptions)
+    method_options: BaseModel = field(default_factory=BaseModel)
+
+    #: The keyword arguments of the front doors that are these options.
+    SHARED: ClassVar[tuple[str, ...]] = (
+        "coefficients",
+        "exclude",
+        "heads",
+        "head_policy",
+        "dtype",
+        "max_shard_size",
+        "n_threads",
+        "solve_memory",
+    )
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name == "method_options":
@@ -232,13 +163,11 @@ class MergeOptions:
         max_shard_size: int | str = "2GB",
         n_threads: int | None = None,
         solve_memory: int | str | None = None,
-        **options: Any,
+        method_options: BaseModel | None = None,
     ) -> MergeOptions:
         """Options for merging ``k`` models; :class:`MergeError` names what is wrong.
-
-        ``options`` are the method's own (None: the default); those of other methods are
-        refused."""
-        own = method_options(method, options)
+        ``method_options``: the method's own, checked
+        (:func:`lmdx.merge.registry.method_options`)."""
         shard = check_output(head_policy, dtype, max_shard_size)
         if k < 2:
             raise MergeError(f"need at least 2 models to merge, got {k}")
@@ -252,7 +181,7 @@ class MergeOptions:
             max_shard_size=shard,
             n_threads=n_threads,
             solve_memory=solve_memory_budget(solve_memory),
-            method_options=own,
+            method_options=BaseModel() if method_options is None else method_options,
         )
 
 

@@ -9,13 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import MergeError
+from .._util import current_rss_bytes
 from ..files.hf import load_model
 from ..files.st import model_folder
 from .door import check_new_folder
 from .engine import run
 from .inputs import st_files
 from .options import check_output
-from .plan import MergePlan, current_rss_bytes, plan_outputs
+from .plan import MergePlan, plan_outputs
 from .result import MergeResult
 from .sink import FolderSink, merge_record, output_config
 from .source import StateDictSource
