@@ -35,8 +35,9 @@ HELP = (
 
 def methods_help() -> str:
     """Every registered merge method with its line and its options (type, default, what
-    it does), as ``lmdx merge --help`` lists them."""
-    from ..merge.registry import methods
+    it does), as ``lmdx merge --help`` lists them; then the installed methods that could
+    not be loaded, with why."""
+    from ..merge.registry import methods, unloaded_methods
 
     def wrapped(text: str, indent: str) -> list[str]:
         return textwrap.wrap(text, 96, initial_indent=indent, subsequent_indent=indent + "  ")
@@ -54,6 +55,8 @@ def methods_help() -> str:
         for key, f in method.options.model_fields.items():
             default = "none" if f.default is None else f.default
             lines += wrapped(f"{key} (default {default}): {f.description or ''}", "      ")
+    for name, why in unloaded_methods().items():
+        lines += wrapped(f"{name}: not loaded: {why}", "  ")
     return "\n".join(lines)
 
 

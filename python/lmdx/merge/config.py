@@ -84,7 +84,14 @@ from .block_data import MODEL_DATA_OPTIONS
 from .door import check_new_folder
 from .options import HEAD_POLICIES, OptionError
 from .plan import MergePlan
-from .registry import all_options, method_named, method_names, method_options, methods
+from .registry import (
+    all_options,
+    method_named,
+    method_names,
+    method_options,
+    methods,
+    unloaded_methods,
+)
 from .save import save_merged
 
 __all__ = ["MergeConfig", "ModelEntry", "load_merge_config", "plan_merge", "run_merge"]
@@ -272,6 +279,9 @@ def load_merge_config(path: str | os.PathLike[str]) -> MergeConfig:
         raise MergeError(f"{where}: expected a mapping of keys (method, models, ...)")
     if "method" in raw and raw["method"] not in method_names():
         got = raw["method"]
+        why = unloaded_methods().get(got) if isinstance(got, str) else None
+        if why is not None:
+            raise MergeError(f"{where}: {why}")
         raise MergeError(f"{where}: method must be one of {', '.join(method_names())}, got {got!r}")
     try:
         checked = _config_schema().model_validate(raw)

@@ -7,14 +7,17 @@ here by its name; below this module a merge handles the method object itself
 (:class:`lmdx.merge.method.MergeMethod`). A method's own options are checked here too,
 since a key is refused with the names of the methods that take it.
 
-An installed method is one entry point whose object is a :class:`MergeMethod` subclass (or
-instance), e.g. in the package's ``pyproject.toml``::
+An installed method is one entry point named as the method, whose object is a
+:class:`MergeMethod` subclass (or instance), e.g. in the package's ``pyproject.toml``::
 
     [project.entry-points."lmdx.merge_methods"]
     power_mean = "lmdx_power_mean:PowerMean"
 
-It is loaded the first time a method is looked up by name or listed, in any process (a
-script, ``lmdx merge``, a Ray worker), and registered under its own ``name``.
+The installed methods are loaded the first time a method is looked up by name or the
+methods are listed, in any process (a script, ``lmdx merge``, a Ray worker). One that
+cannot be loaded (its package fails to import, it is no method, its name is taken) takes
+nothing from the others: asking for it by name raises the reason
+(:func:`method_named`), ``lmdx merge --help`` shows it (:func:`unloaded_methods`).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ __all__ = [
     "methods",
     "option_users",
     "register_method",
+    "unloaded_methods",
     "unused_option",
 ]
 
@@ -48,6 +52,7 @@ __all__ = [
 ENTRY_POINTS = "lmdx.merge_methods"
 
 _METHODS: dict[str, MergeMethod] = {}
+_UNLOADED: dict[str, str] = {}  # installed methods that could not be loaded: name -> why
 _installed_loaded = False
 
 
@@ -82,8 +87,8 @@ for _builtin in BUILT_IN:
 
 def _load_installed() -> None:
     """Register the methods installed packages declare (:data:`ENTRY_POINTS`), once per
-    process (one whose module registered it on import is kept as registered); a name
-    taken by another method is refused."""
+    process (one whose module registered it on import is kept as registered); what
+    cannot be registered is kept, with why, in :func:`unloaded_methods`."""
     global _installed_loaded
     if _installed_loaded:
         return
@@ -93,20 +98,32 @@ def _load_installed() -> None:
         where = f"merge method {point.name!r} installed by {dist} ({point.value})"
         try:
             found: Any = point.load()
-        except Exception as exc:  # any import failure of another package's code
-            raise MergeError(
+            if isinstance(found, type) and issubclass(found, MergeMethod):
+                found = found()
+            method = found
+            _checked(method, where)
+            if method.name != point.name:
+                raise MergeError(f"{where}: the entry point names {method.name!r}, not itself")
+            known = _METHODS.get(method.name)
+            if known is not None and type(known) is not type(method):
+                raise MergeError(
+                    f"{where}: the name {method.name!r} is taken by {type(known).__name__}"
+                )
+        except MergeError as exc:
+            _UNLOADED[point.name] = f"{exc}; fix or uninstall that package"
+        except Exception as exc:  # any failure of another package's code on import
+            _UNLOADED[point.name] = (
                 f"{where} could not be loaded ({type(exc).__name__}: {exc}); fix or uninstall "
                 "that package"
-            ) from None
-        method = found() if isinstance(found, type) and issubclass(found, MergeMethod) else found
-        _checked(method, where)
-        known = _METHODS.get(method.name)
-        if known is not None and type(known) is not type(method):
-            raise MergeError(
-                f"{where}: the name {method.name!r} is taken by {type(known).__name__}; rename "
-                "one of the two"
             )
-        _METHODS.setdefault(method.name, method)
+        else:
+            _METHODS.setdefault(method.name, method)
+
+
+def unloaded_methods() -> dict[str, str]:
+    """The installed methods that could not be loaded: name -> why (one line each)."""
+    _load_installed()
+    return dict(_UNLOADED)
 
 
 def methods() -> Mapping[str, MergeMethod]:
@@ -122,9 +139,12 @@ def method_names() -> tuple[str, ...]:
 
 
 def method_named(name: str) -> MergeMethod:
-    """The method registered as ``name``; :class:`MergeError` lists the known ones."""
+    """The method registered as ``name``; :class:`MergeError` lists the known ones (or
+    says why an installed one named so could not be loaded)."""
     found = methods().get(name)
     if found is None:
+        if name in _UNLOADED:
+            raise MergeError(_UNLOADED[name])
         raise MergeError(f"method: expected one of {method_names()}, got {name!r}")
     return found
 
