@@ -390,7 +390,7 @@ def test_statistics_must_be_of_the_same_adapter(families, tmp_path):
 
 def test_adapter_inputs_are_checked(families, tmp_path):
     fam = families["bert"]
-    with pytest.raises(MergeError, match=r"models\[0\] .*LoRA adapter folder; give base="):
+    with pytest.raises(MergeError, match=r"^models\[0\]: a LoRA adapter folder needs base"):
         stream_merge(fam["adapters"], tmp_path / "o", "average", progress=False)
     # an adapter of another architecture
     with pytest.raises(MergeError, match="the adapter is for another model"):
@@ -497,7 +497,7 @@ def test_config_with_adapters(families, tmp_path):
               "  lora_rank: 4"]  # fmt: skip
     (tmp_path / "merge.yaml").write_text("\n".join(lines) + "\n")
     cfg = load_merge_config(tmp_path / "merge.yaml")
-    assert all(m.adapter for m in cfg.models) and cfg.lora_rank == 4
+    assert all(m.adapter for m in cfg.models) and cfg.options.output.lora_rank == 4
     run_merge(cfg, tmp_path / "streamed", progress=False)
     run_merge(cfg, tmp_path / "in-memory", progress=False, streaming=False)
     for folder in ("streamed", "in-memory"):
@@ -513,5 +513,5 @@ def test_config_with_adapters(families, tmp_path):
         load_merge_config(tmp_path / "bad.yaml")
     no_base = "\n".join(line for line in lines if not line.startswith("base:"))
     (tmp_path / "no-base.yaml").write_text(no_base + "\n")
-    with pytest.raises(MergeError, match=r"models\[0\] is a LoRA adapter: base: is required"):
+    with pytest.raises(MergeError, match=r"models\[0\]\.adapter: a LoRA adapter folder needs base"):
         load_merge_config(tmp_path / "no-base.yaml")

@@ -159,9 +159,13 @@ def test_small_groups_are_not_blocked(monkeypatch):
     assert _checked(3).solve_memory == 100
     assert _checked(3, solve_memory="2GB").solve_memory == 2 * 10**9  # option first
     monkeypatch.setenv(SOLVE_MEMORY_ENV, "lots")
-    with pytest.raises(MergeError, match="LMDX_SOLVE_MEMORY='lots': expected a size"):
+    with pytest.raises(
+        MergeError, match=r"^solve_memory: LMDX_SOLVE_MEMORY='lots' \(its default\) must be a size"
+    ):
         _checked(3)
-    with pytest.raises(MergeError, match="solve_memory='-1GB': expected a size"):
+    with pytest.raises(
+        MergeError, match=r"^solve_memory: must be a size such as '2GB'.*, got '-1GB'"
+    ):
         _checked(3, solve_memory="-1GB")
 
 
@@ -264,7 +268,8 @@ def test_config_and_cli_set_the_budget(llama, tmp_path, capsys):
     argv = ["merge", str(cfg), "--out", str(tmp_path / "c"), "--solve-memory", "lots"]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "solve_memory='lots': expected a size such as 8GB" in err[0], err
+    assert len(err) == 1 and "--solve-memory: must be a size such as '2GB'" in err[0], err
+    assert err[0].endswith(", got 'lots'"), err
     cfg.write_text(f"method: regmean\nmodels:\n{models}solve_memory: [1]\n")
     assert main(["merge", str(cfg), "--out", str(tmp_path / "d")]) == 2
     err = capsys.readouterr().err.strip().splitlines()

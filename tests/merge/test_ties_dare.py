@@ -343,7 +343,7 @@ def plan_shape(plan, name):
 def test_errors_are_one_line(folders):
     models, base = folders["models"], folders["base"]
     cases = [
-        ({"method": "ties"}, "ties needs base= "),
+        ({"method": "ties"}, "^base: method ties needs the pre-trained model"),
         ({"method": "ties", "base": base, "density": 0.0}, r"density: must be in \(0, 1\]"),
         ({"method": "dare", "base": base, "density": 1.5}, r"density: must be in \(0, 1\]"),
         ({"method": "dare", "base": base, "density": float("nan")}, "density: must be in"),

@@ -47,7 +47,7 @@ class PreparedMerge:
             "models": plan.labels,
             "coefficients": None if options.coefficients is None else list(options.coefficients),
             "exclude": list(options.exclude),
-            "heads": list(options.heads),
+            "heads": list(options.heads.patterns),
             "head_tensors": plan.heads,
             "solve_memory": options.solve_memory,
             "layers": {},

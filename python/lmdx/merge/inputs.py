@@ -22,7 +22,76 @@ from .options import MergeOptions
 from .plan import content_sha256
 from .source import AdapterSource, TensorSource
 
-__all__ = ["inputs_record", "model_labels", "open_inputs", "open_stats", "st_files"]
+__all__ = [
+    "check_needs",
+    "inputs_record",
+    "model_labels",
+    "open_inputs",
+    "open_stats",
+    "st_files",
+]
+
+
+def _door_key(what: str, i: int | None) -> str:
+    """How a front door names its argument ``what`` (of model ``i``) in a message."""
+    return f"models[{i}]" if what == "models" else what
+
+
+def check_needs(
+    method: MergeMethod,
+    registered: Mapping[str, MergeMethod],
+    *,
+    k: int,
+    stats: Sequence[bool] | None,
+    base: bool,
+    adapters: Sequence[int],
+    data: Sequence[bool] | None,
+    key: Callable[[str, int | None], str] = _door_key,
+    running: bool = True,
+) -> None:
+    """That ``method`` gets the statistics, base and data it takes, and nothing else: the
+    one check of what a method needs, for the front doors and the configuration files.
+    ``stats`` and ``data``: per model, whether it was given (None: not at all); ``base``:
+    whether it was given; ``adapters``: the models that are LoRA adapter folders (they need
+    the base); ``key(what, i)`` names argument ``what`` (``"stats"``, ``"data"``,
+    ``"base"``, ``"models"``) of model ``i`` in the messages (registered: every method, for
+    naming the ones that take what was given). Data is needed only to run the merge, not
+    to plan it (``running``)."""
+    name = method.name
+    given = list(stats) if stats is not None else [False] * k
+    for i, has in enumerate(given):
+        if method.stats is not None and not has:
+            raise MergeError(
+                f"{key('stats', i)}: method {name} needs {method.stats} statistics, one per model"
+            )
+        if method.stats is None and has:
+            raise MergeError(f"{key('stats', i)}: method {name} takes no statistics")
+    if adapters and not base:
+        raise MergeError(
+            f"{key('models', adapters[0])}: a LoRA adapter folder needs base (the model "
+            "folder it adapts)"
+        )
+    if method.needs_base and not base:
+        raise MergeError(
+            f"{key('base', None)}: method {name} needs the pre-trained model the models were "
+            "fine-tuned from (base)"
+        )
+    if base and not method.needs_base and not adapters:
+        users = ", ".join(m.name for m in registered.values() if m.needs_base)
+        raise MergeError(
+            f"{key('base', None)}: used by LoRA adapters (models that are adapter folders) and "
+            f"by {users}, not by {name} of full models"
+        )
+    for i, has in enumerate(list(data) if data is not None else [False] * k):
+        if method.takes_data and not has and running:
+            raise MergeError(
+                f"{key('data', i)}: method {name} needs each model's data (its texts or "
+                "batches, in the order of the models): their activations are needed at merge "
+                "time"
+            )
+        if not method.takes_data and has:
+            users = ", ".join(m.name for m in registered.values() if m.takes_data)
+            raise MergeError(f"{key('data', i)}: only method {users} takes data, not {name}")
 
 
 def model_labels(models: Sequence[Any], labels: Sequence[str] | None) -> list[str]:
@@ -47,17 +116,17 @@ def _open_models(
     """Every model as a tensor source: a PEFT LoRA adapter folder over ``base``
     (:class:`AdapterSource`), anything else by ``open_model(model, label)``."""
     sources: list[TensorSource] = []
-    for i, (m, label) in enumerate(zip(models, labels, strict=True)):
-        if isinstance(m, (str, os.PathLike)) and is_adapter_folder(m):
-            if base is None:
-                raise MergeError(
-                    f"models[{i}] {m}: a LoRA adapter folder; give base= (the model folder it "
-                    "adapts; in a merge config: base:)"
-                )
+    for m, label in zip(models, labels, strict=True):
+        if _is_adapter(m):
+            assert base is not None  # checked: check_needs
             sources.append(AdapterSource(base, LoraAdapter.load(m, label), label))
         else:
             sources.append(open_model(m, label))
     return sources
+
+
+def _is_adapter(model: Any) -> bool:
+    return isinstance(model, (str, os.PathLike)) and is_adapter_folder(model)
 
 
 def open_inputs(
@@ -72,29 +141,32 @@ def open_inputs(
     open_model: Callable[[Any, str], TensorSource],
     data: Sequence[Any] | None = None,
     tokenizer: Any = None,
-    lora_rank: int | None = None,
+    running: bool = True,
 ) -> MergeInputs:
-    """The input step: open ``models`` (and ``base``) with ``open_model`` and check that
-    ``method`` gets the statistics, base and data it takes, and nothing else
-    (``registered``: every registered method, named in the messages)."""
+    """The input step: check that ``method`` gets the statistics, base and data it takes,
+    and nothing else (:func:`check_needs`; ``registered``: every registered method), then
+    open ``models`` (and ``base``) with ``open_model`` and the statistics (``running``:
+    the merge will run, not only be planned)."""
+    k = len(models)
+    if stats is not None and len(stats) != k:
+        raise MergeError(f"stats: {len(stats)} statistics for {k} models")
+    if data is not None and len(data) != k:
+        raise MergeError(f"data: {len(data)} entries for {k} models")
+    check_needs(
+        method,
+        registered,
+        k=k,
+        stats=None if stats is None else [s is not None for s in stats],
+        base=base is not None,
+        adapters=[i for i, m in enumerate(models) if _is_adapter(m)],
+        data=None if data is None else [d is not None for d in data],
+        running=running,
+    )
     base_source = None if base is None else open_model(base, "base")
     sources = _open_models(models, labels, base_source, open_model)
-    adapters = any(isinstance(s, AdapterSource) for s in sources)
-    if base is not None and not method.needs_base and not adapters:
-        users = [m.name for m in registered.values() if m.needs_base]
-        raise MergeError(
-            f"base: used by LoRA adapters (models that are adapter folders) and by "
-            f"{', '.join(users)}, not by {method.name} of full models"
-        )
-    lora = (
-        None if lora_rank is None else LoraExport(check_lora_export(sources, lora_rank), lora_rank)
-    )
-    stat_objs = open_stats(stats, method.stats, method.name, len(sources), labels)
-    if method.needs_base and base_source is None:
-        raise MergeError(f"{method.name} needs base= (the pre-trained model)")
-    if data is not None and not method.takes_data:
-        users = [m.name for m in registered.values() if m.takes_data]
-        raise MergeError(f"data: only method {', '.join(users)} takes data, not {method.name!r}")
+    rank = options.output.lora_rank
+    lora = None if rank is None else LoraExport(check_lora_export(sources, rank), rank)
+    stat_objs = open_stats(stats, method.stats, labels)
     inputs = MergeInputs(
         method,
         options,
@@ -121,20 +193,13 @@ def _opened(stats: Any) -> Statistics:
 
 
 def open_stats(
-    stats: Sequence[Any] | None, kind: str | None, method: str, k: int, labels: Sequence[str]
+    stats: Sequence[Any] | None, kind: str | None, labels: Sequence[str]
 ) -> list[Statistics] | None:
-    """The K statistics of ``kind`` method ``method`` needs (None for methods without),
-    loaded and checked for kind and a common padding policy; not yet checked against the
-    models."""
-    if kind is None:
-        if stats:
-            raise MergeError(f"method {method!r} takes no statistics")
+    """The statistics of ``kind`` a method needs, one per model (None for methods without:
+    :func:`check_needs` has checked which were given), loaded and checked for kind and a
+    common padding policy; not yet checked against the models."""
+    if kind is None or stats is None:
         return None
-    if stats is None or len(stats) != k:
-        raise MergeError(
-            f"method {method!r} needs one {kind} statistics per model ({k}), got "
-            f"{0 if stats is None else len(stats)}"
-        )
     objs = [_opened(s) for s in stats]
     for i, (s, lab) in enumerate(zip(objs, labels, strict=True)):
         if s.kind != kind:

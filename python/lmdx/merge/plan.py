@@ -245,7 +245,7 @@ def make_plan(inputs: MergeInputs, *, folder: bool) -> MergePlan:
     """Check the inputs against each other and plan their merge by ``inputs.method``.
 
     ``folder``: the merged model is written as a ``save_pretrained`` folder (outputs named
-    and cast as ``options.head_policy`` and ``options.dtype`` say, shards planned);
+    and cast as ``options.heads.policy`` and ``options.output.dtype`` say, shards planned);
     otherwise it stays in memory (every non-head tensor in its input dtype). The method's
     group steps come first (RegMean groups, RegMean++'s blocks), every other tensor is
     one step (:func:`~lmdx.merge.method.tensor_step`: by the method's
@@ -256,9 +256,10 @@ def make_plan(inputs: MergeInputs, *, folder: bool) -> MergePlan:
     labels = inputs.labels
     ref = sources[0]
     names = ref.names()
-    head_names = [n for n in names if matches(n, options.heads)]
-    body = [n for n in names if not matches(n, options.heads)]
-    check_same_layout(sources, body, options.heads)
+    heads = options.heads.patterns
+    head_names = [n for n in names if matches(n, heads)]
+    body = [n for n in names if not matches(n, heads)]
+    check_same_layout(sources, body, heads)
     tied = ref.aliases()
     if inputs.stats is not None:
         for source, s in zip(sources, inputs.stats, strict=True):
@@ -266,16 +267,17 @@ def make_plan(inputs: MergeInputs, *, folder: bool) -> MergePlan:
         check_same_entries(inputs.stats, labels)
     if inputs.base is not None:  # the tensors the base lacks: the method's to say
         base = inputs.base
-        check_same_layout([ref, base], [n for n in body if n in base], options.heads)
+        check_same_layout([ref, base], [n for n in body if n in base], heads)
     names = method.order(inputs, names)
-    body = [n for n in names if not matches(n, options.heads)]
+    body = [n for n in names if not matches(n, heads)]
 
     steps = method.group_steps(inputs, body, set(tied) | set(tied.values()))
     covered = {t for s in steps for t in s.tensors}
     for n in body:
         if n not in covered:
             steps.append(tensor_step(inputs, n))
-    out_size = 0 if options.dtype == "auto" or not folder else itemsize(options.dtype)
+    output = options.output
+    out_size = 0 if output.dtype == "auto" or not folder else itemsize(output.dtype)
     packed = inputs.stats is not None and all(s.files for s in inputs.stats)  # from files
     for step in steps:
         sizes = StepSizes.of_step(step, ref, len(sources), out_size, packed)
@@ -287,12 +289,12 @@ def make_plan(inputs: MergeInputs, *, folder: bool) -> MergePlan:
         names,
         head_names,
         folder=folder,
-        head_policy=options.head_policy,
-        dtype=options.dtype,
-        max_shard_size=options.max_shard_size,
+        head_policy=options.heads.policy,
+        dtype=output.dtype,
+        max_shard_size=output.max_shard_size,
     )
     output_bytes = sum(o.nbytes for o in outputs)
-    if folder and options.head_policy == "keep":
+    if folder and options.heads.policy == "keep":
         output_bytes += sum(s.nbytes(h) for s in sources for h in head_names)
     return MergePlan(
         method=method.name,

@@ -26,13 +26,12 @@ from collections.abc import Mapping
 from importlib.metadata import entry_points
 from typing import Any
 
-import numpy as np
 from pydantic import BaseModel, ValidationError
 
 from .._errors import MergeError
 from .builtin import BUILT_IN
 from .method import COPY, MergeMethod, NoOptions
-from .options import MergeOptions, OptionError, option_error
+from .options import MergeOptions, OptionError, option_error, plain
 
 __all__ = [
     "ENTRY_POINTS",
@@ -201,11 +200,12 @@ def method_options(method: str, given: Mapping[str, Any]) -> BaseModel:
     for key, value in given.items():
         if value is None:
             continue
-        value = value.item() if isinstance(value, np.generic) else value  # NumPy scalars
+        value = plain(value)
         if key in model.model_fields:
             own[key] = value
         elif not option_users(key):
-            raise MergeError(f"unknown option {key!r}; the options are {sorted(all_options())}")
+            known = sorted({*all_options(), *MergeOptions.keyword_paths()})
+            raise MergeError(f"unknown option {key!r}; the options are {known}")
         else:  # a valid value of another method's option: refused, or ignored here
             _check_one(method_named(option_users(key)[0]).options, key, value)
             if not _ignored_elsewhere(key):
@@ -218,10 +218,16 @@ def method_options(method: str, given: Mapping[str, Any]) -> BaseModel:
         raise MergeError(f"method {method}: {option_error('', model, exc)}") from None
 
 
-def merge_options(k: int, method: str, given: Mapping[str, Any]) -> MergeOptions:
+def merge_options(
+    k: int, method: str, given: Mapping[str, Any], *, writes: bool = True
+) -> MergeOptions:
     """The checked options of a merge of ``k`` models by the method registered as
-    ``method``, from a front door's keyword arguments ``given`` (the shared ones and the
-    method's own)."""
-    shared = {key: value for key, value in given.items() if key in MergeOptions.SHARED}
-    own = method_options(method, {key: v for key, v in given.items() if key not in shared})
-    return MergeOptions.checked(k, method=method, method_options=own, **shared)
+    ``method``, from a front door's keyword arguments ``given``: the shared ones
+    (:meth:`MergeOptions.keyword_paths`; those of writing a folder only if the door writes
+    one, ``writes``) and the method's own."""
+    paths = MergeOptions.keyword_paths()
+    shared = {key: value for key, value in given.items() if key in paths}
+    own = method_options(method, {key: v for key, v in given.items() if key not in paths})
+    fixed = {"method": method, "method_options": own}
+    checked: MergeOptions = MergeOptions.from_keywords(shared, fixed, writes=writes)
+    return MergeOptions.for_models(k, checked)

@@ -122,7 +122,7 @@ class BlockMerger:
         self.progress = progress
         self.model = build_skeleton(sources[0].config, labels[0])
         self.prefix, self.stack = find_blocks(self.model)
-        self.n_threads = resolve_threads(options.n_threads)
+        self.n_threads = resolve_threads(options.threads)
         self.outside: dict[str, Any] = {}  # merged tensors outside the blocks
         self.held: dict[tuple[int, int], tuple[Any, BlockCall]] = {}
         self.recomputed: list[tuple[int, int]] = []

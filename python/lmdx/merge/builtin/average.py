@@ -27,7 +27,7 @@ __all__ = ["AVERAGE", "Average", "average_block_size", "average_in_blocks", "ave
 def average_tensor(name: str, tensors: Sequence[Any], options: MergeOptions) -> NDArray[np.float64]:
     """``Σ c_i θ_i / Σ c_i`` of one tensor, in float64."""
     return on_tensor(
-        name, weighted_average, tensors, options.coefficients, n_threads=options.n_threads
+        name, weighted_average, tensors, options.coefficients, n_threads=options.threads
     )
 
 

@@ -69,7 +69,7 @@ class Fisher(MergeMethod):
             inputs.stats,
             options.coefficients,
             options.own(FisherOptions).fisher_eps,
-            options.n_threads,
+            options.threads,
         )
 
     def compute(self, step: Step, inputs: MergeInputs) -> Merged:

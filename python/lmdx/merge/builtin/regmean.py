@@ -90,7 +90,7 @@ def regmean_groups(
     by_group: dict[tuple[str, ...], list[str]] = {}
     for m, info in stats[0].modules.items():
         w = info["weight"]
-        if matches(m, options.exclude) or matches(w, options.heads) or w in skip:
+        if matches(m, options.exclude) or matches(w, options.heads.patterns) or w in skip:
             continue
         if w not in weights:
             raise MergeError(f"statistics name module {m!r} but the models have no {w!r}")
@@ -312,7 +312,7 @@ def solve_group_low_rank(
         ridge=own.ridge,
         allow_regularization=own.allow_regularization,
         name=name,
-        n_threads=options.n_threads,
+        n_threads=options.threads,
     )
     solved = {
         **{k: info[k] for k in ("ridge", "attempts", "precision", "rcond_estimate")},
@@ -447,7 +447,7 @@ class RegMean(MergeMethod):
         out = super().report(inputs)
         stats = inputs.stats or []
         missing = {n: why for s in stats for n, why in s.not_solved.items()}
-        heads = inputs.options.heads
+        heads = inputs.options.heads.patterns
         missing = {n: why for n, why in sorted(missing.items()) if not matches(n, heads)}
         if missing:
             out["not_solved"] = missing

@@ -158,6 +158,7 @@ class RegMeanPlusPlus(MergeMethod):
     def start(self, inputs: MergeInputs, progress: bool) -> None:
         """The block merger the blocks are merged with, its data tokenized into batches."""
         own = inputs.options.own(RegMeanPlusPlusOptions)
+        assert inputs.data is not None  # checked: lmdx.merge.inputs.check_needs
         batches = prepare_batches(
             inputs.sources,
             inputs.data,

@@ -158,7 +158,7 @@ def solve_group(
         ridge=own.ridge,
         allow_regularization=own.allow_regularization,
         name=name,
-        n_threads=options.n_threads,
+        n_threads=options.threads,
     )
     dim = int(weights_k[0].shape[1 - axis])  # the layer's input dimension
     del weights_k

@@ -254,7 +254,7 @@ def base_as_models_name_it(
             f"base {base.label} has none of the models' tensors (e.g. {names[0]!r}): it is not "
             "the model they were fine-tuned from"
         )
-    heads = inputs.options.heads
+    heads = inputs.options.heads.patterns
     kinds = {
         "heads": [n for n in lacks if matches(n, heads)],
         "averaged": [n for n in lacks if not matches(n, heads) and ref.is_float(n)],
@@ -263,7 +263,7 @@ def base_as_models_name_it(
     note.update({k: v for k, v in kinds.items() if v})
     if note:
         where = base.label if base.path is None else str(base.path)
-        note["line"] = _said(where, note, inputs.options.head_policy)
+        note["line"] = _said(where, note, inputs.options.heads.policy)
     return base, note
 
 
