@@ -70,9 +70,9 @@ def test_a_value_is_refused_with_the_same_words_by_a_door_and_a_file(folders, tm
     config.write_text(
         f"method: average\nmodels: [{models[0]}, {models[1]}]\nheads: {{policy: first}}\n"
     )
-    with pytest.raises(MergeError, match="heads.policy must be keep or drop, got 'first'"):
+    with pytest.raises(MergeError, match=r"heads\.policy must be keep or drop, got 'first'"):
         load_merge_config(config)
-    with pytest.raises(MergeError, match="^head_policy: only for writing a folder"):
+    with pytest.raises(MergeError, match=r"^head_policy: only for writing a folder"):
         merge_models(models, "average", head_policy="drop", progress=False)
     with pytest.raises(MergeError, match=r"^unknown option 'threads'; the options are \["):
         merge_models(models, "average", threads=2, progress=False)

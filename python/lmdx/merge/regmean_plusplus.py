@@ -58,7 +58,7 @@ from ..config import resolve_threads
 from ..stats.collector import GramCollector
 from ..stats.file import Statistics
 from ..stats.sites import find_linear_modules
-from ..stats.stop import StopForward, run_until_stopped
+from ..stats.stop import run_until_stopped, stop_forward
 from .block_call import BlockCall, call_difference, hidden_of, same_value, tensor_bytes
 from .block_data import activation_budget, prepare_batches
 from .method import Step
@@ -230,7 +230,7 @@ class BlockMerger:
 
         def grab(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             captured["call"] = BlockCall.capture(args, kwargs)
-            raise StopForward
+            stop_forward()
 
         handle = self.stack[0].register_forward_pre_hook(grab, with_kwargs=True)
         try:
@@ -281,7 +281,7 @@ class BlockMerger:
                 self._unassign(self._block_names(index))
                 self.forwards += 1
                 if index == last:
-                    raise StopForward
+                    stop_forward()
 
             return hook
 
