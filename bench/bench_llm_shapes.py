@@ -178,14 +178,15 @@ def _peak() -> int:
 def merge(args: argparse.Namespace) -> None:
     """One merge in this process: each RegMean group's solve timed, and each step's
     (group's or tensor's) peak RSS from VmHWM, reset before the step."""
+    import lmdx.merge.builtin.regmean as regmean
+    import lmdx.merge.builtin.regmean_solve as blocks
     import lmdx.merge.engine as engine
-    import lmdx.merge.output_blocks as blocks
     from lmdx.merge import stream_merge
 
     times: dict[str, float] = {}
     peaks: dict[str, int] = {}
     group_peaks: dict[str, int] = {}
-    solve, result = engine.solve_regmean_step, engine.Executor.result
+    solve, result = regmean.solve_step, engine.Executor.result
 
     def timed_solve(step: Any, *a: Any, **k: Any) -> Any:
         t0 = time.perf_counter()
@@ -202,7 +203,7 @@ def merge(args: argparse.Namespace) -> None:
         peaks[name] = _peak()
         return out
 
-    engine.solve_regmean_step = timed_solve  # type: ignore[assignment]
+    regmean.solve_step = timed_solve  # type: ignore[assignment]
     engine.Executor.result = measured_result  # type: ignore[method-assign]
     work = Path(args.workdir)
     raw = work / f"{args.out}-raw"
@@ -218,7 +219,7 @@ def merge(args: argparse.Namespace) -> None:
 
         return kept_cast
 
-    engine.cast_merged = keeping(engine.cast_merged)  # type: ignore[assignment]
+    regmean.cast_merged = keeping(regmean.cast_merged)  # type: ignore[assignment]
     blocks.cast_merged = keeping(blocks.cast_merged)  # type: ignore[assignment]
     t0 = time.perf_counter()
     res = stream_merge(
@@ -312,8 +313,8 @@ def _flops(d: int, m: int, k: int, blocks: int = 1) -> float:
 def _memory(d: int, m: int, k: int) -> tuple[float, int]:
     """A group's solve memory as lmdx budgets it (bfloat16 weights, the default budget)
     and its blocks."""
+    from lmdx.merge.builtin.regmean_solve import group_memory, output_block_rows
     from lmdx.merge.options import DEFAULT_SOLVE_MEMORY
-    from lmdx.merge.output_blocks import group_memory, output_block_rows
 
     block = output_block_rows(d, m, k, 2, DEFAULT_SOLVE_MEMORY)
     return group_memory(d, block, k, 2), -(-m // block)

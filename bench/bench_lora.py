@@ -2,7 +2,7 @@
 merge, per BERT-base layer shape.
 
 With ``W_i = W₀ + B_i A_i`` (rank r per adapted weight) lmdx solves RegMean on the factors
-(:func:`lmdx.merge.lora.regmean_low_rank`: NumPy products ``G_i A_iᵀ`` -- O(d_in² r) per
+(:func:`lmdx.merge.builtin.regmean.regmean_low_rank`: NumPy products ``G_i A_iᵀ`` -- O(d_in² r) per
 model -- the existing native Cholesky solve with 2R right-hand sides, R = Σ r_i, and the
 update ``[B_1 … B_K] Fᵀ``) instead of the dense right-hand side ``Σ c_i G̃_i (W_i − W̄)ᵀ``
 -- O(d_in² d_out) per model -- of the native layer merge. This script times, on one
@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 from lmdx import regmean_merge_layer, spd
-from lmdx.merge import lora
+from lmdx.merge.builtin.regmean import regmean_low_rank
 from lmdx.stats.packing import pack_upper, unpack_upper
 
 K = 3
@@ -101,7 +101,7 @@ def _row(name: str, inp: dict[str, Any], r: int, threads: int, reps: int) -> tup
         lambda: regmean_merge_layer(grams, dense64, counts, precision="float64", **common), reps
     )
     t_low, low = _best(
-        lambda: lora.regmean_low_rank(grams, counts, inp["base"], inp["factors"], **common), reps
+        lambda: regmean_low_rank(grams, counts, inp["base"], inp["factors"], **common), reps
     )
     diff = float(np.abs(low[0] - ref.weight).max() / np.abs(ref.weight).max())
     t_solve = _solve_time(inp, threads, reps)

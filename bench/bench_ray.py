@@ -130,7 +130,7 @@ class _Holder:
         torch.set_num_threads(1)
         self.model = load_model(folder, progress=False)
 
-    def collect(self, batches: list[Any]) -> dict[str, Any]:
+    def collect(self, batches: list[Any]) -> Any:
         from lmdx.stats.ray import shard_partial
 
         return shard_partial(self.model, 1, batches, {})

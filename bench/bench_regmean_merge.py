@@ -16,7 +16,8 @@ alone by ``lmdx.regmean_merge_layer`` (auto, then float64) on the same Grams (an
 ``--noise``: the copies' deviations from their average then have another size, e.g. 1 %
 instead of 10 %), and the totals printed: time, systems per precision, both error
 measures of auto against float64; with ``--verbose`` each system's ``info.timings`` (where
-its time goes, per phase).
+its time goes, per phase; in a core built with ``LMDX_PROFILE=ON``, else only the phases
+it went through).
 
 Run from the repository root, after ``bench_regmean.py --workdir WORK ...``::
 
@@ -78,7 +79,8 @@ def profile(args: argparse.Namespace, workdir: Path) -> None:
             info = res.info
             if precision == "auto":
                 chosen[info.precision] += 1
-            phases = " ".join(f"{k} {v:.3f}" for k, v in getattr(info, "timings", {}).items())
+            timed = info.timings or dict.fromkeys(info.phases, float("nan"))  # LMDX_PROFILE=ON
+            phases = " ".join(f"{k} {v:.3f}" for k, v in timed.items())
             if args.verbose:
                 print(
                     f"  {modules[0]} ({weights[0].shape[1]} -> {weights[0].shape[0]})"

@@ -1,13 +1,12 @@
 // How this copy of the core was built and what it finds on this machine (core/config.hpp),
 // with the run-time facts of the kernels that lmdx.config() and the benchmarks report: the
-// Gram kernel's register tile (core/gram_kernel.hpp), the scratch pool (core/workspace.hpp)
-// and the measured FMA peak (core/peak.hpp).
+// Gram kernel's register tile (core/gram_kernel.hpp) and the scratch pool
+// (core/workspace.hpp).
 #include <pybind11/typing.h>
 
 #include "bindings/common.hpp"
 #include "core/config.hpp"
 #include "core/gram_kernel.hpp"
-#include "core/peak.hpp"
 #include "core/workspace.hpp"
 
 namespace lmdx_bind {
@@ -17,6 +16,8 @@ void bind_config(py::module_& m) {
   m.def("isa", &lmdx::isa, "Instruction-set level this module was compiled for.");
   m.def("compiler", &lmdx::compiler, "The compiler that built this module.");
   m.def("has_openmp", &lmdx::has_openmp, "Whether the core was built with OpenMP.");
+  m.def("profiled", &lmdx::profiled,
+        "Whether the core was built with LMDX_PROFILE (RegMeanInfo.timings filled).");
   m.def("max_threads", &lmdx::max_threads,
         "Threads available to OpenMP (1 without it); every n_threads must be >= 1.");
   m.def("eigen_version", &lmdx::eigen_version, "Version of the Eigen headers compiled in.");
@@ -55,22 +56,6 @@ void bind_config(py::module_& m) {
         "Whether this module has the bf16 dot-product Gram kernel and this CPU runs it.");
   m.def("scratch_bytes", &lmdx::scratch_bytes, "Bytes held by the kernels' scratch pool.");
   m.def("release_scratch", &lmdx::release_scratch, "Free the kernels' pooled scratch buffers.");
-  m.def(
-      "measure_peak_gflops",
-      [](bool double_precision, int n_threads, double seconds) {
-        py::gil_scoped_release release;
-        return lmdx::measure_peak_gflops(double_precision, n_threads, seconds);
-      },
-      py::kw_only(), py::arg("double_precision"), py::arg("n_threads"), py::arg("seconds"),
-      "GFLOP/s of a register-resident FMA loop on this machine.");
-  m.def(
-      "measure_bf16_peak_gflops",
-      [](int n_threads, double seconds) {
-        py::gil_scoped_release release;
-        return lmdx::measure_bf16_peak_gflops(n_threads, seconds);
-      },
-      py::kw_only(), py::arg("n_threads"), py::arg("seconds"),
-      "GFLOP/s of a register-resident bf16 dot-product loop (0 without the bf16 kernel).");
 }
 
 }  // namespace lmdx_bind

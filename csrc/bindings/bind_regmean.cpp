@@ -103,6 +103,8 @@ void bind_regmean(py::module_& m) {
                     "max_i max |W_i - mean| / max |mean|.")
       .def_readonly("unseen_directions", &RegMeanInfo::unseen_directions,
                     "Eigendirections below the statistics' noise floor, kept at the average.")
+      .def_readonly("phases", &RegMeanInfo::phases,
+                    "The phases of the merge in the order first entered: the path it took.")
       .def_property_readonly(
           "timings",
           [](const RegMeanInfo& s) {
@@ -110,7 +112,8 @@ void bind_regmean(py::module_& m) {
             for (const auto& [phase, seconds] : s.timings) out[py::str(phase)] = seconds;
             return out;
           },
-          "Wall time per phase of the merge in seconds (a benchmark's breakdown).")
+          "Wall time per phase of the merge in seconds (a benchmark's breakdown), in a\n"
+          "build with LMDX_PROFILE=ON only (lmdx.config()['profiled']); empty otherwise.")
       .def("__repr__", [](const RegMeanInfo& s) {
         std::ostringstream out;
         out.precision(6);

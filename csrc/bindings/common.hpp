@@ -41,6 +41,7 @@ py::array_t<double> new_float64(const std::vector<Index>& shape);
 std::vector<double> coefficient_list(const std::optional<std::vector<double>>& coefficients);
 
 void bind_config(py::module_& m);
+void bind_bench(py::module_& m);
 void bind_moments(py::module_& m);
 void bind_spd(py::module_& m);
 void bind_regmean(py::module_& m);

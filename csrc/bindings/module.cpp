@@ -10,6 +10,7 @@
 PYBIND11_MODULE(LMDX_MODULE_NAME, m) {
   m.doc() = "lmdx native core (C++/Eigen); use the lmdx package, not this module";
   lmdx_bind::bind_config(m);
+  lmdx_bind::bind_bench(m);
   lmdx_bind::bind_moments(m);
   lmdx_bind::bind_spd(m);
   lmdx_bind::bind_regmean(m);

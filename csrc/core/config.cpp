@@ -30,6 +30,14 @@ bool has_openmp() noexcept {
 #endif
 }
 
+bool profiled() noexcept {
+#ifdef LMDX_PROFILE
+  return true;
+#else
+  return false;
+#endif
+}
+
 int max_threads() noexcept {
 #ifdef LMDX_HAS_OPENMP
   return std::max(1, omp_get_max_threads());

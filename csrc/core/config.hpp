@@ -39,6 +39,8 @@ const char* isa() noexcept;
 const char* compiler() noexcept;
 /// Whether the core was built with OpenMP.
 bool has_openmp() noexcept;
+/// Whether the core was built with LMDX_PROFILE (RegMean's per-phase wall times).
+bool profiled() noexcept;
 /// Threads available to OpenMP (1 without OpenMP); reported, never used as a default.
 int max_threads() noexcept;
 /// Eigen version "major.minor.patch" and the SIMD instruction sets Eigen compiled in.

@@ -1,7 +1,7 @@
 // RegMean's alpha reduction of a Gram, in one place for every solver that applies it:
 //   G~ = alpha G + (1 - alpha) diag(G)      (off-diagonal entries x alpha, diagonal kept)
 // Both sides of a RegMean system use it: the system sum_i c_i G~_i (spd.cpp, regmean.cpp,
-// regmean_float32.cpp) and the Gram differences of the right-hand side (regmean_detail.cpp).
+// regmean_float32.cpp) and the Gram differences of the right-hand side (regmean_kernels.cpp).
 #pragma once
 
 #include "core/config.hpp"

@@ -7,9 +7,10 @@
 
 #include "core/checks.hpp"
 #include "core/parallel.hpp"
+#include "core/phases.hpp"
 #include "core/reduction.hpp"
-#include "core/regmean_detail.hpp"
 #include "core/regmean_float32.hpp"
+#include "core/regmean_kernels.hpp"
 
 LMDX_NAMESPACE_BEGIN
 
@@ -28,7 +29,7 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
                              Precision mode, double noise_floor, const SolveOptions& opt,
                              MatrixXd& merged_t) {
   RegMeanInfo info;
-  PhaseClock clock(info);
+  PhaseLog phases(info);
   const size_t k = models.size();
   if (d_in < 1 || d_out < 1)
     throw std::invalid_argument(opt.name + ": weights: empty weight matrix");
@@ -65,7 +66,7 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
   const double work = static_cast<double>(d_in) * static_cast<double>(d_in) *
                       (static_cast<double>(k) * static_cast<double>(d_out) + d_in);
   const int threads = work < kSerialWork ? 1 : opt.n_threads;
-  clock.lap("checks");
+  phases.lap("checks");
 
   // W-^T = W_p^T + sum_{i != p} (c_i / C) (W_i - W_p)^T: exactly W_p^T where all agree.
   // The spread max_i max |W_i - W-| / max |W-| is taken on the way.
@@ -97,7 +98,7 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
     }
   }
   info.relative_spread = scale > 0.0 ? spread / scale : (spread > 0.0 ? INFINITY : 0.0);
-  clock.lap("average");
+  phases.lap("average");
   if (spread == 0.0) {  // equal in every model: nothing to solve
     info.precision = "identical";
     merged_t = mean_t;
@@ -111,7 +112,7 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
   std::vector<GramSource> grams(k);
   for (size_t i = 0; i < k; ++i) grams[i] = models[i].gram;
   sum_lower(grams, s, threads, lhs);
-  clock.lap("system");
+  phases.lap("system");
   SolveOptions solve_opt = opt;
   solve_opt.n_threads = threads;
   const double alpha = opt.alpha;
@@ -121,7 +122,7 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
     if (f32.run(solve_opt, mode == Precision::Float32, info, merged_t)) return info;
   }
   info.output_error_estimate = 0.0;
-  clock.restart();
+  phases.restart();
 
   MatrixXd l;
   static_cast<SolveInfo&>(info) = spd_factor(lhs, l, solve_opt);
@@ -147,7 +148,7 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
                               inverse_norm1_estimate(l);
   }
   info.precision = "float64";
-  clock.lap("factor64");
+  phases.lap("factor64");
 
   // rhs = sum_{i != p} D_i (W_i - W-)^T with D_i = c_i (G~_i - G~_p), built from the raw
   // Grams as s_i G_i - (c_i / n_p) G_p with the off-diagonal scaled by alpha. D_i reuses
@@ -164,7 +165,7 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
                                    d_i.middleRows(r0, h) * delta.leftCols(w);
                              });
   }
-  clock.lap("products64");
+  phases.lap("products64");
   if (system.size() == 0) {
     cholesky_solve_in_place(l, merged_t, threads);
   } else {
@@ -175,7 +176,7 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
     spectral_solve(system, floor, opt.name, merged_t, info);
   }
   merged_t += mean_t;
-  clock.lap("solve64");
+  phases.lap("solve64");
   return info;
 }
 

@@ -50,8 +50,10 @@ struct RegMeanInfo : SolveInfo {
   /// Eigendirections of the system below the statistics' noise floor, solved as unseen
   /// (they keep the average); 0 where none were looked for or found.
   int unseen_directions = 0;
-  /// Wall time per phase of the merge in seconds, in the order first entered (a phase
-  /// entered again accumulates): where the time of a layer goes, for benchmarks.
+  /// The phases of the merge in the order first entered: the path it took.
+  std::vector<std::string> phases;
+  /// Wall time per phase in seconds, in the order first entered (a phase entered again
+  /// accumulates), in a build with LMDX_PROFILE only (benchmarks); empty otherwise.
   std::vector<std::pair<std::string, double>> timings;
 };
 

@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "core/parallel.hpp"
+#include "core/phases.hpp"
 #include "core/reduction.hpp"
 
 LMDX_NAMESPACE_BEGIN
@@ -108,7 +109,7 @@ double Float32Merge::predicted_error(double spread, double pivot_ratio) const {
 
 bool Float32Merge::run(const SolveOptions& opt, bool forced, RegMeanInfo& info,
                        MatrixXd& merged_t) {
-  PhaseClock clock(info);
+  PhaseLog phases(info);
   const int threads = opt.n_threads;
   const double alpha = opt.alpha;
   const double mean_diagonal = lhs.diagonal().mean();
@@ -129,20 +130,20 @@ bool Float32Merge::run(const SolveOptions& opt, bool forced, RegMeanInfo& info,
       l32.col(j).tail(d_in - j) = c.cast<float>();
     }
   }
-  clock.lap("convert32");
+  phases.lap("convert32");
   if (blocked_cholesky(l32, mean_diagonal, threads) >= 0) return false;
-  clock.lap("factor32");
+  phases.lap("factor32");
   // Directions near the noise floor: the float64 path decides which are unseen.
   const double smallest = l32.diagonal().minCoeff();
   const double floor = noise_floor * std::sqrt(static_cast<double>(d_in)) * mean_diagonal;
   if (floor > 0.0 && smallest * smallest <= kNoiseFloorTrigger * floor) return false;
   if (!forced && predicted_error(info.relative_spread, l32.diagonal().maxCoeff() / smallest) >
                      kOutputErrorTolerance) {
-    clock.lap("predictor");
+    phases.lap("predictor");
     return false;  // predicted above the tolerance: float64 before the expensive phases
   }
   mirror_lower(lhs, threads);
-  clock.lap("convert32");
+  phases.lap("convert32");
 
   // The deviations, once: y_i = (W_i - W-)^T z in float64 for the probes, and rounded to
   // float32 into rows [j d_in, (j + 1) d_in) of dev32.
@@ -163,7 +164,7 @@ bool Float32Merge::run(const SolveOptions& opt, bool forced, RegMeanInfo& info,
           });
     }
   }
-  clock.lap("deviations");
+  phases.lap("deviations");
   // The Gram differences by tiles of rows: B z = sum_j D_j y_j in float64 (each tile owns
   // its rows of B z, summed over j in order); with m <= kHeldDifferences, D_j also rounded
   // into diff32's columns [j d_in, (j + 1) d_in).
@@ -186,13 +187,13 @@ bool Float32Merge::run(const SolveOptions& opt, bool forced, RegMeanInfo& info,
       }
     }
   }
-  clock.lap("differences");
+  phases.lap("differences");
   if (factor_error_estimate(l32, bz, z, alpha, ridge, threads) > kOutputErrorTolerance &&
       !forced) {
-    clock.lap("precheck");
+    phases.lap("precheck");
     return false;  // the factor alone already exceeds the tolerance: float64 at once
   }
-  clock.lap("precheck");
+  phases.lap("precheck");
 
   // rhs = sum_j D_j (W_j - W-)^T in float32, by fixed blocks of rows: held, one product
   // [D_1 .. D_m] [dev_1; ..; dev_m]; otherwise for each j the block's rows of D_j formed
@@ -238,9 +239,9 @@ bool Float32Merge::run(const SolveOptions& opt, bool forced, RegMeanInfo& info,
   }
   diff32.resize(0, 0);
   dev32.resize(0, 0);
-  clock.lap("products32");
+  phases.lap("products32");
   cholesky_solve_in_place(l32, x32, threads);
-  clock.lap("solve32");
+  phases.lap("solve32");
 
   // merged = W- + X; probes of X (those of W- and A W- z are the pre-check's).
   MatrixXd xz(d_in, kProbes);
@@ -296,7 +297,7 @@ bool Float32Merge::run(const SolveOptions& opt, bool forced, RegMeanInfo& info,
   }
   info.output_error_estimate = estimate;
   info.precision = "float32";
-  clock.lap("certificate");
+  phases.lap("certificate");
   return forced || (rho <= kMaxContraction && estimate <= kOutputErrorTolerance);
 }
 

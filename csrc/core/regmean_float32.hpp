@@ -28,7 +28,7 @@
 
 #include <vector>
 
-#include "core/regmean_detail.hpp"
+#include "core/regmean_kernels.hpp"
 
 LMDX_NAMESPACE_BEGIN
 

@@ -28,6 +28,7 @@ __all__: list[str] = [
     "max_threads",
     "measure_bf16_peak_gflops",
     "measure_peak_gflops",
+    "profiled",
     "regmean_low_rank_solve",
     "regmean_merge_layer",
     "release_scratch",
@@ -158,6 +159,11 @@ class RegMeanInfo(SolveInfo):
         of a float32 merge (0: float64 or identical).
         """
     @property
+    def phases(self) -> list[str]:
+        """
+        The phases of the merge in the order first entered: the path it took.
+        """
+    @property
     def precision(self) -> str:
         """
         'float64', 'float32' (factorization, products and solve) or
@@ -171,7 +177,8 @@ class RegMeanInfo(SolveInfo):
     @property
     def timings(self) -> dict[str, float]:
         """
-        Wall time per phase of the merge in seconds (a benchmark's breakdown).
+        Wall time per phase of the merge in seconds (a benchmark's breakdown), in a
+        build with LMDX_PROFILE=ON only (lmdx.config()['profiled']); empty otherwise.
         """
     @property
     def unseen_directions(self) -> int:
@@ -253,6 +260,11 @@ def measure_peak_gflops(
 ) -> float:
     """
     GFLOP/s of a register-resident FMA loop on this machine.
+    """
+
+def profiled() -> bool:
+    """
+    Whether the core was built with LMDX_PROFILE (RegMeanInfo.timings filled).
     """
 
 def regmean_low_rank_solve(

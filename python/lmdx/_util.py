@@ -1,13 +1,24 @@
-"""Small helpers every part of lmdx shares: progress bars, sizes, name patterns."""
+"""Small helpers every part of lmdx shares: progress bars, sizes, name patterns, the
+process's memory."""
 
 from __future__ import annotations
 
 import contextlib
 import fnmatch
+import os
+import resource
+import sys
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["matches", "parse_size", "progress_bar", "split_in_order"]
+__all__ = [
+    "current_rss_bytes",
+    "matches",
+    "parse_size",
+    "peak_rss_bytes",
+    "progress_bar",
+    "split_in_order",
+]
 
 
 def progress_bar(total: int, desc: str, enabled: bool, unit: str = "it") -> Any:
@@ -65,3 +76,18 @@ def split_in_order(sizes: Sequence[int], limit: int) -> list[list[int]]:
         parts[-1].append(i)
         total += size
     return parts
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def current_rss_bytes() -> int:
+    """Resident set size of this process now (bytes; the peak where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return peak_rss_bytes()

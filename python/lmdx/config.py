@@ -83,6 +83,7 @@ def config() -> dict[str, Any]:
         "gram_paths": _core.gram_paths(),
         "compiler": core.compiler(),
         "openmp": core.has_openmp(),
+        "profiled": core.profiled(),
         "default_threads": default_threads(),
         "python": sys.version.split()[0],
     }

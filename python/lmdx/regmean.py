@@ -88,10 +88,10 @@ def regmean_merge_layer(
     noise_floor
         The relative rounding of the Grams' entries: their accumulation precision
         (``2**-24`` for statistics collected with float32 products summed in float64,
-        ``lmdx.merge.methods.GRAM_ROUNDOFF``; 0 for exact Grams). Directions whose eigenvalue
-        of ``Σ c_i G̃_i`` is at most ``√d_in·(noise_floor·mean(diag) + 2⁻⁵²·λ_max)`` are
-        below what the statistics (and the eigendecomposition) can tell from their own
-        rounding: they keep the average,
+        ``lmdx.merge.builtin.regmean_solve.GRAM_ROUNDOFF``; 0 for exact Grams).
+        Directions whose eigenvalue of ``Σ c_i G̃_i`` is at most
+        ``√d_in·(noise_floor·mean(diag) + 2⁻⁵²·λ_max)`` are below what the statistics (and
+        the eigendecomposition) can tell from their own rounding: they keep the average,
         as directions the statistics never saw (an eigendecomposition of the system, only
         for layers whose factorization shows a pivot near that floor or needs a ridge;
         ``info.unseen_directions`` counts them).
@@ -166,8 +166,8 @@ def regmean_low_rank_solve(
         F = S⁻¹ [c_1 G̃_1 A_1ᵀ … c_K G̃_K A_Kᵀ] + λ S⁻¹ [c_1 A_1ᵀ/C … c_K A_Kᵀ/C]
 
     so that the RegMean merge of the weights ``W₀ + B_i A_i`` is
-    ``W₀ + [B_1 … B_K] Fᵀ`` (``lmdx.merge.lora``). ``O(d_in² Σ r_i)`` work besides the
-    factorization.
+    ``W₀ + [B_1 … B_K] Fᵀ`` (``lmdx.merge.builtin.regmean``). ``O(d_in² Σ r_i)`` work
+    besides the factorization.
 
     Parameters
     ----------

@@ -288,7 +288,10 @@ def test_merge_ties_and_dare_match_numpy(
     [
         ("method: regmean\nmodels: [m0, m1]\nalpah: 0.5\n", r"unknown key\(s\) \['alpah'\]"),
         ("method: mean\nmodels: [m0, m1]\n", "method must be one of"),
-        ("method: regmean\nmodels: [m0, m1]\n", r"models\[0\]\.stats is required"),
+        (
+            "method: regmean\nmodels: [m0, m1]\n",
+            r"models\[0\]\.stats: method regmean needs regmean-gram statistics, one per model",
+        ),
         ("method: average\nmodels: [m0]\n", "at least 2"),
         ("method: average\nmodels: [m0, nowhere]\n", r"models\[1\]\.path .*no such model folder"),
         (
@@ -306,8 +309,8 @@ def test_merge_ties_and_dare_match_numpy(
             "method: average\nprecision: half\nmodels: [m0, m1]\n",
             "precision must be one of auto, float32, float64",
         ),
-        ("method: task_arithmetic\nmodels: [m0, m1]\n", "needs base"),
-        ("method: ties\nmodels: [m0, m1]\n", "ties needs base: "),
+        ("method: task_arithmetic\nmodels: [m0, m1]\n", "needs the pre-trained model"),
+        ("method: ties\nmodels: [m0, m1]\n", "base: method ties needs the pre-trained model"),
         (
             "method: ties\nbase: base\ndensity: 0\nmodels: [m0, m1]\n",
             r"density must be in \(0, 1\]",
@@ -335,13 +338,13 @@ def test_merge_ties_and_dare_match_numpy(
         ),
         (
             "method: average\nbase: base\nmodels: [m0, m1]\n",
-            r"base is only used by LoRA adapters .* and by task_arithmetic, ties, dare, dare_ties, "
+            r"base: used by LoRA adapters .* and by task_arithmetic, ties, dare, dare_ties, "
             "not by average",
         ),
         (
             "method: dare_ties\nbase: base\n"
             "models:\n  - {path: m0, stats: s0.safetensors}\n  - m1\n",
-            r"models\[0\]\.stats given but method dare_ties uses no statistics",
+            r"models\[0\]\.stats: method dare_ties takes no statistics",
         ),
         ("method: average\nmodels: [m0, m1]\noutput: {dtype: int8}\n", "output.dtype"),
         ("method: [unclosed\n", "cannot parse"),
@@ -515,7 +518,7 @@ def test_sigterm_during_merge_leaves_nothing(workspace: Path, tmp_path: Path) ->
     cfg = _regmean_config(workspace, "term.yaml")
     out = tmp_path / "merged"
     script = (
-        "import time, lmdx.merge.methods as s\n"
+        "import time, lmdx.merge.builtin.regmean_solve as s\n"
         "s.regmean_merge_layer = lambda *a, **k: time.sleep(60)\n"
         "from lmdx.cli import main\n"
         f"raise SystemExit(main(['merge', {str(cfg)!r}, '--out', {str(out)!r}, '--no-progress']))\n"

@@ -112,16 +112,16 @@ def test_merge_config_runs_regmean_plusplus(
     [
         (
             CONFIG.replace(", data: d0.txt", ""),
-            "models[0].data is required for method regmean_plusplus",
+            "models[0].data: method regmean_plusplus needs each model's data",
         ),
         (CONFIG.replace("d1.jsonl", "nope.jsonl"), "models[1].data"),
         (CONFIG.replace("d0.txt", "corpus:nope"), "unknown corpus 'nope'"),
-        (CONFIG.replace("d0.txt}", "d0.txt, stats: d0.txt}"), "uses no statistics"),
+        (CONFIG.replace("d0.txt}", "d0.txt, stats: d0.txt}"), "takes no statistics"),
         (
             CONFIG.replace("method: regmean_plusplus", "method: average").replace(
                 "max_texts: 25\n", ""
             ),
-            "models[0].data given but method average uses no data",
+            "models[0].data: only method regmean_plusplus takes data, not average",
         ),
         (
             "method: average\nmodels: [m0, m1]\nmax_length: 12\n",

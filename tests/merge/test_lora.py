@@ -31,10 +31,11 @@ from lmdx import (
 )
 from lmdx.files.checkpoint import Checkpoint
 from lmdx.files.peft import LoraAdapter
+from lmdx.merge.builtin.regmean import low_rank_inputs, regmean_low_rank, solve_group_low_rank
+from lmdx.merge.builtin.regmean_solve import solve_group
 from lmdx.merge.config import load_merge_config, run_merge
-from lmdx.merge.lora import low_rank_inputs, regmean_low_rank, solve_group_low_rank
-from lmdx.merge.methods import solve_group
 from lmdx.merge.options import MergeOptions
+from lmdx.merge.registry import merge_options
 from lmdx.merge.source import AdapterSource
 from lmdx.stats import Statistics
 from lmdx.stats.packing import pack_upper
@@ -282,7 +283,7 @@ def test_fisher_of_a_peft_model_is_refused(families):
 
 
 def _options(**kwargs: Any) -> MergeOptions:
-    return MergeOptions.checked(K, method="regmean", **kwargs)
+    return merge_options(K, "regmean", kwargs)
 
 
 @pytest.mark.parametrize("arch", ["bert", "gpt2", "llama"])
@@ -389,7 +390,7 @@ def test_statistics_must_be_of_the_same_adapter(families, tmp_path):
 
 def test_adapter_inputs_are_checked(families, tmp_path):
     fam = families["bert"]
-    with pytest.raises(MergeError, match=r"models\[0\] .*LoRA adapter folder; give base="):
+    with pytest.raises(MergeError, match=r"^models\[0\]: a LoRA adapter folder needs base"):
         stream_merge(fam["adapters"], tmp_path / "o", "average", progress=False)
     # an adapter of another architecture
     with pytest.raises(MergeError, match="the adapter is for another model"):
@@ -496,7 +497,7 @@ def test_config_with_adapters(families, tmp_path):
               "  lora_rank: 4"]  # fmt: skip
     (tmp_path / "merge.yaml").write_text("\n".join(lines) + "\n")
     cfg = load_merge_config(tmp_path / "merge.yaml")
-    assert all(m.adapter for m in cfg.models) and cfg.lora_rank == 4
+    assert all(m.adapter for m in cfg.models) and cfg.options.output.lora_rank == 4
     run_merge(cfg, tmp_path / "streamed", progress=False)
     run_merge(cfg, tmp_path / "in-memory", progress=False, streaming=False)
     for folder in ("streamed", "in-memory"):
@@ -512,5 +513,5 @@ def test_config_with_adapters(families, tmp_path):
         load_merge_config(tmp_path / "bad.yaml")
     no_base = "\n".join(line for line in lines if not line.startswith("base:"))
     (tmp_path / "no-base.yaml").write_text(no_base + "\n")
-    with pytest.raises(MergeError, match=r"models\[0\] is a LoRA adapter: base: is required"):
+    with pytest.raises(MergeError, match=r"models\[0\]\.adapter: a LoRA adapter folder needs base"):
         load_merge_config(tmp_path / "no-base.yaml")

@@ -33,7 +33,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from lmdx import MergeError, ModelMismatchError, merge_models, save_merged
 from lmdx.files.hf import load_model
-from lmdx.merge.methods import noise_floor
+from lmdx.merge.builtin.regmean_solve import noise_floor
 from lmdx.stats.collect import collect_regmean_stats
 from lmdx.stats.fisher import collect_fisher
 
@@ -359,15 +359,13 @@ def test_wrong_statistics_kind_count_or_padding_are_refused():
         _merge(models, stats=fisher)
     with pytest.raises(MergeError, match=r"stats\[0\] .*kind 'regmean-gram', expected 'fisher'"):
         _merge(models, "fisher", stats=stats)
-    with pytest.raises(
-        MergeError, match=r"needs one regmean-gram statistics per model \(3\), got 2"
-    ):
+    with pytest.raises(MergeError, match=r"^stats: 2 statistics for 3 models$"):
         _merge(models, stats=stats[:2])
     with pytest.raises(
-        MergeError, match=r"needs one regmean-gram statistics per model \(3\), got 0"
+        MergeError, match=r"^stats: method regmean needs regmean-gram statistics, one per model$"
     ):
         _merge(models)
-    with pytest.raises(MergeError, match="method 'average' takes no statistics"):
+    with pytest.raises(MergeError, match=r"^stats: method average takes no statistics$"):
         _merge(models, "average", stats=stats)
     _, padded, _ = prepared("bert", "float32", True)
     with pytest.raises(MergeError, match="mix padding policies"):
@@ -386,7 +384,7 @@ def test_bad_options_are_refused():
         _merge(models, "median")
     with pytest.raises(MergeError, match="need at least 2 models"):
         _merge(models[:1], "average")
-    with pytest.raises(MergeError, match="task_arithmetic needs base="):
+    with pytest.raises(MergeError, match=r"^base: method task_arithmetic needs the pre-trained"):
         _merge(models, "task_arithmetic")
 
 
@@ -505,9 +503,10 @@ def test_failed_save_leaves_nothing_behind(merged_bert, tmp_path):
     assert isinstance(info.value, MergeError), repr(info.value)[:300]
     assert re.search("do not fit the template|have no merged value", str(info.value))
     for kwargs, message in (
-        ({"head_policy": "first"}, "head_policy: expected 'keep' or 'drop'"),
-        ({"dtype": "int8"}, "dtype: expected one of"),
-        ({"max_shard_size": "big"}, "max_shard_size: expected"),
+        ({"head_policy": "first"}, "^head_policy: must be keep or drop, got 'first'$"),
+        ({"dtype": "int8"}, "^dtype: must be auto/float32/bfloat16/float16, got 'int8'$"),
+        ({"max_shard_size": "big"}, "^max_shard_size: must be a size such as '2GB'"),
+        ({"alpha": 0.9}, r"^unknown option 'alpha'; the options of writing a folder are \["),
     ):
         with pytest.raises(MergeError, match=message):
             save_merged(result, out, models[0], **kwargs)

@@ -1,4 +1,4 @@
-"""RegMean groups solved in blocks of output rows (lmdx.merge.output_blocks).
+"""RegMean groups solved in blocks of output rows (lmdx.merge.builtin.regmean_solve).
 
 A block's rows are solved from the same system as the whole group's, so the blocked
 result must equal the RegMean formula (an independent float64 NumPy solve) and the whole
@@ -18,22 +18,28 @@ from hypothesis import strategies as st
 from lmdx import MergeError
 from lmdx.files import Checkpoint
 from lmdx.merge import stream_merge
-from lmdx.merge.methods import average_tensor, solve_group
-from lmdx.merge.options import SOLVE_MEMORY_ENV, MergeOptions
-from lmdx.merge.output_blocks import (
-    average_in_blocks,
+from lmdx.merge.builtin.average import average_in_blocks, average_tensor
+from lmdx.merge.builtin.regmean_solve import (
     group_memory,
     output_block_rows,
     output_block_size,
+    solve_group,
     solve_in_output_blocks,
 )
-from lmdx.merge.plan import Step
+from lmdx.merge.method import Step
+from lmdx.merge.options import SOLVE_MEMORY_ENV
+from lmdx.merge.registry import merge_options, method_named
 from lmdx.merge.source import StateDictSource
 from lmdx.moments import Moments
 from lmdx.stats import Statistics
 from safetensors.torch import save_file
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _checked(k, method="regmean", **kwargs):
+    """A merge's checked options, as a front door makes them from its keywords."""
+    return merge_options(k, method, kwargs)
 
 
 def _problem(seed: int, k: int, d: int, sizes: list[int]):
@@ -64,7 +70,7 @@ def _problem(seed: int, k: int, d: int, sizes: list[int]):
                 moments={"g": mom},
             )
         )
-    step = Step("regmean", [f"{m}.weight" for m in members], members, "linear", d)
+    step = Step(method_named("regmean"), [f"{m}.weight" for m in members], members, "linear", d)
     return step, sources, stats
 
 
@@ -90,7 +96,7 @@ def _reference(step, sources, stats, alpha):
 )
 def test_blocks_equal_the_formula_and_the_whole_solve(seed, k, d, sizes, block, alpha):
     step, sources, stats = _problem(seed, k, d, sizes)
-    options = MergeOptions.checked(k, alpha=alpha, precision="float64", n_threads=1)
+    options = _checked(k, alpha=alpha, precision="float64", n_threads=1)
     grams = [s.gram_stored(step.modules[0]) for s in stats]
     labels = [f"model{i}" for i in range(k)]
     merged, layers = solve_in_output_blocks(step, sources, stats, grams, labels, options, block)
@@ -111,7 +117,7 @@ def test_blocks_equal_the_formula_and_the_whole_solve(seed, k, d, sizes, block, 
 
 def test_auto_precision_blocks_report_their_worst_estimate():
     step, sources, stats = _problem(7, 3, 8, [40, 24])
-    options = MergeOptions.checked(3, alpha=0.9, precision="auto", n_threads=1)
+    options = _checked(3, alpha=0.9, precision="auto", n_threads=1)
     grams = [s.gram_stored(step.modules[0]) for s in stats]
     merged, layers = solve_in_output_blocks(
         step, sources, stats, grams, ["a", "b", "c"], options, 16
@@ -146,17 +152,21 @@ def test_block_rows_fit_the_budget_or_are_the_least_allowed(d, rows, k, stored, 
 
 def test_small_groups_are_not_blocked(monkeypatch):
     step, sources, _ = _problem(1, 3, 4, [5])
-    assert output_block_size(step, sources, MergeOptions.checked(3)) is None
-    tiny = MergeOptions.checked(3, solve_memory=100)
+    assert output_block_size(step, sources, _checked(3)) is None
+    tiny = _checked(3, solve_memory=100)
     assert output_block_size(step, sources, tiny) == 4  # at least d_in rows
     monkeypatch.setenv(SOLVE_MEMORY_ENV, "100B")
-    assert MergeOptions.checked(3).solve_memory == 100
-    assert MergeOptions.checked(3, solve_memory="2GB").solve_memory == 2 * 10**9  # option first
+    assert _checked(3).solve_memory == 100
+    assert _checked(3, solve_memory="2GB").solve_memory == 2 * 10**9  # option first
     monkeypatch.setenv(SOLVE_MEMORY_ENV, "lots")
-    with pytest.raises(MergeError, match="LMDX_SOLVE_MEMORY='lots': expected a size"):
-        MergeOptions.checked(3)
-    with pytest.raises(MergeError, match="solve_memory='-1GB': expected a size"):
-        MergeOptions.checked(3, solve_memory="-1GB")
+    with pytest.raises(
+        MergeError, match=r"^solve_memory: LMDX_SOLVE_MEMORY='lots' \(its default\) must be a size"
+    ):
+        _checked(3)
+    with pytest.raises(
+        MergeError, match=r"^solve_memory: must be a size such as '2GB'.*, got '-1GB'"
+    ):
+        _checked(3, solve_memory="-1GB")
 
 
 def test_rows_read_alone_are_the_tensors_rows(tmp_path):
@@ -258,7 +268,8 @@ def test_config_and_cli_set_the_budget(llama, tmp_path, capsys):
     argv = ["merge", str(cfg), "--out", str(tmp_path / "c"), "--solve-memory", "lots"]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "solve_memory='lots': expected a size such as 8GB" in err[0], err
+    assert len(err) == 1 and "--solve-memory: must be a size such as '2GB'" in err[0], err
+    assert err[0].endswith(", got 'lots'"), err
     cfg.write_text(f"method: regmean\nmodels:\n{models}solve_memory: [1]\n")
     assert main(["merge", str(cfg), "--out", str(tmp_path / "d")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -281,9 +292,7 @@ def test_averages_in_blocks_equal_the_formula_and_the_whole_average(
     values = [rng.standard_normal(shape) for _ in range(k)]
     sources = [StateDictSource({"e": torch.from_numpy(v)}, f"m{i}") for i, v in enumerate(values)]
     coef = tuple(rng.uniform(0.1, 2.0, k)) if weighted else None
-    options = MergeOptions.checked(
-        k, method="average", coefficients=coef, n_threads=1, solve_memory=budget
-    )
+    options = _checked(k, method="average", coefficients=coef, n_threads=1, solve_memory=budget)
     got = average_in_blocks("e", sources, options)
     c = np.ones(k) if coef is None else np.asarray(coef)
     ref = sum(ci * v for ci, v in zip(c, values, strict=True)) / c.sum()

@@ -23,16 +23,17 @@ from lmdx import MergeError
 from lmdx.cli import main
 from lmdx.merge import (
     MergeMethod,
-    MergeOptions,
     NoOptions,
     merge_models,
     register_method,
     stream_merge,
 )
 from lmdx.merge.builtin.regmean_plusplus import RegMeanPlusPlusOptions
-from lmdx.merge.builtin.solve_options import SolveOptions
+from lmdx.merge.builtin.regmean_solve import SolveOptions
 from lmdx.merge.card import model_card
-from lmdx.merge.registry import COPY, method_named, methods, step_method
+from lmdx.merge.method import COPY, MergeInputs, tensor_step
+from lmdx.merge.registry import merge_options, method_named, methods
+from lmdx.merge.source import StateDictSource
 from pydantic import Field
 from safetensors.numpy import load_file
 
@@ -219,17 +220,26 @@ def test_where_a_method_runs_is_its_own_declaration(folders: list[Path], tmp_pat
     assert method_named("regmean_plusplus").ray == "refused"
     assert method_named("regmean").ray == "groups" and KeepFirst.ray == "local"
     with pytest.raises(MergeError, match=r"^ray_workers: regmean_plusplus merges in this process"):
-        stream_merge(folders, tmp_path / "o", "regmean_plusplus", ray_workers=2, progress=False)
+        stream_merge(folders, tmp_path / "o", "regmean_plusplus", data=[["a"]] * 3, ray_workers=2)
     assert not (tmp_path / "o").exists()
 
 
 def test_copying_tensors_not_floating_point_is_no_method_to_choose(
     folders: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The plan's steps for tensors that are not floating point run the registry's
-    ``COPY``: it is not among the methods, the help or the card's methods, a user cannot
-    choose it, and a method cannot be registered under its name."""
-    assert step_method("copy") is COPY and step_method("average") is methods()["average"]
+    """The plan's steps for tensors that are not floating point run ``COPY``: it is not
+    among the methods, the help or the card's methods, a user cannot choose it, and a
+    method cannot be registered under its name."""
+    import torch
+
+    states = [{"w": torch.full((2,), float(i)), "ids": torch.arange(3) + i} for i in range(2)]
+    sources = [StateDictSource(s, f"m{i}") for i, s in enumerate(states)]
+    average = methods()["average"]
+    inputs = MergeInputs(average, merge_options(2, "average", {}), sources, ["m0", "m1"])
+    assert tensor_step(inputs, "ids").method is COPY and tensor_step(inputs, "ids").kind == "copy"
+    assert tensor_step(inputs, "w").method is average
+    merged = merge_models(states, "average", progress=False).state_dict
+    assert merged["ids"].tolist() == [0, 1, 2] and merged["w"].tolist() == [0.5, 0.5]
     assert "copy" not in methods()
     with pytest.raises(MergeError, match=r"^method: expected one of .*, got 'copy'"):
         merge_models(folders, "copy", progress=False)
@@ -252,12 +262,12 @@ def test_copying_tensors_not_floating_point_is_no_method_to_choose(
 def test_a_method_reads_its_own_options_typed() -> None:
     """``MergeOptions.own(model)``: the method's options as its pydantic model (or a base
     of it), the same values as the attribute reads; another model is refused by name."""
-    options = MergeOptions.checked(2, method="regmean_plusplus", alpha=0.5, max_length=7)
+    options = merge_options(2, "regmean_plusplus", {"alpha": 0.5, "max_length": 7})
     own = options.own(RegMeanPlusPlusOptions)
     assert own is options.method_options and (own.max_length, own.alpha) == (7, 0.5)
-    assert options.own(SolveOptions).alpha == options.alpha == 0.5
-    keep = MergeOptions.checked(2, method="keep_first", keep=["*.weight"])
-    assert keep.own(KeepOptions).keep == keep.keep == ["*.weight"]
+    assert options.own(SolveOptions).alpha == 0.5
+    keep = merge_options(2, "keep_first", {"keep": ["*.weight"]})
+    assert keep.own(KeepOptions).keep == ["*.weight"]
     with pytest.raises(
         MergeError,
         match=r"^method 'keep_first' takes no SolveOptions \(its options are KeepOptions\)",

@@ -397,12 +397,12 @@ def test_dry_run_needs_no_data(folders, tmp_path):
 def test_one_line_errors(folders, tmp_path):
     models, batches = folders["models"], [list(b) for b in folders["batches"]]
     cases = [
-        ({"method": "regmean_plusplus"}, "regmean_plusplus needs data="),
+        ({"method": "regmean_plusplus"}, "^data: method regmean_plusplus needs each model's data"),
         ({"method": "average", "data": batches}, "data: only method regmean_plusplus takes data"),
         ({"method": "regmean_plusplus", "data": batches[:2]}, "data: 2 entries for 3 models"),
         (
             {"method": "regmean_plusplus", "data": batches, "stats": ["a", "b", "c"]},
-            "method 'regmean_plusplus' takes no statistics",
+            "^stats: method regmean_plusplus takes no statistics$",
         ),
         (
             {"method": "regmean_plusplus", "data": [["a text"]] * 3},
@@ -433,7 +433,9 @@ def test_one_line_errors(folders, tmp_path):
     with pytest.raises(MergeError, match="needs their Hugging Face configuration"):
         merge_models(states, "regmean_plusplus", data=batches, progress=False)
     with pytest.raises(MergeError, match="ray_workers: regmean_plusplus"):
-        stream_merge(folders["paths"], tmp_path / "r", "regmean_plusplus", ray_workers=2)
+        stream_merge(
+            folders["paths"], tmp_path / "r", "regmean_plusplus", data=batches, ray_workers=2
+        )
     with pytest.raises(MergeError, match=re.escape("found no repeated blocks in Sequential")):
         find_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2)))
 

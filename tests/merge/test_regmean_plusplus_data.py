@@ -168,11 +168,11 @@ def test_config_takes_per_model_data_options(
     [
         (
             "method: average\nmodels:\n  - {path: m0, max_length: 8}\n  - m1\n",
-            r"models\[0\]\.max_length given but method average uses no data",
+            r"models\[0\]\.max_length: only method regmean_plusplus takes data, not average",
         ),
         (
             "method: average\nmodels:\n  - m0\n  - {path: m1, max_texts: 8}\n",
-            r"models\[1\]\.max_texts given but method average uses no data",
+            r"models\[1\]\.max_texts: only method regmean_plusplus takes data, not average",
         ),
         (
             CONFIG.format(l0=0, l1=12, batch=8),

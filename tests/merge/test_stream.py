@@ -38,7 +38,7 @@ from lmdx.files import safetensors as lmdx_io
 from lmdx.files.atomic import remove_stale_temporaries
 from lmdx.files.hf import load_model
 from lmdx.merge import stream_merge
-from lmdx.merge.options import TASK_VECTOR_METHODS
+from lmdx.merge.registry import methods
 from lmdx.stats import Statistics
 from lmdx.stats.collect import collect_regmean_stats
 
@@ -105,7 +105,7 @@ def test_streaming_equals_in_memory(folders, tmp_path, arch, method, options, he
     kwargs = dict(options, heads=H.HEADS[arch])
     if method == "regmean":
         kwargs["stats"] = f["stats"]
-    if method in TASK_VECTOR_METHODS:
+    if methods()[method].needs_base:
         kwargs["base"] = f["base"]
     mem = merge_models(f["models"], method, progress=False, **kwargs)
     a = save_merged(mem, tmp_path / "mem", f["models"][0], head_policy=head_policy, progress=False)
@@ -371,7 +371,7 @@ def test_existing_output_is_refused(folders, tmp_path):
 
 
 def test_interrupt_leaves_nothing(folders, tmp_path, monkeypatch):
-    import lmdx.merge.methods as merge
+    import lmdx.merge.builtin.regmean_solve as merge
 
     calls = {"n": 0}
     real = merge.regmean_merge_layer
@@ -426,7 +426,7 @@ def test_killed_merge_leaves_no_output_and_the_next_run_cleans_up(folders, tmp_p
     f = folders["bert"]
     script = textwrap.dedent(
         f"""
-        import time, lmdx.merge.methods as m, lmdx.merge as s
+        import time, lmdx.merge.builtin.regmean_solve as m, lmdx.merge as s
         def slow(*a, **k):
             time.sleep(60)
         m.regmean_merge_layer = slow

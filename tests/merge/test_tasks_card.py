@@ -125,7 +125,7 @@ def test_model_card_names_method_inputs_hashes_and_command(folders, tmp_path):
     record = json.loads((out / "lmdx_merge.json").read_text())
     assert "**regmean** of 3 models" in card and "- `alpha`: 0.9" in card
     assert f"lmdx merge {tmp_path / 'merge.yaml'} --out {out} --per-task-folders" in card
-    assert record["config"]["per_task_folders"] is True
+    assert record["config"]["heads"]["per_task_folders"] is True
     assert record["command"] == "lmdx " + " ".join(argv)
     assert '"alpha": 0.9' in card  # the configuration
     for p, s in zip(folders["paths"], folders["stats"], strict=True):

@@ -28,15 +28,26 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from lmdx import MergeError, load_merged, merge_models, save_merged
-from lmdx.merge import MergeOptions, stream_merge
-from lmdx.merge.methods import dare_keep, task_vector_tensor, top_k_magnitude
+from lmdx.merge import stream_merge
+from lmdx.merge.builtin.task_vectors import dare_keep, top_k_magnitude
+from lmdx.merge.method import MergeInputs
+from lmdx.merge.registry import merge_options, method_named
+from lmdx.merge.source import StateDictSource
 from task_vectors import ref_merge, ref_top_k
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _options(method, k, **kwargs):
-    return MergeOptions.checked(k, method=method, **kwargs)
+    return merge_options(k, method, kwargs)
+
+
+def task_vector_tensor(name, base, thetas, options):
+    """Tensor ``name`` merged by ``options.method``'s arithmetic (its ``tensor``)."""
+    method = method_named(options.method)
+    source = StateDictSource({name: torch.as_tensor(base)}, "base")
+    inputs = MergeInputs(method, options, [], [], base=source)
+    return method.tensor(name, thetas, inputs)
 
 
 # --------------------------------------------------------------------------- one tensor
@@ -332,7 +343,7 @@ def plan_shape(plan, name):
 def test_errors_are_one_line(folders):
     models, base = folders["models"], folders["base"]
     cases = [
-        ({"method": "ties"}, "ties needs base= "),
+        ({"method": "ties"}, "^base: method ties needs the pre-trained model"),
         ({"method": "ties", "base": base, "density": 0.0}, r"density: must be in \(0, 1\]"),
         ({"method": "dare", "base": base, "density": 1.5}, r"density: must be in \(0, 1\]"),
         ({"method": "dare", "base": base, "density": float("nan")}, "density: must be in"),

@@ -213,7 +213,7 @@ def _trap_hook(trap: str) -> Callable[[], None]:
         import os
         import time
 
-        import lmdx.merge.ray as merge_ray
+        import lmdx.merge.builtin.regmean as merge_regmean
         import lmdx.stats.ray as stats_ray
         import ray
 
@@ -237,7 +237,7 @@ def _trap_hook(trap: str) -> Callable[[], None]:
 
             return call
 
-        merge_ray.solve_regmean_step = trapped(merge_ray.solve_regmean_step)
+        merge_regmean.solve_step = trapped(merge_regmean.solve_step)
         stats_ray.collect_regmean_stats = trapped(stats_ray.collect_regmean_stats)
 
     return hook
@@ -384,7 +384,7 @@ def test_no_node_left_stops_with_one_line_and_writes_nothing(
     remover.join(WAIT)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
-    assert "lmdx merge: error: the RegMean group of 'bert." in err[0], err
+    assert "lmdx merge: error: the regmean group of 'bert." in err[0], err
     # the group's task asked for the memory the plan estimates for it
     assert re.search(
         r"lost; no node of the Ray cluster has had 1 CPU\(s\) and [\d.]+ MB of memory to run it "
@@ -405,7 +405,7 @@ def test_worker_dying_twice_in_a_merge_is_a_cluster_error(
     assert main([*argv, "--ray-workers", "2"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
-    assert "lmdx merge: error: the RegMean group of 'bert." in err[0], err
+    assert "lmdx merge: error: the regmean group of 'bert." in err[0], err
     assert (
         "failed on its Ray worker: its Ray worker process or node was lost on the retry" in err[0]
     )

@@ -35,8 +35,9 @@ HELP = (
 
 def methods_help() -> str:
     """Every registered merge method with its line and its options (type, default, what
-    it does), as ``lmdx merge --help`` lists them."""
-    from ..merge.registry import methods
+    it does), as ``lmdx merge --help`` lists them; then the installed methods that could
+    not be loaded, with why."""
+    from ..merge.registry import methods, unloaded_methods
 
     def wrapped(text: str, indent: str) -> list[str]:
         return textwrap.wrap(text, 96, initial_indent=indent, subsequent_indent=indent + "  ")
@@ -54,6 +55,8 @@ def methods_help() -> str:
         for key, f in method.options.model_fields.items():
             default = "none" if f.default is None else f.default
             lines += wrapped(f"{key} (default {default}): {f.description or ''}", "      ")
+    for name, why in unloaded_methods().items():
+        lines += wrapped(f"{name}: not loaded: {why}", "  ")
     return "\n".join(lines)
 
 
@@ -102,23 +105,29 @@ def add_merge_parser(sub: Any) -> None:
         metavar="ADDRESS",
         help="auto or HOST:PORT of a Ray cluster (default: start a local Ray)",
     )
-    p.add_argument(
-        "--solve-memory",
-        default=None,
-        metavar="SIZE",
-        help="memory budget of one merge step, e.g. 8GB (as solve_memory in the config; "
-        "default LMDX_SOLVE_MEMORY or 4GB): larger RegMean groups are solved, larger "
-        "tensors averaged, in blocks of rows",
-    )
-    p.add_argument(
-        "--per-task-folders",
-        action="store_true",
-        help="also write one model folder per kept head, DIR/tasks/<i> (as heads.per_task_folders "
-        "in the config)",
-    )
+    for flag, path, key, field in _option_flags():
+        help_ = f"{field.description} (as {path} in the config)"
+        if field.annotation is bool:
+            p.add_argument(flag, dest=key, action="store_const", const=True, help=help_)
+        else:
+            extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+            metavar = str(extra.get("metavar", "VALUE"))
+            p.add_argument(flag, dest=key, default=None, metavar=metavar, help=help_)
     p.add_argument(
         "--no-progress", action="store_true", help="no progress bars (transformers' included)"
     )
+
+
+def _option_flags() -> list[tuple[str, str, str, Any]]:
+    """The options every merge shares that ``lmdx merge`` has a flag for, from their one
+    definition (:meth:`lmdx.merge.options.SharedOptions.flags`): (``--flag``, the key in
+    the config, the front doors' keyword, the field)."""
+    from ..merge.options import SharedOptions
+
+    return [
+        ("--" + path.rsplit(".", 1)[-1].replace("_", "-"), path, key, field)
+        for path, key, field in SharedOptions.flags()
+    ]
 
 
 def run_merge_cli(args: argparse.Namespace) -> int:
@@ -140,11 +149,12 @@ def run_merge_cli(args: argparse.Namespace) -> int:
 
 
 def _merge(args: argparse.Namespace, claimed: Claimed) -> int:
+    from .._util import peak_rss_bytes
     from ..files.atomic import existing_parent
     from ..merge.config import load_merge_config, plan_merge, run_merge
     from ..merge.door import check_new_folder
     from ..merge.lora import lora_errors
-    from ..merge.plan import peak_rss_bytes
+    from ..merge.options import OptionError
     from ..merge.registry import method_named
     from ..merge.sink import HEADS_DIR, MERGE_RECORD, TASKS_DIR
 
@@ -154,14 +164,15 @@ def _merge(args: argparse.Namespace, claimed: Claimed) -> int:
     if args.ray_workers < 0:
         raise CliError(f"--ray-workers: expected N >= 0, got {args.ray_workers}")
     cfg = load_merge_config(args.config)
-    if args.per_task_folders:
-        if cfg.head_policy != "keep" or not cfg.head_patterns:
-            raise CliError(
-                "--per-task-folders: the config keeps no heads (heads.patterns, policy keep)"
-            )
-        cfg.per_task_folders = True
-    if args.solve_memory is not None:
-        cfg.solve_memory = args.solve_memory
+    for flag, _, key, _ in _option_flags():  # a flag's value replaces the config's
+        value = getattr(args, key)
+        if value is not None:
+            try:
+                cfg = cfg.with_option(key, value)
+            except OptionError as exc:
+                raise CliError(f"{flag}: {exc.what}, got {value!r}") from None
+            except MergeError as exc:
+                raise CliError(f"{flag}: {exc}") from None
     if args.dry_run:
         if args.in_memory:
             raise CliError("--dry-run plans the streaming merge; drop --in-memory")

@@ -16,10 +16,14 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pydantic import ConfigDict
 
 __all__ = [
     "MAX_DOCUMENT_BYTES",
+    "STRICT",
     "parse_json",
     "read_json",
     "read_text",
@@ -30,6 +34,10 @@ __all__ = [
 #: Largest configuration, index or metadata document read (bytes): far above any real
 #: one, far below what would exhaust memory once parsed.
 MAX_DOCUMENT_BYTES = 64 * 10**6
+
+#: The model configuration of every schema lmdx checks documents and options with: types
+#: as given (no ``true`` for 1, no ``"3"`` for 3), unknown keys refused, nothing infinite.
+STRICT: ConfigDict = {"strict": True, "extra": "forbid", "allow_inf_nan": False}
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

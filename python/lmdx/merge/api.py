@@ -24,14 +24,19 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import MergeError
+from .._util import peak_rss_bytes
 from ..files.checkpoint import Checkpoint
-from ..files.hf import model_files
-from ..files.st import model_folder
+from ..files.hf import load_model, model_files
+from ..files.peft import is_adapter_folder
+from ..files.st import check_same_modules, model_folder, sentence_transformer
 from ..stats.file import Statistics
-from .door import check_new_folder, merge_options, prepare_merge
-from .inputs import MergeInputs, inputs_record, model_labels, open_inputs, st_files
-from .plan import peak_rss_bytes
+from .builtin import DEFAULT_METHOD
+from .door import check_new_folder, prepare_merge
+from .inputs import inputs_record, model_labels, open_inputs, st_files
+from .method import MergeInputs
+from .options import SharedOptions
 from .ray import RayGroupSolver
+from .registry import merge_options, method_named, methods
 from .result import MergeResult, StreamMergeResult
 from .save import check_task_folders, save_merged
 from .sink import FolderSink, MemorySink, merge_record, output_config
@@ -40,6 +45,7 @@ from .source import AdapterSource, StateDictSource, TensorSource, model_source
 __all__ = [
     "MergeResult",
     "StreamMergeResult",
+    "merge_in_memory",
     "merge_models",
     "save_merged",
     "stream_merge",
@@ -50,18 +56,12 @@ StatsArg = Sequence[Statistics | str | os.PathLike[str]] | None
 
 def merge_models(
     models: Sequence[Any],
-    method: str = "regmean",
+    method: str = DEFAULT_METHOD,
     *,
     stats: StatsArg = None,
-    coefficients: Sequence[float] | None = None,
-    exclude: Sequence[str] = (),
-    heads: Sequence[str] = (),
     base: Any = None,
     labels: Sequence[str] | None = None,
-    lora_rank: int | None = None,
     progress: bool = True,
-    n_threads: int | None = None,
-    solve_memory: int | str | None = None,
     data: Sequence[Any] | None = None,
     tokenizer: Any = None,
     **options: Any,
@@ -74,57 +74,25 @@ def merge_models(
         K torch modules, state dicts, Hugging Face model folders (sentence-transformers
         folders: their Transformer) or PEFT LoRA adapter folders over ``base``.
     method
-        ``"regmean"``, ``"average"``, ``"fisher"``, a task-vector method:
-        ``"task_arithmetic"``, ``"ties"``, ``"dare"`` or ``"dare_ties"`` (see
-        :mod:`lmdx.merge.methods` for the formulas), or ``"regmean_plusplus"``
+        A registered method's name (``lmdx merge --help`` lists them): ``"regmean"``,
+        ``"average"``, ``"fisher"``, a task-vector method: ``"task_arithmetic"``,
+        ``"ties"``, ``"dare"`` or ``"dare_ties"`` (see
+        :mod:`lmdx.merge.builtin.task_vectors` for the formulas), ``"regmean_plusplus"``
         (RegMean++, :mod:`lmdx.merge.regmean_plusplus`: the blocks merged in order, each
         on Grams taken through the merged blocks before it; needs ``data``, not
-        ``stats``).
+        ``stats``), or one installed or registered (:mod:`lmdx.merge.registry`).
     stats
         ``regmean``: K Gram statistics (objects, files or sharded folders), one per model,
         in order; ``fisher``: K Fisher statistics. Each is verified to belong to its model
         (per-tensor SHA-256 of its weights).
-    coefficients
-        Optional K non-negative per-model coefficients (RegMean: multiply the Grams;
-        averages: weights; task-vector methods: per task-vector factors, which TIES and
-        DARE-TIES also use to elect signs and weight the mean of the agreeing entries).
-    exclude
-        ``fnmatch`` patterns of module names RegMean must not solve (they are averaged).
-    heads
-        ``fnmatch`` patterns of parameter names that are task heads: not merged; each
-        model's own head is kept in :attr:`MergeResult.heads`.
     base
         The pre-trained model (a module or folder): the model LoRA adapters in ``models``
         adapt (their statistics must be collected on base + adapter), and the θ_base the
         task-vector methods take their task vectors ``θ_i − θ_base`` against (needed by
         them; refused by the other methods of full models).
-    options
-        The method's own options, checked by its pydantic model (the registry's
-        :attr:`~lmdx.merge.registry.MergeMethod.options`, the one place that defines their
-        types, defaults and meaning; ``lmdx merge --help`` lists them for every registered
-        method). Those of other methods are refused. Built in, e.g.: ``alpha``, ``ridge``,
-        ``allow_regularization`` and ``precision`` for ``regmean`` and
-        ``regmean_plusplus`` (``precision="auto"`` solves a layer in float32 where a
-        certificate bounds its relative output error by 1e-6, see
-        :func:`lmdx.regmean_merge_layer`); ``fisher_eps``; ``scaling``, ``density`` and
-        ``seed`` for the task-vector methods; ``max_texts``, ``max_length``,
-        ``batch_size`` and ``max_activation_memory`` for ``regmean_plusplus``.
-
-        ``report["layers"]`` says per RegMean module what was used and the certified
-        ``output_error_estimate``, ``report["poorly_determined"]`` lists the systems with
-        too few statistics rows per input or a large condition estimate, with what to do;
-        ``report["not_solved"]`` the linear weights the statistics could not cover (e.g.
-        mixture-of-experts tensors of an interface lmdx does not know), which were
-        averaged, with why. LoRA adapters over one base are solved on their factors, in
-        float64 (``low_rank`` in the layer's report: the merged update's rank).
     labels
         Names of the models for messages and the report (default: their paths or
         ``model0``...).
-    solve_memory
-        Memory budget of one merge step (``"8GB"`` or bytes; default ``LMDX_SOLVE_MEMORY``
-        or 4 GB): a RegMean group over it is solved in blocks of output rows and a larger
-        tensor averaged in blocks of rows, with the same numbers (a group's system, about
-        ``(4K + 20)·d²`` bytes for ``d`` inputs, is the least it needs).
     data
         ``regmean_plusplus``: per model, in order, its texts or its batches (dicts of
         tensors for ``model(**batch)``). Each model's own data is needed at merge time:
@@ -134,35 +102,61 @@ def merge_models(
     tokenizer
         For texts: one tokenizer for every model or a list with one per model (default:
         each model folder's own).
-    lora_rank
-        Also build a rank-r LoRA of the merged update (every model a LoRA adapter over
-        ``base``): :attr:`MergeResult.lora`, written by :func:`save_merged`.
+    options
+        The merge's options, each checked by the one model that defines it:
+
+        * the options every merge shares (:class:`lmdx.merge.options.SharedOptions`,
+          also the keys of a configuration file): ``coefficients`` (K non-negative
+          per-model coefficients; RegMean: multiply the Grams; averages: weights;
+          task-vector methods: per task-vector factors, which TIES and DARE-TIES also use
+          to elect signs and weight the mean of the agreeing entries), ``exclude``
+          (``fnmatch`` patterns of modules RegMean must not solve: averaged), ``heads``
+          (``fnmatch`` patterns of task-head parameters: not merged; each model's own is
+          kept in :attr:`MergeResult.heads`), ``n_threads``, ``solve_memory`` (memory
+          budget of one merge step, ``"8GB"`` or bytes; default ``LMDX_SOLVE_MEMORY`` or
+          4 GB: a RegMean group over it is solved in blocks of output rows and a larger
+          tensor averaged in blocks of rows, with the same numbers; a group's system,
+          about ``(4K + 20)·d²`` bytes for ``d`` inputs, is the least it needs) and
+          ``lora_rank`` (also build a rank-r LoRA of the merged update, every model a
+          LoRA adapter over ``base``: :attr:`MergeResult.lora`, written by
+          :func:`save_merged`); the options of writing a folder are
+          :func:`save_merged`'s;
+        * the method's own (its pydantic model, :attr:`lmdx.merge.method.MergeMethod.
+          options`; ``lmdx merge --help`` lists them for every registered method; those
+          of other methods are refused). Built in, e.g.: ``alpha``, ``ridge``,
+          ``allow_regularization`` and ``precision`` for ``regmean`` and
+          ``regmean_plusplus`` (``precision="auto"`` solves a layer in float32 where a
+          certificate bounds its relative output error by 1e-6, see
+          :func:`lmdx.regmean_merge_layer`); ``fisher_eps``; ``scaling``, ``density`` and
+          ``seed`` for the task-vector methods; ``max_texts``, ``max_length``,
+          ``batch_size`` and ``max_activation_memory`` for ``regmean_plusplus``.
+
+    Returns
+    -------
+    MergeResult
+        ``report["layers"]`` says per RegMean module what was used and the certified
+        ``output_error_estimate``, ``report["poorly_determined"]`` lists the systems with
+        too few statistics rows per input or a large condition estimate, with what to do;
+        ``report["not_solved"]`` the linear weights the statistics could not cover (e.g.
+        mixture-of-experts tensors of an interface lmdx does not know), which were
+        averaged, with why. LoRA adapters over one base are solved on their factors, in
+        float64 (``low_rank`` in the layer's report: the merged update's rank).
     """
     t0 = time.perf_counter()
     models = list(models)
-    checked = merge_options(
-        len(models),
-        method,
-        {
-            "coefficients": coefficients,
-            "exclude": exclude,
-            "heads": heads,
-            "n_threads": n_threads,
-            "solve_memory": solve_memory,
-            **options,
-        },
-    )
+    checked = merge_options(len(models), method, options, writes=False)
     names = model_labels(models, labels)
     opened = open_inputs(
         models,
+        method_named(method),
         checked,
+        registered=methods(),
         labels=names,
         stats=stats,
         base=base,
         open_model=lambda m, lab: model_source(m, lab, progress=progress),
         data=data,
         tokenizer=tokenizer,
-        lora_rank=lora_rank,
     )
     prepared = prepare_merge(opened, folder=False)
     inputs, plan = prepared.inputs, prepared.plan
@@ -201,24 +195,14 @@ def _tokenizer_folder(source: TensorSource) -> Path | None:
 def stream_merge(
     models: Sequence[str | os.PathLike[str]],
     out_dir: str | os.PathLike[str],
-    method: str = "regmean",
+    method: str = DEFAULT_METHOD,
     *,
     stats: StatsArg = None,
-    coefficients: Sequence[float] | None = None,
-    exclude: Sequence[str] = (),
-    heads: Sequence[str] = (),
-    head_policy: str = "keep",
     base: str | os.PathLike[str] | None = None,
-    dtype: str = "auto",
-    max_shard_size: int | str = "2GB",
     labels: Sequence[str] | None = None,
     record: Mapping[str, Any] | None = None,
-    lora_rank: int | None = None,
-    task_folders: bool = False,
     dry_run: bool = False,
     progress: bool = True,
-    n_threads: int | None = None,
-    solve_memory: int | str | None = None,
     ray_workers: int = 0,
     ray_address: str | None = None,
     data: Sequence[Any] | None = None,
@@ -234,12 +218,14 @@ def stream_merge(
     its output shard. Peak memory is one step's inputs and statistics plus its result,
     independent of depth and of K × model size.
 
-    Parameters are those of :func:`merge_models` and :func:`save_merged` (``models`` and
-    ``base`` are model folders: Hugging Face, sentence-transformers or, over ``base``,
-    PEFT LoRA adapters; ``lora_rank`` writes the LoRA of the merged update to ``lora/``,
-    with its errors in ``lmdx_merge.json``). With ``dry_run=True`` nothing is read beyond headers
-    (and, with statistics, the weights they are checked against) and nothing is written:
-    the result's ``plan`` says what would be done and how much memory and disk it needs.
+    Parameters are those of :func:`merge_models`, and ``options`` also those of writing a
+    folder (:func:`save_merged`'s: ``head_policy``, ``dtype``, ``max_shard_size``,
+    ``task_folders``). ``models`` and ``base`` are model folders: Hugging Face,
+    sentence-transformers or, over ``base``, PEFT LoRA adapters; ``lora_rank`` writes the
+    LoRA of the merged update to ``lora/``, with its errors in ``lmdx_merge.json``. With
+    ``dry_run=True`` nothing is read beyond headers (and, with statistics, the weights
+    they are checked against) and nothing is written: the result's ``plan`` says what
+    would be done and how much memory and disk it needs.
 
     The output folder holds ``config.json`` (the first model's, with ``architectures``
     and the dtype updated as needed), the weights as ``model.safetensors`` or shards of
@@ -264,21 +250,9 @@ def stream_merge(
     """
     t0 = time.perf_counter()
     models = list(models)
-    checked = merge_options(
-        len(models),
-        method,
-        {
-            "coefficients": coefficients,
-            "exclude": exclude,
-            "heads": heads,
-            "head_policy": head_policy,
-            "dtype": dtype,
-            "max_shard_size": max_shard_size,
-            "n_threads": n_threads,
-            "solve_memory": solve_memory,
-            **options,
-        },
-    )
+    checked = merge_options(len(models), method, options, writes=True)
+    head_policy, dtype = checked.heads.policy, checked.output.dtype
+    task_folders = checked.heads.per_task_folders
     names = model_labels(models, labels)
     out = Path(out_dir) if dry_run else check_new_folder(out_dir)
     files: dict[str, bytes] = {}
@@ -289,21 +263,23 @@ def stream_merge(
                 f"ray_workers: {inputs.method.name} merges in this process; drop ray_workers"
             )
         files.update(st_files(models, names))
-        if ray_workers and inputs.adapters:
+        if ray_workers and any(isinstance(s, AdapterSource) for s in inputs.sources):
             raise MergeError("ray_workers: not for LoRA adapter inputs; merge them without Ray")
         if ray_workers and not dry_run:
             RayGroupSolver.check_address(ray_address)  # within seconds, before any output
 
     opened = open_inputs(
         models,
+        method_named(method),
         checked,
+        registered=methods(),
         labels=names,
         stats=stats,
         base=base,
         open_model=lambda m, lab: Checkpoint(model_folder(m), lab),
         data=data,
         tokenizer=tokenizer,
-        lora_rank=lora_rank,
+        running=not dry_run,
     )
     prepared = prepare_merge(opened, folder=True, before_plan=door_checks)
     inputs, plan = prepared.inputs, prepared.plan
@@ -339,3 +315,59 @@ def stream_merge(
             if remote is not None:
                 remote.close()
     return StreamMergeResult(out, plan, report, peak_rss_bytes())
+
+
+def merge_in_memory(
+    models: Sequence[str | os.PathLike[str]],
+    out_dir: str | os.PathLike[str],
+    method: str = DEFAULT_METHOD,
+    *,
+    stats: StatsArg = None,
+    base: str | os.PathLike[str] | None = None,
+    labels: Sequence[str] | None = None,
+    record: Mapping[str, Any] | None = None,
+    progress: bool = True,
+    data: Sequence[Any] | None = None,
+    tokenizer: Any = None,
+    **options: Any,
+) -> Path:
+    """Merge K model folders in memory and write the result as :func:`stream_merge` does
+    (``lmdx merge --in-memory``): each model (and ``base``) loaded whole with transformers,
+    so that pickle ``.bin`` checkpoints transformers accepts are read too; LoRA adapter
+    folders stay folders over the loaded base. Parameters are :func:`stream_merge`'s;
+    :func:`merge_models` merges, :func:`save_merged` writes (the options of writing a
+    folder go to it). Returns the output folder."""
+    out = check_new_folder(out_dir)  # before the models are loaded
+    writes = SharedOptions.writing_keywords()
+    writing = {k: v for k, v in options.items() if k in writes}
+    SharedOptions.for_writing(writing)  # checked before the models are loaded
+    merging = {k: v for k, v in options.items() if k not in writes}
+    models = list(models)
+    names = model_labels(models, labels)
+    loaded_base = None if base is None else load_model(base, progress=progress)
+    check_same_modules([sentence_transformer(m) for m in models], names)
+    loaded = [m if is_adapter_folder(m) else load_model(m, progress=progress) for m in models]
+    merged = merge_models(
+        loaded,
+        method,
+        stats=stats,
+        base=loaded_base,
+        labels=names,
+        progress=progress,
+        data=data,
+        tokenizer=tokenizer,
+        **merging,
+    )
+    first = models[0]
+    adapter = is_adapter_folder(first)
+    template = loaded_base if adapter else loaded[0]
+    tokenizers = base if adapter and not model_files(Path(first)) else first
+    return save_merged(
+        merged,
+        out,
+        template,
+        tokenizer_from=tokenizers,
+        record=record,
+        progress=progress,
+        **writing,
+    )

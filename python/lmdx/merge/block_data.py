@@ -25,7 +25,7 @@ MODEL_DATA_OPTIONS = ("max_texts", "max_length")
 
 def prepare_batches(
     sources: Sequence[TensorSource],
-    data: Sequence[Any] | None,
+    data: Sequence[Any],
     tokenizer: Any = None,
     *,
     max_texts: int | None = None,
@@ -42,14 +42,7 @@ def prepare_batches(
     collected with; an option it leaves out or sets to None is the one for all), or its
     batches (dicts of tensors, or input-id tensors; used as they are, ``labels`` dropped).
     """
-    if data is None:
-        raise MergeError(
-            "regmean_plusplus needs data=[...]: each model's texts (or batches), in the order "
-            "of the models; their activations are needed at merge time"
-        )
-    data = list(data)
-    if len(data) != len(sources):
-        raise MergeError(f"data: {len(data)} entries for {len(sources)} models")
+    data = list(data)  # one entry per model: checked by lmdx.merge.inputs.check_needs
     for key, value in (
         ("max_texts", max_texts),
         ("max_length", max_length),

@@ -58,40 +58,43 @@ read as ``lmdx stats`` reads DATA::
     max_length: 64             # tokens per text (default 128); a model's own beside its data
     batch_size: 16             # texts per forward pass (default 16)
     max_activation_memory: 8GB # beyond it, activations are recomputed (default: held)
+
+The keys besides ``method``, ``models``, ``base`` and the method's own options are the
+options every merge shares (``heads``, ``output``, ``exclude``, ``threads``,
+``solve_memory``), the ones the Python front doors take as keywords; ``lmdx merge
+--solve-memory`` and ``--per-task-folders`` replace the file's.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model
+from pydantic import BaseModel, BeforeValidator, Field, ValidationError, create_model
 
 from .._errors import DataError, MergeError, MissingFileError
-from .._tensors import OUTPUT_DTYPES
-from .._util import parse_size
 from ..data import corpora
 from ..data.files import read_data
-from ..files.hf import load_model, model_files
-from ..files.parse import parse_json, read_text, read_yaml, schema_message
+from ..files.parse import STRICT, parse_json, read_text, read_yaml, schema_message
 from ..files.peft import is_adapter_folder
-from ..files.st import check_same_modules, sentence_transformer
-from .api import merge_models, stream_merge
+from .api import merge_in_memory, stream_merge
 from .block_data import MODEL_DATA_OPTIONS
-from .door import check_new_folder
-from .inputs import base_users
-from .options import HEAD_POLICIES, OptionError, all_options, method_options
+from .inputs import check_needs
+from .options import HeadOptions, MergeOptions, OptionError, OutputOptions, SharedOptions
 from .plan import MergePlan
-from .registry import method_named, method_names
-from .save import save_merged
+from .registry import (
+    all_options,
+    method_named,
+    method_names,
+    method_options,
+    methods,
+    unloaded_methods,
+)
 
 __all__ = ["MergeConfig", "ModelEntry", "load_merge_config", "plan_merge", "run_merge"]
-
-#: Most threads a configuration may ask for (far above any machine's cores).
-MAX_THREADS = 4096
 
 
 @dataclass
@@ -109,68 +112,72 @@ class ModelEntry:
 
 @dataclass
 class MergeConfig:
-    """A validated merge configuration with paths resolved; ``options`` are the method's
-    own (its registered pydantic model's fields, defaults filled in), also read as
-    attributes (``cfg.alpha``)."""
+    """A validated merge configuration with paths resolved: the models, the base and the
+    merge's options (:class:`lmdx.merge.options.MergeOptions`: the method, the options
+    every merge shares, the models' coefficients and the method's own options)."""
 
-    method: str
     models: list[ModelEntry]
+    options: MergeOptions
     base: str | None = None
-    exclude: list[str] = field(default_factory=list)
-    head_patterns: list[str] = field(default_factory=list)
-    head_policy: str = "keep"
-    per_task_folders: bool = False
-    dtype: str = "auto"
-    max_shard_size: str = "2GB"
-    lora_rank: int | None = None
-    threads: int | None = None
-    solve_memory: str | None = None
-    options: dict[str, Any] = field(default_factory=dict)
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name == "options":
-            raise AttributeError(name)
-        if name in self.options:
-            return self.options[name]
-        raise AttributeError(f"merge config: method {self.method} has no option {name!r}")
+    @property
+    def method(self) -> str:
+        """The method's name."""
+        return self.options.method
 
     def to_dict(self) -> dict[str, Any]:
-        """The configuration as recorded in ``lmdx_merge.json``: the method's options at
-        the top level, as in the file."""
-        out = asdict(self)
-        return {**out, **out.pop("options")}
+        """The configuration as recorded in ``lmdx_merge.json``: as in the file (paths
+        resolved, defaults filled in), the method's options at the top level."""
+        shared = self.options.model_dump(include=set(SharedOptions.model_fields))
+        return {
+            "method": self.method,
+            "models": [asdict(m) for m in self.models],
+            "base": self.base,
+            **shared,
+            **self.options.method_options.model_dump(),
+        }
+
+    def with_option(self, keyword: str, value: Any) -> MergeConfig:
+        """This configuration with one shared option set as a front door's ``keyword``
+        would (``lmdx merge``'s flags), checked; :class:`OptionError` names the keyword."""
+        shared = {
+            k: v for k, v in self.options.keywords().items() if k in SharedOptions.keyword_paths()
+        }
+        fixed = {
+            "method": self.method,
+            "coefficients": self.options.coefficients,
+            "method_options": self.options.method_options,
+        }
+        options = MergeOptions.from_keywords({**shared, keyword: value}, fixed, writes=True)
+        return replace(self, options=options)
+
+    def arguments(self, *, data: bool) -> dict[str, Any]:
+        """The front doors' arguments for this configuration (:func:`lmdx.stream_merge`,
+        :func:`lmdx.merge.api.merge_in_memory`); with ``data``, each model's texts read
+        (methods that take data)."""
+        method = method_named(self.method)
+        return {
+            "models": [m.path for m in self.models],
+            "method": self.method,
+            "stats": [m.stats for m in self.models] if method.stats else None,
+            "base": self.base,
+            "labels": [m.name or m.path for m in self.models],
+            "data": _texts(self) if data and method.takes_data else None,
+            **self.options.keywords(),
+        }
 
 
 # --------------------------------------------------------------------------- schema
-
-
-def _as_list(value: Any) -> Any:
-    return [value] if isinstance(value, str) else value
 
 
 def _as_entry(value: Any) -> Any:
     return {"path": value} if isinstance(value, str) else value
 
 
-def _size(value: Any) -> Any:
-    """A size (shards, memory) as the merge takes it (``"2GB"``; bytes as ``"1000B"``)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        value = f"{value}B"
-    if isinstance(value, str):
-        try:
-            parse_size(value)
-        except ValueError:
-            pass
-        else:
-            return value
-    raise ValueError("must be a size such as '2GB' or a number of bytes")
-
-
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    model_config = STRICT
 
 
-_Patterns = Annotated[list[str], BeforeValidator(_as_list)]
 _Path = Annotated[str, Field(min_length=1)]
 
 
@@ -186,52 +193,35 @@ class _Model(_Strict):
     max_length: Annotated[int, Field(ge=1)] | None = None
 
 
-class _Heads(_Strict):
-    patterns: _Patterns | None = None
-    policy: Literal[HEAD_POLICIES] = "keep"  # type: ignore[valid-type]
-    per_task_folders: bool = False
-
-
-class _Output(_Strict):
-    dtype: Literal[OUTPUT_DTYPES] = "auto"  # type: ignore[valid-type]
-    max_shard_size: Annotated[str, BeforeValidator(_size)] = "2GB"
-    lora_rank: Annotated[int, Field(ge=1, le=2**20)] | None = None
-
-
-class _ConfigBase(_Strict):
-    method: str
-    models: Annotated[list[Annotated[_Model, BeforeValidator(_as_entry)]], Field(min_length=2)]
-    base: _Path | None = None
-    exclude: _Patterns | None = None
-    heads: _Heads | None = None
-    output: _Output | None = None
-    threads: Annotated[int, Field(ge=1, le=MAX_THREADS)] | None = None
-    solve_memory: Annotated[str, BeforeValidator(_size)] | None = None
-
-
-def _config_schema() -> type[_ConfigBase]:
-    """The file's schema: the keys every merge has and, at the top level, every option of
-    a registered method (checked by that method's model once the method is known)."""
+def _config_schema() -> type[SharedOptions]:
+    """The file's schema: the options every merge shares (:class:`SharedOptions`, their
+    sections and checks), ``method``, ``models``, ``base`` and, at the top level, every
+    option of a registered method (checked by that method's model once the method is
+    known)."""
     extra: Any = {key: (Any, None) for key in all_options()}
-    return create_model("_ConfigFile", __base__=_ConfigBase, **extra)
+    models = list[Annotated[_Model, BeforeValidator(_as_entry)]]
+    return create_model(
+        "MergeConfigFile",
+        __base__=SharedOptions,
+        method=(str, ...),
+        models=(Annotated[models, Field(min_length=2)], ...),
+        base=(_Path | None, None),
+        **extra,
+    )
 
 
 _SECTIONS: dict[str, type[BaseModel]] = {
     "models": _Model,
-    "heads": _Heads,
-    "output": _Output,
+    "heads": HeadOptions,
+    "output": OutputOptions,
 }
-_LABELS = {
-    "models": "must be a list of at least 2 entries ({path: ..., ...})",
-    "heads.policy": "must be keep or drop",
-    "output.dtype": "must be auto/float32/bfloat16/float16",
-    "exclude": "must be a list of name patterns",
-    "heads.patterns": "must be a list of name patterns",
-    "threads": f"must be a whole number of threads in [1, {MAX_THREADS}]",
-    "solve_memory": "must be a size such as '8GB' or a number of bytes",
-    "output.lora_rank": "must be a whole number >= 1",
-    "heads.per_task_folders": "must be true or false",
-}
+
+
+def _labels() -> dict[str, str]:
+    return {
+        "models": "must be a list of at least 2 entries ({path: ..., ...})",
+        **SharedOptions.labels(),
+    }
 
 
 def _schema_error(exc: ValidationError, where: str) -> MergeError:
@@ -250,7 +240,10 @@ def _schema_error(exc: ValidationError, where: str) -> MergeError:
         return MergeError(
             f"{where}: unknown key(s) {extra} in {section or 'the config'}; allowed: {allowed}"
         )
-    return MergeError(f"{where}: {schema_message(exc, _LABELS)}")
+    if first.get("input") is None:  # a default (from the environment) refused
+        key = ".".join(str(p) for p in first["loc"])
+        return MergeError(f"{where}: {key}: {str(first['msg']).removeprefix('Value error, ')}")
+    return MergeError(f"{where}: {schema_message(exc, _labels())}")
 
 
 def load_merge_config(path: str | os.PathLike[str]) -> MergeConfig:
@@ -273,6 +266,9 @@ def load_merge_config(path: str | os.PathLike[str]) -> MergeConfig:
         raise MergeError(f"{where}: expected a mapping of keys (method, models, ...)")
     if "method" in raw and raw["method"] not in method_names():
         got = raw["method"]
+        why = unloaded_methods().get(got) if isinstance(got, str) else None
+        if why is not None:
+            raise MergeError(f"{where}: {why}")
         raise MergeError(f"{where}: method must be one of {', '.join(method_names())}, got {got!r}")
     try:
         checked = _config_schema().model_validate(raw)
@@ -281,7 +277,7 @@ def load_merge_config(path: str | os.PathLike[str]) -> MergeConfig:
     return _resolved(checked, path.parent, where)
 
 
-def _resolved(checked: _ConfigBase, root: Path, where: str) -> MergeConfig:
+def _resolved(checked: Any, root: Path, where: str) -> MergeConfig:
     """The configuration with paths resolved and checked, and the rules across keys."""
 
     def resolve(p: str) -> str:
@@ -343,29 +339,7 @@ def _resolved(checked: _ConfigBase, root: Path, where: str) -> MergeConfig:
             entry.text_field = e.text_field
         entry.max_texts, entry.max_length = e.max_texts, e.max_length
         models.append(entry)
-    spec = method_named(method)
-    needs_stats = spec.stats is not None
-    needs_data = spec.takes_data
-    for i, (entry, e) in enumerate(zip(models, checked.models, strict=True)):
-        if needs_stats and entry.stats is None:
-            raise MergeError(f"{where}: models[{i}].stats is required for method {method}")
-        if not needs_stats and entry.stats is not None:
-            raise MergeError(
-                f"{where}: models[{i}].stats given but method {method} uses no statistics"
-            )
-        if needs_data and entry.data is None:
-            raise MergeError(
-                f"{where}: models[{i}].data is required for method {method} (the "
-                "model's texts: a .txt/.jsonl/.csv file or corpus:NAME)"
-            )
-        named = [k for k in ("data", "text_field", *MODEL_DATA_OPTIONS) if getattr(e, k)]
-        if not needs_data and named:
-            key = named[0]
-            users = [m for m in method_names() if method_named(m).takes_data]
-            raise MergeError(
-                f"{where}: models[{i}].{key} given but method {method} uses no data (only "
-                f"{', '.join(users)} does)"
-            )
+    _check_needs(method, models, checked, where)
     values = {k: getattr(checked, k) for k in all_options()}
     try:
         own = method_options(method, values)
@@ -374,50 +348,53 @@ def _resolved(checked: _ConfigBase, root: Path, where: str) -> MergeConfig:
     coefs = [m.coefficient for m in models]
     if any(c is not None for c in coefs) and any(c is None for c in coefs):
         raise MergeError(f"{where}: give a coefficient for every model or for none")
-    cfg = MergeConfig(
-        method=method,
-        models=models,
-        threads=checked.threads,
-        solve_memory=checked.solve_memory,
-        exclude=list(checked.exclude or []),
-        options=own.model_dump(),
-    )
-    adapters = [i for i, m in enumerate(models) if m.adapter]
-    if spec.needs_base or adapters:
-        if checked.base is None:
-            if adapters:
-                raise MergeError(
-                    f"{where}: models[{adapters[0]}] is a LoRA adapter: base: is required (the "
-                    "model folder the adapters adapt)"
-                )
-            raise MergeError(f"{where}: {method} needs base: (the pre-trained model folder)")
-        cfg.base = resolve(checked.base)
-        if not exists(cfg.base, "base", folder=True):
-            raise MergeError(f"{where}: base {cfg.base}: no such model folder")
-    elif checked.base is not None:
-        raise MergeError(
-            f"{where}: base is only used by LoRA adapters (models[].adapter) and by "
-            f"{', '.join(base_users())}, not by {method} of full models"
+    shared = {name: getattr(checked, name) for name in SharedOptions.model_fields}
+    fixed = {"method": method, "coefficients": None if coefs[0] is None else coefs}
+    try:
+        options = MergeOptions.model_validate({**fixed, "method_options": own, **shared})
+    except ValidationError as exc:  # the coefficients, all 0
+        raise MergeError(f"{where}: models[].coefficient {schema_message(exc)}") from None
+    base = None
+    if checked.base is not None:
+        base = resolve(checked.base)
+        if not exists(base, "base", folder=True):
+            raise MergeError(f"{where}: base {base}: no such model folder")
+    return MergeConfig(models=models, options=options, base=base)
+
+
+def _check_needs(method: str, models: list[ModelEntry], checked: Any, where: str) -> None:
+    """What the method needs, checked as the front doors check it
+    (:func:`lmdx.merge.inputs.check_needs`) with the keys named as in the file; a model's
+    own data options (``text_field``, ``max_texts``, ``max_length``) count as data given."""
+    spec = method_named(method)
+    data_keys = [
+        [k for k in ("data", "text_field", *MODEL_DATA_OPTIONS) if getattr(e, k) is not None]
+        for e in checked.models
+    ]
+
+    def key(what: str, i: int | None) -> str:
+        if i is None:
+            return what
+        if what == "data":
+            return f"models[{i}].{(data_keys[i] or ['data'])[0]}"
+        return f"models[{i}].{'adapter' if what == 'models' else what}"
+
+    try:
+        check_needs(
+            spec,
+            methods(),
+            k=len(models),
+            stats=[m.stats is not None for m in models],
+            base=checked.base is not None,
+            adapters=[i for i, m in enumerate(models) if m.adapter],
+            data=[
+                m.data is not None or (not spec.takes_data and bool(data_keys[i]))
+                for i, m in enumerate(models)
+            ],
+            key=key,
         )
-    if checked.heads is not None:
-        cfg.head_patterns = list(checked.heads.patterns or [])
-        cfg.head_policy = checked.heads.policy
-        cfg.per_task_folders = checked.heads.per_task_folders
-    if cfg.per_task_folders and (cfg.head_policy != "keep" or not cfg.head_patterns):
-        raise MergeError(
-            f"{where}: heads.per_task_folders needs heads kept (heads.patterns given, "
-            "heads.policy keep)"
-        )
-    if checked.output is not None:
-        cfg.dtype = checked.output.dtype
-        cfg.max_shard_size = checked.output.max_shard_size
-        cfg.lora_rank = checked.output.lora_rank
-    if cfg.lora_rank is not None and len(adapters) != len(models):
-        raise MergeError(
-            f"{where}: output.lora_rank needs every model to be a LoRA adapter "
-            "(models[].adapter) over base"
-        )
-    return cfg
+    except MergeError as exc:
+        raise MergeError(f"{where}: {exc}") from None
 
 
 def _data_spec(
@@ -444,7 +421,8 @@ def _texts(cfg: MergeConfig) -> list[Any]:
     for i, m in enumerate(cfg.models):
         assert m.data is not None
         try:
-            limit = cfg.options.get("max_texts") if m.max_texts is None else m.max_texts
+            own = cfg.options.method_options.model_dump()
+            limit = own.get("max_texts") if m.max_texts is None else m.max_texts
             texts, _, _ = read_data(m.data, text_field=m.text_field, max_texts=limit)
         except DataError as exc:
             raise MergeError(f"models[{i}].data: {exc}") from None
@@ -452,57 +430,14 @@ def _texts(cfg: MergeConfig) -> list[Any]:
     return out
 
 
-def _data_kwargs(cfg: MergeConfig) -> dict[str, Any]:
-    """The data argument of both front doors (methods that take data; none otherwise)."""
-    if not method_named(cfg.method).takes_data:
-        return {}
-    return {"data": _texts(cfg)}
-
-
-def _merge_kwargs(cfg: MergeConfig) -> dict[str, Any]:
-    """The keyword arguments of both merge front doors for ``cfg``."""
-    labels = [m.name or m.path for m in cfg.models]
-    coefficients = (
-        None if cfg.models[0].coefficient is None else [m.coefficient or 0.0 for m in cfg.models]
-    )
-    stats = [m.stats for m in cfg.models] if method_named(cfg.method).stats else None
-    return {
-        "method": cfg.method,
-        "stats": stats,
-        "coefficients": coefficients,
-        "exclude": cfg.exclude,
-        "heads": cfg.head_patterns,
-        "base": cfg.base,
-        "labels": labels,
-        "n_threads": cfg.threads,
-        "solve_memory": cfg.solve_memory,
-        **cfg.options,
-    }
-
-
-def _output_kwargs(cfg: MergeConfig) -> dict[str, Any]:
-    return {
-        "head_policy": cfg.head_policy,
-        "dtype": cfg.dtype,
-        "max_shard_size": cfg.max_shard_size,
-        "task_folders": cfg.per_task_folders,
-    }
-
-
 def plan_merge(cfg: MergeConfig) -> MergePlan:
     """The streaming merge's plan for ``cfg``: steps, output shards, memory and disk
     estimates. Reads headers (and, with statistics, hashes the weights they are checked
     against); writes nothing."""
-    result = stream_merge(
-        [m.path for m in cfg.models],
-        Path(os.devnull),
-        dry_run=True,
-        progress=False,
-        lora_rank=cfg.lora_rank,
-        **_output_kwargs(cfg),
-        **_merge_kwargs(cfg),
-    )
-    return result.plan
+    args = cfg.arguments(data=False)
+    return stream_merge(
+        args.pop("models"), Path(os.devnull), dry_run=True, progress=False, **args
+    ).plan
 
 
 def run_merge(
@@ -519,52 +454,31 @@ def run_merge(
 
     ``streaming=True`` (default): out of core with :func:`lmdx.stream_merge`
     (safetensors checkpoints; memory bounded by the largest layer); ``False``: load all
-    models with transformers and merge in memory (:func:`lmdx.merge_models`; also reads
-    pickle ``.bin`` checkpoints that transformers accepts). ``ray_workers > 0`` solves the
-    RegMean groups on Ray actors (streaming only). Both write the same folder.
-    ``command`` (the command line) is recorded in ``lmdx_merge.json`` and the model card.
+    models with transformers and merge in memory (:func:`lmdx.merge.api.merge_in_memory`;
+    also reads pickle ``.bin`` checkpoints that transformers accepts). ``ray_workers > 0``
+    solves the RegMean groups on Ray workers (streaming only). Both write the same
+    folder. ``command`` (the command line) is recorded in ``lmdx_merge.json`` and the
+    model card.
     """
-    out_dir = Path(out_dir)
     record: dict[str, Any] = {"config": cfg.to_dict()}
     if command is not None:
         record["command"] = command
-    if streaming:
-        result = stream_merge(
-            [m.path for m in cfg.models],
-            out_dir,
-            record=record,
-            progress=progress,
-            ray_workers=ray_workers,
-            ray_address=ray_address,
-            lora_rank=cfg.lora_rank,
-            **_output_kwargs(cfg),
-            **_merge_kwargs(cfg),
-            **_data_kwargs(cfg),
+    if not streaming:
+        if ray_workers:
+            raise MergeError("ray_workers: only for the streaming merge")
+        args = cfg.arguments(data=True)
+        return merge_in_memory(
+            args.pop("models"), out_dir, record=record, progress=progress, **args
         )
-        assert result.out_dir is not None
-        return result.out_dir
-    if ray_workers:
-        raise MergeError("ray_workers: only for the streaming merge")
-    check_new_folder(out_dir)  # before the models are loaded (stream_merge checks its own)
-    kwargs = _merge_kwargs(cfg)
-    if cfg.base is not None:
-        kwargs["base"] = load_model(cfg.base, progress=progress)
-    check_same_modules(
-        [sentence_transformer(m.path) for m in cfg.models], [m.name or m.path for m in cfg.models]
-    )
-    models = [m.path if m.adapter else load_model(m.path, progress=progress) for m in cfg.models]
-    merged = merge_models(
-        models, progress=progress, lora_rank=cfg.lora_rank, **kwargs, **_data_kwargs(cfg)
-    )
-    first = cfg.models[0]
-    template = kwargs["base"] if first.adapter else models[0]
-    tokenizers = first.path if not first.adapter or model_files(Path(first.path)) else cfg.base
-    return save_merged(
-        merged,
+    args = cfg.arguments(data=True)
+    result = stream_merge(
+        args.pop("models"),
         out_dir,
-        template,
-        tokenizer_from=tokenizers,
         record=record,
         progress=progress,
-        **_output_kwargs(cfg),
+        ray_workers=ray_workers,
+        ray_address=ray_address,
+        **args,
     )
+    assert result.out_dir is not None
+    return result.out_dir

@@ -6,18 +6,17 @@ and go to."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .._errors import MergeError
-from .engine import Executor, GroupSolver, Sink, run
-from .inputs import MergeInputs
-from .options import MergeOptions
+from .engine import Executor, RemoteSolver, Sink, run
+from .method import MergeInputs
 from .plan import MergePlan, make_plan
 
-__all__ = ["PreparedMerge", "check_new_folder", "merge_options", "prepare_merge"]
+__all__ = ["PreparedMerge", "check_new_folder", "prepare_merge"]
 
 
 def check_new_folder(out: str | os.PathLike[str]) -> Path:
@@ -29,12 +28,6 @@ def check_new_folder(out: str | os.PathLike[str]) -> Path:
     return path
 
 
-def merge_options(k: int, method: str, given: Mapping[str, Any]) -> MergeOptions:
-    """The checked options of a merge of ``k`` models by ``method`` from the door's
-    keyword arguments ``given`` (the shared ones and the method's own)."""
-    return MergeOptions.checked(k, method=method, **given)
-
-
 @dataclass
 class PreparedMerge:
     """A merge checked and planned, ready to run."""
@@ -44,7 +37,8 @@ class PreparedMerge:
 
     def report(self, streaming: bool) -> dict[str, Any]:
         """The merge report as it starts: method, models, the shared options, the method's
-        entries (:meth:`lmdx.merge.registry.MergeMethod.report`)."""
+        entries (:meth:`lmdx.merge.method.MergeMethod.report`); ``layers`` and
+        ``poorly_determined`` are filled by methods that solve systems."""
         inputs, plan = self.inputs, self.plan
         options = inputs.options
         report: dict[str, Any] = {
@@ -53,10 +47,11 @@ class PreparedMerge:
             "models": plan.labels,
             "coefficients": None if options.coefficients is None else list(options.coefficients),
             "exclude": list(options.exclude),
-            "heads": list(options.heads),
+            "heads": list(options.heads.patterns),
             "head_tensors": plan.heads,
             "solve_memory": options.solve_memory,
             "layers": {},
+            "poorly_determined": [],
         }
         if plan.tied:
             report["tied"] = plan.tied
@@ -68,18 +63,17 @@ class PreparedMerge:
         report: dict[str, Any],
         sink: Sink,
         progress: bool,
-        remote: GroupSolver | None = None,
+        remote: RemoteSolver | None = None,
         streaming: bool = False,
     ) -> None:
-        """Every output of the plan into ``sink``; ``report`` gets the engine's entries."""
+        """Every output of the plan into ``sink``; ``report`` gets the steps' entries and
+        the method's last ones (:meth:`~lmdx.merge.method.MergeMethod.finish`)."""
         method = self.inputs.method
-        helper = method.engine_helper(self.inputs, self.plan, progress)
-        executor = Executor(self.inputs, self.plan, report, remote, blocks=helper)
+        method.start(self.inputs, progress)
+        executor = Executor(self.inputs, self.plan, report, remote)
         desc = f"merge ({method.name}{', streaming' if streaming else ''})"
-        run(self.plan, executor.result, sink, desc, progress and helper is None)
-        summary = getattr(helper, "summary", None)
-        if summary is not None:
-            report[method.name] = summary()
+        run(self.plan, executor.result, sink, desc, progress and not method.shows_progress)
+        executor.record(method.finish(self.inputs))
 
 
 def prepare_merge(

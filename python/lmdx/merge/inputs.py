@@ -1,12 +1,11 @@
 """The input step both front doors share: the models opened as tensor sources, the
-statistics, base and data a method needs checked against what the registry says it
-takes, before any work; and the record of the inputs written to ``lmdx_merge.json``."""
+statistics, base and data a method needs checked against what the method says it takes,
+before any work; and the record of the inputs written to ``lmdx_merge.json``."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,38 +15,83 @@ from ..files.peft import LoraAdapter, is_adapter_folder
 from ..files.st import check_same_modules, sentence_transformer
 from ..stats.file import Statistics
 from ..stats.format import INDEX_NAME
+from ..stats.join import join_statistics
 from .lora import LoraExport, check_lora_export
+from .method import MergeInputs, MergeMethod
 from .options import MergeOptions
-from .plan import Block, content_sha256, open_stats
-from .registry import MergeMethod, method_named, methods
+from .plan import content_sha256
 from .source import AdapterSource, TensorSource
 
-__all__ = ["MergeInputs", "inputs_record", "model_labels", "open_inputs", "st_files"]
+__all__ = [
+    "check_needs",
+    "inputs_record",
+    "model_labels",
+    "open_inputs",
+    "open_stats",
+    "st_files",
+]
 
 
-@dataclass
-class MergeInputs:
-    """Everything a merge reads, checked: the method and its options, the models as
-    tensor sources with their names, the statistics (one per model, for methods that need
-    them), the base (for methods that merge task vectors), the data (methods that take
-    data) and what the method prepared (RegMean++'s blocks)."""
+def _door_key(what: str, i: int | None) -> str:
+    """How a front door names its argument ``what`` (of model ``i``) in a message."""
+    return f"models[{i}]" if what == "models" else what
 
-    method: MergeMethod
-    options: MergeOptions
-    sources: list[TensorSource]
-    labels: list[str]
-    stats: list[Statistics] | None = None
-    base: TensorSource | None = None
-    data: Sequence[Any] | None = None
-    tokenizer: Any = None
-    lora: LoraExport | None = None
-    blocks: list[Block] | None = None
-    notes: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def adapters(self) -> bool:
-        """Whether any model is a LoRA adapter over the base."""
-        return any(isinstance(s, AdapterSource) for s in self.sources)
+def check_needs(
+    method: MergeMethod,
+    registered: Mapping[str, MergeMethod],
+    *,
+    k: int,
+    stats: Sequence[bool] | None,
+    base: bool,
+    adapters: Sequence[int],
+    data: Sequence[bool] | None,
+    key: Callable[[str, int | None], str] = _door_key,
+    running: bool = True,
+) -> None:
+    """That ``method`` gets the statistics, base and data it takes, and nothing else: the
+    one check of what a method needs, for the front doors and the configuration files.
+    ``stats`` and ``data``: per model, whether it was given (None: not at all); ``base``:
+    whether it was given; ``adapters``: the models that are LoRA adapter folders (they need
+    the base); ``key(what, i)`` names argument ``what`` (``"stats"``, ``"data"``,
+    ``"base"``, ``"models"``) of model ``i`` in the messages (registered: every method, for
+    naming the ones that take what was given). Data is needed only to run the merge, not
+    to plan it (``running``)."""
+    name = method.name
+    given = list(stats) if stats is not None else [False] * k
+    for i, has in enumerate(given):
+        if method.stats is not None and not has:
+            raise MergeError(
+                f"{key('stats', i)}: method {name} needs {method.stats} statistics, one per model"
+            )
+        if method.stats is None and has:
+            raise MergeError(f"{key('stats', i)}: method {name} takes no statistics")
+    if adapters and not base:
+        raise MergeError(
+            f"{key('models', adapters[0])}: a LoRA adapter folder needs base (the model "
+            "folder it adapts)"
+        )
+    if method.needs_base and not base:
+        raise MergeError(
+            f"{key('base', None)}: method {name} needs the pre-trained model the models were "
+            "fine-tuned from (base)"
+        )
+    if base and not method.needs_base and not adapters:
+        users = ", ".join(m.name for m in registered.values() if m.needs_base)
+        raise MergeError(
+            f"{key('base', None)}: used by LoRA adapters (models that are adapter folders) and "
+            f"by {users}, not by {name} of full models"
+        )
+    for i, has in enumerate(list(data) if data is not None else [False] * k):
+        if method.takes_data and not has and running:
+            raise MergeError(
+                f"{key('data', i)}: method {name} needs each model's data (its texts or "
+                "batches, in the order of the models): their activations are needed at merge "
+                "time"
+            )
+        if not method.takes_data and has:
+            users = ", ".join(m.name for m in registered.values() if m.takes_data)
+            raise MergeError(f"{key('data', i)}: only method {users} takes data, not {name}")
 
 
 def model_labels(models: Sequence[Any], labels: Sequence[str] | None) -> list[str]:
@@ -72,56 +116,57 @@ def _open_models(
     """Every model as a tensor source: a PEFT LoRA adapter folder over ``base``
     (:class:`AdapterSource`), anything else by ``open_model(model, label)``."""
     sources: list[TensorSource] = []
-    for i, (m, label) in enumerate(zip(models, labels, strict=True)):
-        if isinstance(m, (str, os.PathLike)) and is_adapter_folder(m):
-            if base is None:
-                raise MergeError(
-                    f"models[{i}] {m}: a LoRA adapter folder; give base= (the model folder it "
-                    "adapts; in a merge config: base:)"
-                )
+    for m, label in zip(models, labels, strict=True):
+        if _is_adapter(m):
+            assert base is not None  # checked: check_needs
             sources.append(AdapterSource(base, LoraAdapter.load(m, label), label))
         else:
             sources.append(open_model(m, label))
     return sources
 
 
-def base_users() -> list[str]:
-    """The registered methods that take a base model."""
-    return [m.name for m in methods().values() if m.needs_base]
+def _is_adapter(model: Any) -> bool:
+    return isinstance(model, (str, os.PathLike)) and is_adapter_folder(model)
 
 
 def open_inputs(
     models: Sequence[Any],
+    method: MergeMethod,
     options: MergeOptions,
     *,
+    registered: Mapping[str, MergeMethod],
     labels: Sequence[str],
     stats: Sequence[Any] | None,
     base: Any,
     open_model: Callable[[Any, str], TensorSource],
     data: Sequence[Any] | None = None,
     tokenizer: Any = None,
-    lora_rank: int | None = None,
+    running: bool = True,
 ) -> MergeInputs:
-    """The input step: open ``models`` (and ``base``) with ``open_model`` and check that
-    the method gets the statistics, base and data it takes, and nothing else."""
-    method = method_named(options.method)
+    """The input step: check that ``method`` gets the statistics, base and data it takes,
+    and nothing else (:func:`check_needs`; ``registered``: every registered method), then
+    open ``models`` (and ``base``) with ``open_model`` and the statistics (``running``:
+    the merge will run, not only be planned)."""
+    k = len(models)
+    if stats is not None and len(stats) != k:
+        raise MergeError(f"stats: {len(stats)} statistics for {k} models")
+    if data is not None and len(data) != k:
+        raise MergeError(f"data: {len(data)} entries for {k} models")
+    check_needs(
+        method,
+        registered,
+        k=k,
+        stats=None if stats is None else [s is not None for s in stats],
+        base=base is not None,
+        adapters=[i for i, m in enumerate(models) if _is_adapter(m)],
+        data=None if data is None else [d is not None for d in data],
+        running=running,
+    )
     base_source = None if base is None else open_model(base, "base")
     sources = _open_models(models, labels, base_source, open_model)
-    adapters = any(isinstance(s, AdapterSource) for s in sources)
-    if base is not None and not method.needs_base and not adapters:
-        raise MergeError(
-            f"base: used by LoRA adapters (models that are adapter folders) and by "
-            f"{', '.join(base_users())}, not by {method.name} of full models"
-        )
-    lora = (
-        None if lora_rank is None else LoraExport(check_lora_export(sources, lora_rank), lora_rank)
-    )
-    stat_objs = open_stats(stats, method.stats, method.name, len(sources), labels)
-    if method.needs_base and base_source is None:
-        raise MergeError(f"{method.name} needs base= (the pre-trained model)")
-    if data is not None and not method.takes_data:
-        users = [m.name for m in methods().values() if m.takes_data]
-        raise MergeError(f"data: only method {', '.join(users)} takes data, not {method.name!r}")
+    rank = options.output.lora_rank
+    lora = None if rank is None else LoraExport(check_lora_export(sources, rank), rank)
+    stat_objs = open_stats(stats, method.stats, labels)
     inputs = MergeInputs(
         method,
         options,
@@ -135,6 +180,35 @@ def open_inputs(
     )
     method.check(inputs)
     return inputs
+
+
+def _opened(stats: Any) -> Statistics:
+    """One model's statistics: a :class:`Statistics`, a file or folder, or a list of them
+    (parts collected over disjoint modules, :func:`lmdx.stats.join_statistics`)."""
+    if isinstance(stats, Statistics):
+        return stats
+    if isinstance(stats, (list, tuple)):
+        return join_statistics([_opened(part) for part in stats])
+    return Statistics.load(stats)
+
+
+def open_stats(
+    stats: Sequence[Any] | None, kind: str | None, labels: Sequence[str]
+) -> list[Statistics] | None:
+    """The statistics of ``kind`` a method needs, one per model (None for methods without:
+    :func:`check_needs` has checked which were given), loaded and checked for kind and a
+    common padding policy; not yet checked against the models."""
+    if kind is None or stats is None:
+        return None
+    objs = [_opened(s) for s in stats]
+    for i, (s, lab) in enumerate(zip(objs, labels, strict=True)):
+        if s.kind != kind:
+            raise MergeError(f"stats[{i}] ({s.source or lab}): kind {s.kind!r}, expected {kind!r}")
+    if kind == "regmean-gram" and len({s.padding for s in objs}) > 1:
+        raise MergeError(
+            "statistics mix padding policies (excluded and included); collect them all the same way"
+        )
+    return objs
 
 
 def st_files(folders: Sequence[Any], labels: Sequence[str]) -> dict[str, bytes]:

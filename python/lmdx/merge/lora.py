@@ -1,29 +1,12 @@
-"""LoRA adapters in a merge: RegMean solved on their low-rank structure, and the merged
-update written back as a rank-r LoRA.
+"""The LoRA of the merged update (``lora_rank``): a merge of LoRA adapters written back as
+a rank-r LoRA.
 
-**RegMean of K adapters over one base** ``W_i = W₀ + B_i A_i`` (``B_i`` with PEFT's
-scaling, ``[out, in]`` orientation). lmdx solves RegMean for the deviation from the
-coefficient-weighted average ``W̄ = W₀ + D̄``, ``D̄ = Σ c_i B_i A_i / C`` (``C = Σ c_i``)::
-
-    W_Mᵀ = W̄ᵀ + (S̃ + λI)⁻¹ Σ c_i G̃_i (B_i A_i − D̄)ᵀ,     S̃ = Σ c_i G̃_i
-
-(:func:`lmdx.regmean_merge_layer`). With ``S = S̃ + λI`` and ``S⁻¹S̃ = I − λS⁻¹`` this is
-exactly ``W₀ᵀ + S⁻¹ [Σ c_i G̃_i A_iᵀ B_iᵀ + λ D̄ᵀ]``, so the merged update is itself of
-rank ``R = Σ r_i``::
-
-    W_M − W₀ = [B_1 … B_K] Fᵀ,   F = S⁻¹ [U_1 … U_K] + λ S⁻¹ [c_1 A_1ᵀ/C … c_K A_Kᵀ/C],
-    U_i = c_i G̃_i A_iᵀ = (c_i / n_i) (α G_i A_iᵀ + (1 − α) diag(G_i) A_iᵀ)
-
-The products ``G_i A_iᵀ`` cost ``O(d_in² r_i)`` instead of the dense right-hand side's
-``O(d_in² d_out)`` per model. ``F`` comes from the native core
-(:func:`lmdx.regmean.regmean_low_rank_solve`: the Grams reduced by α with the helper the
-dense merge uses, the same Cholesky, ridge and escalation, so ``λ`` is the ridge it used,
-with ``2R`` right-hand sides). Weights equal in every model come back as they are
-(``precision: identical``).
+(How RegMean is solved on the adapters' low-rank structure, and why the merged update
+then has rank ``Σ r_i``: :mod:`lmdx.merge.builtin.regmean`.)
 
 **LoRA of the merged update** (``lora_rank``): the best rank-r approximation of
-``W_M − W₀`` per adapted weight in the Frobenius norm (truncated SVD; from the factors
-above through two QR factorizations when the layer was solved low-rank), written as a
+``W_M − W₀`` per adapted weight in the Frobenius norm (truncated SVD; from the merged
+update's factors through two QR factorizations when the layer was solved low-rank), written as a
 PEFT adapter folder with ``lora_alpha = r`` (scaling 1), with its relative error per layer
 and overall.
 """
@@ -41,220 +24,19 @@ from numpy.typing import NDArray
 from .._errors import MergeError
 from .._tensors import as_float64
 from ..files.peft import PEFT_PREFIX, write_adapter
-from ..regmean import regmean_low_rank_solve
-from ..stats.file import Statistics
-from .options import MergeOptions
-from .plan import Step
 from .source import AdapterSource, TensorSource
 
 __all__ = [
+    "LORA_DIR",
+    "Factors",
     "LoraExport",
     "check_lora_export",
-    "low_rank_inputs",
-    "regmean_low_rank",
-    "solve_group_low_rank",
+    "lora_errors",
     "truncated_factors",
 ]
 
+#: A low-rank update ``B A`` as its factors ``(B, A)`` (``[out, in]`` orientation).
 Factors = tuple[NDArray[np.float64], NDArray[np.float64]]
-
-
-def regmean_low_rank(
-    grams: Sequence[NDArray[np.float64]],
-    counts: Sequence[float],
-    base: NDArray[np.float64],
-    factors: Sequence[Factors],
-    *,
-    alpha: float = 1.0,
-    coefficients: Sequence[float] | None = None,
-    ridge: float = 0.0,
-    allow_regularization: bool = True,
-    name: str = "layer",
-    n_threads: int | None = None,
-) -> tuple[NDArray[np.float64], Factors, dict[str, Any]]:
-    """RegMean of one layer of K low-rank updates of one base weight.
-
-    Parameters
-    ----------
-    grams
-        K input Grams ``G_i = Σ x xᵀ``, full (d_in, d_in) or packed upper triangles.
-    counts
-        K row counts ``n_i``.
-    base
-        ``W₀``, shape (d_out, d_in).
-    factors
-        K pairs ``(B_i, A_i)``, shapes (d_out, r_i) and (r_i, d_in): model i's weight is
-        ``W₀ + B_i A_i`` (``r_i = 0``: the base itself).
-    alpha, coefficients, ridge, allow_regularization, name, n_threads
-        As in :func:`lmdx.regmean_merge_layer`.
-
-    Returns
-    -------
-    (merged, (B, A), info)
-        The merged weight ``W₀ + B A`` (float64, (d_out, d_in)); the factors of its update
-        (rank ``Σ r_i``; rank 0 for identical weights); the solver's information (``ridge``,
-        ``attempts``, ``precision``, ``rcond_estimate``, ``condition_estimate`` (0: not
-        estimated), ``relative_spread``, ``rank``).
-    """
-    k = len(grams)
-    if not (len(counts) == len(factors) == k):
-        raise ValueError(f"{name}: need one Gram, count and pair of factors per model")
-    coef = [1.0] * k if coefficients is None else [float(c) for c in coefficients]
-    total = sum(coef)
-    used = [i for i in range(k) if coef[i] > 0]
-    # The average W̄ = W₀ + D̄ and the spread max_i max |B_i A_i − D̄| / max |W̄|, as the
-    # dense merge reports them (in place: these are the path's only dense passes).
-    pivot = max(used, key=lambda i: coef[i])  # D̄ = D_p + Σ_{i≠p} (c_i/C)(D_i − D_p): D_p
-    pivot_delta = factors[pivot][0] @ factors[pivot][1]  # exactly where all agree
-    mean_delta = pivot_delta.copy()
-    for i in used:
-        if i != pivot:
-            work = factors[i][0] @ factors[i][1]
-            work -= pivot_delta
-            work *= coef[i] / total
-            mean_delta += work
-    del pivot_delta
-    spread = 0.0
-    for i in used:
-        work = factors[i][0] @ factors[i][1]
-        work -= mean_delta
-        spread = max(spread, float(np.abs(work, out=work).max(initial=0.0)))
-    del work
-    merged_mean = mean_delta
-    merged_mean += base
-    scale = float(np.abs(merged_mean).max(initial=0.0))
-    info: dict[str, Any] = {
-        "relative_spread": spread / scale if scale > 0 else (math.inf if spread > 0 else 0.0),
-        "rank": 0,
-    }
-    if spread == 0.0:  # equal in every model: nothing to solve, W̄ = W₀ + B_p A_p
-        info.update(ridge=0.0, attempts=0, precision="identical")
-        info.update(rcond_estimate=1.0, condition_estimate=1.0, rank=factors[used[0]][1].shape[0])
-        return merged_mean, factors[used[0]], info
-    del merged_mean
-    b_parts = [factors[i][0] for i in used if factors[i][1].shape[0] > 0]
-    f, solved = regmean_low_rank_solve(
-        grams,
-        [factors[i][1] for i in range(k)],
-        counts,
-        alpha=alpha,
-        coefficients=coef,
-        ridge=ridge,
-        allow_regularization=allow_regularization,
-        name=name,
-        n_threads=n_threads,
-    )
-    rank = f.shape[1]
-    b_all = np.concatenate(b_parts, axis=1)
-    merged = b_all @ f.T
-    merged += base
-    info.update(
-        ridge=float(solved.ridge),
-        attempts=int(solved.attempts),
-        precision="float64",
-        rcond_estimate=float(solved.rcond_estimate),
-        condition_estimate=0.0,
-        rank=rank,
-    )
-    return merged, (b_all, np.ascontiguousarray(f.T)), info
-
-
-# --------------------------------------------------------------------------- the merge step
-
-
-def low_rank_inputs(step: Step, sources: Sequence[TensorSource]) -> list[list[Factors]] | None:
-    """Per model, per member of RegMean group ``step``, the factors of its update over the
-    one base every model adapts; None unless every model is a LoRA adapter over the same
-    base whose update of every member is low-rank (not a replaced weight)."""
-    if not sources or not all(isinstance(s, AdapterSource) for s in sources):
-        return None
-    adapters = [s for s in sources if isinstance(s, AdapterSource)]
-    if any(s.base is not adapters[0].base for s in adapters):
-        return None
-    out = []
-    for src in adapters:
-        per_member = []
-        for w in step.tensors:
-            f = src.low_rank(w, step.layout)
-            if f is None:
-                return None
-            per_member.append(f)
-        out.append(per_member)
-    return out
-
-
-def solve_group_low_rank(
-    step: Step,
-    sources: Sequence[TensorSource],
-    factors: Sequence[Sequence[Factors]],
-    stats: Sequence[Statistics],
-    labels: Sequence[str],
-    options: MergeOptions,
-) -> tuple[dict[str, NDArray[np.float64]], dict[str, Factors], dict[str, Any]]:
-    """RegMean of one group of LoRA-adapted weights (:func:`regmean_low_rank`; members that
-    share an input are joined along their outputs: ``B`` block-diagonal, ``A`` stacked).
-
-    Returns weight name -> merged float64 weight (as stored), weight name -> factors of its
-    update (``[out, in]`` orientation) and module name -> the solver's information."""
-    assert isinstance(sources[0], AdapterSource)
-    base_source = sources[0].base
-    conv1d = step.layout == "conv1d"
-    bases = []
-    for w in step.tensors:
-        b0 = as_float64(base_source.read(w), w)
-        bases.append(b0.T if conv1d else b0)
-    sizes = [b.shape[0] for b in bases]
-    base = np.concatenate(bases, axis=0) if len(bases) > 1 else bases[0]
-    joined = []
-    for per_member in factors:
-        a = np.concatenate([a for _, a in per_member], axis=0)
-        b = np.zeros((sum(sizes), a.shape[0]))
-        row = col = 0
-        for (bm, am), size in zip(per_member, sizes, strict=True):
-            b[row : row + size, col : col + am.shape[0]] = bm
-            row, col = row + size, col + am.shape[0]
-        joined.append((b, a))
-    counts = [s.count(step.modules[0]) for s in stats]
-    for i, n in enumerate(counts):
-        if n <= 0:
-            raise MergeError(f"statistics of {labels[i]}: module {step.modules[0]!r} saw no rows")
-    members = step.modules
-    name = (
-        members[0] if len(members) == 1 else f"{members[0]} (+{len(members) - 1} sharing its input)"
-    )
-    merged, (b_all, a_all), info = regmean_low_rank(
-        [s.gram_stored(members[0]) for s in stats],
-        counts,
-        base,
-        joined,
-        alpha=options.alpha,
-        coefficients=options.coefficients,
-        ridge=options.ridge,
-        allow_regularization=options.allow_regularization,
-        name=name,
-        n_threads=options.n_threads,
-    )
-    solved = {
-        **{k: info[k] for k in ("ridge", "attempts", "precision", "rcond_estimate")},
-        "condition_estimate": info["condition_estimate"],
-        "output_error_estimate": 0.0,  # float64 solves (see lmdx.regmean_merge_layer)
-        "relative_spread": info["relative_spread"],
-        "rows": min(counts),
-        "dim": int(base.shape[1]),
-        "low_rank": int(info["rank"]),
-    }
-    out, updates, layers = {}, {}, {}
-    row = 0
-    for m, w, size in zip(members, step.tensors, sizes, strict=True):
-        part = merged[row : row + size]
-        out[w] = np.ascontiguousarray(part.T) if conv1d else part
-        updates[w] = (b_all[row : row + size], a_all)
-        row += size
-        layers[m] = {**solved, "shared_with": members[0] if m != members[0] else None}
-    return out, updates, layers
-
-
-# --------------------------------------------------------------------------- LoRA export
 
 
 def truncated_factors(

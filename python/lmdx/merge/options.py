@@ -1,66 +1,71 @@
-"""The options of one merge, checked once for both front doors (in memory and streaming).
+"""The options of one merge: one pydantic model for both front doors, the configuration
+files and ``lmdx merge``.
 
-The options every method shares (coefficients, patterns, output) are :class:`MergeOptions`'s
-own fields; a method's own options are its pydantic model (:attr:`lmdx.merge.registry.
-MergeMethod.options`), the single definition of their types, defaults, checks and help, from
-which the front doors' keyword arguments, the configuration schema and the report follow.
+Every option every merge shares is one field of :class:`SharedOptions` (or of its sections
+:class:`HeadOptions` and :class:`OutputOptions`): its type, default, check and description,
+and in its ``json_schema_extra`` the words of its error (``label``), the front doors'
+keyword where it is not the field's name (``keyword``), whether it is an option of
+writing a folder (``writes``: :func:`lmdx.merge_models` refuses it, :func:`lmdx.save_merged`
+takes it) and whether ``lmdx merge`` has a flag for it (``flag``). A configuration file is
+these options plus ``method``, ``models``, ``base`` and the method's own options
+(:mod:`lmdx.merge.config`); the front doors take them as flat keywords
+(:meth:`MergeOptions.from_keywords`). :class:`MergeOptions` adds what a merge is told
+besides: the method, the per-model coefficients and the method's own options (its
+pydantic model, :attr:`lmdx.merge.method.MergeMethod.options`, checked by
+:func:`lmdx.merge.registry.method_options`).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal, TypeVar
 
 import numpy as np
-from pydantic import BaseModel, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SerializeAsAny,
+    ValidationError,
+)
+from pydantic.fields import FieldInfo
 
 from .._errors import MergeError
-from .._tensors import OUTPUT_DTYPES
 from .._util import parse_size
-from .registry import NoOptions, method_named, method_names, methods, option_users
+from ..files.parse import STRICT
 
 __all__ = [
     "DEFAULT_SOLVE_MEMORY",
-    "HEAD_POLICIES",
-    "PRECISIONS",
+    "MAX_THREADS",
     "SOLVE_MEMORY_ENV",
+    "HeadOptions",
     "MergeOptions",
     "OptionError",
-    "all_options",
-    "check_output",
-    "method_options",
+    "OutputOptions",
+    "SharedOptions",
     "option_error",
+    "plain",
     "solve_memory_budget",
-    "unused_option",
 ]
 
 _Own = TypeVar("_Own", bound=BaseModel)
 
-HEAD_POLICIES = ("keep", "drop")
-PRECISIONS = ("auto", "float32", "float64")
 #: The environment variable giving ``solve_memory``'s default (e.g. ``8GB``).
 SOLVE_MEMORY_ENV = "LMDX_SOLVE_MEMORY"
 #: ``solve_memory`` without the option or the environment variable: 4 GB.
 DEFAULT_SOLVE_MEMORY = 4 * 10**9
-
-
-def __getattr__(name: str) -> Any:
-    """``METHODS`` (every registered method's name) and ``TASK_VECTOR_METHODS`` (those
-    that take task vectors against a base), read from the registry when asked for."""
-    if name == "METHODS":
-        return method_names()
-    if name == "TASK_VECTOR_METHODS":
-        return tuple(m.name for m in methods().values() if m.needs_base)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+#: Most threads a merge may ask for (far above any machine's cores).
+MAX_THREADS = 4096
+_SIZE = "must be a size such as '2GB' or a number of bytes"
 
 
 class OptionError(MergeError):
-    """A merge option the method refuses: ``key``, what is wrong (``what``) and the
-    ``value`` given. Its message is the front doors' (``key: what, got value``);
-    :meth:`in_file` words it as a configuration file's key."""
+    """A merge option refused: ``key``, what is wrong (``what``) and the ``value`` given.
+    Its message is the front doors' (``key: what, got value``); :meth:`in_file` words it
+    as a configuration file's key."""
 
     def __init__(self, key: str, what: str, value: Any, unused: bool = False) -> None:
         self.key, self.what, self.value, self.unused = key, what, value, unused
@@ -78,134 +83,299 @@ class OptionError(MergeError):
         return f"{self.key} {self.what[:1].lower()}{self.what[1:]}, got {shown}"
 
 
+def _extra(field: FieldInfo | None) -> dict[str, Any]:
+    extra = None if field is None else field.json_schema_extra
+    return extra if isinstance(extra, dict) else {}
+
+
 def option_error(key: str, model: type[BaseModel], exc: ValidationError) -> OptionError:
     """The first problem pydantic found in option ``key`` of ``model``: the field's
     ``label`` (its ``json_schema_extra``), else pydantic's words, and the value."""
     err = exc.errors(include_url=False)[0]
-    extra = model.model_fields[key].json_schema_extra if key in model.model_fields else None
-    label = extra.get("label") if isinstance(extra, dict) else None
+    label = _extra(model.model_fields.get(key)).get("label")
     msg = str(label) if label else str(err["msg"]).removeprefix("Value error, ")
     return OptionError(key, msg, err.get("input"))
 
 
-def unused_option(key: str, method: str) -> OptionError:
-    """Option ``key`` given to a method that does not take it."""
-    users = option_users(key)
-    who = f"method {users[0]}" if len(users) == 1 else ", ".join(users)
-    return OptionError(key, f"used by {who}, not {method}", None, unused=True)
-
-
-def _ignored_elsewhere(key: str) -> bool:
-    """Whether option ``key`` is accepted, and ignored, by methods that do not take it
-    (``json_schema_extra={"elsewhere": "ignored"}``, as the RegMean solve's options)."""
-    for m in methods().values():
-        f = m.options.model_fields.get(key)
-        extra = None if f is None else f.json_schema_extra
-        if isinstance(extra, dict) and extra.get("elsewhere") == "ignored":
-            return True
-    return False
-
-
-def _plain(value: Any) -> Any:
-    """NumPy scalars as Python numbers (the options' schema is strict)."""
+def plain(value: Any) -> Any:
+    """NumPy scalars as Python numbers (the options' schemas are strict)."""
     return value.item() if isinstance(value, np.generic) else value
 
 
-def _check_one(model: type[BaseModel], key: str, value: Any) -> None:
-    """Option ``key`` of ``model`` checked alone (its error names it)."""
+def _patterns(value: Any) -> Any:
+    """Name patterns: one pattern, or a list or tuple of them, as a list."""
+    if isinstance(value, str):
+        return [value]
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _size(value: Any) -> int:
+    """A size in bytes from ``"2GB"`` or a number of bytes."""
+    if isinstance(value, (str, int)) and not isinstance(value, bool):
+        try:
+            return parse_size(value)
+        except ValueError:
+            pass
+    raise ValueError(_SIZE)
+
+
+def solve_memory_budget(value: Any = None) -> int:
+    """The ``solve_memory`` budget in bytes: ``value`` (``"8GB"`` or bytes), or else
+    ``LMDX_SOLVE_MEMORY``, or else :data:`DEFAULT_SOLVE_MEMORY`."""
+    if value is not None:
+        return _size(value)
+    env = os.environ.get(SOLVE_MEMORY_ENV)
+    if not env:
+        return DEFAULT_SOLVE_MEMORY
     try:
-        model.model_validate({key: value})
-    except ValidationError as exc:
-        raise option_error(key, model, exc) from None
+        return parse_size(env)
+    except ValueError:
+        raise ValueError(
+            f"{SOLVE_MEMORY_ENV}={env!r} (its default) must be a size such as 8GB or 500MB"
+        ) from None
 
 
-def method_options(method: str, given: Mapping[str, Any]) -> BaseModel:
-    """``method``'s options from the ``given`` keys (None: the default), checked by its
-    pydantic model; keys other methods take are refused (or, for the solver's, ignored)."""
-    model = method_named(method).options
-    own: dict[str, Any] = {}
-    for key, value in given.items():
-        if value is None:
-            continue
-        if key in model.model_fields:
-            own[key] = _plain(value)
-        elif not option_users(key):
-            raise MergeError(f"unknown option {key!r}; the options are {sorted(all_options())}")
-        else:  # a valid value of another method's option: refused, or ignored here
-            _check_one(method_named(option_users(key)[0]).options, key, _plain(value))
-            if not _ignored_elsewhere(key):
-                raise unused_option(key, method)
-    for key, value in own.items():
-        _check_one(model, key, value)
+def _coefficients(value: Any) -> Any:
+    """Per-model coefficients as a tuple of floats: finite, >= 0, not all 0."""
+    if value is None or isinstance(value, (str, bytes, Mapping)):
+        return value
     try:
-        return model.model_validate(own)
-    except ValidationError as exc:  # a check across fields
-        raise MergeError(f"method {method}: {option_error('', model, exc)}") from None
+        coef = tuple(float(plain(c)) for c in value)
+    except (TypeError, ValueError):
+        return value  # refused by the type
+    if any(not math.isfinite(c) or c < 0 for c in coef) or sum(coef) <= 0:
+        raise ValueError("must be finite, >= 0 and not all 0")
+    return coef
 
 
-def all_options() -> dict[str, Any]:
-    """Every method option of the registered methods: name -> its pydantic field (the first
-    method's that declares it)."""
-    out: dict[str, Any] = {}
-    for m in methods().values():
-        for key, f in m.options.model_fields.items():
-            out.setdefault(key, f)
-    return out
+Patterns = Annotated[list[str], BeforeValidator(_patterns)]
+Size = Annotated[int, BeforeValidator(_size)]
 
 
-@dataclass(frozen=True)
-class MergeOptions:
-    """What to merge and how; :meth:`checked` validates user input into one.
+class _Section(BaseModel):
+    model_config = ConfigDict(**STRICT, frozen=True)
 
-    Attributes
-    ----------
-    method
-        The registered method's name (``"regmean"``, ``"average"``, ``"fisher"``,
-        ``"task_arithmetic"``, ``"ties"``, ``"dare"``, ``"dare_ties"``,
-        ``"regmean_plusplus"`` or one registered with
-        :func:`lmdx.merge.registry.register_method`).
-    coefficients
-        Per-model non-negative coefficients (None: all equal).
-    exclude
-        ``fnmatch`` patterns of module names RegMean must not solve (averaged instead).
-    heads
-        ``fnmatch`` patterns of parameter names that are task heads (not merged).
-    head_policy
-        Writing a folder: ``"keep"`` every model's head or ``"drop"`` them.
-    dtype
-        Writing a folder: ``"auto"`` (each tensor's input dtype) or a float dtype.
-    max_shard_size
-        Writing a folder: largest output shard, bytes.
-    n_threads
-        Threads of the native kernels (None: :func:`lmdx.default_threads`).
-    solve_memory
-        Memory budget of one merge step, bytes: a RegMean group over it is solved in
-        blocks of output rows, a larger tensor averaged in blocks of rows (same numbers);
-        on Ray, each group's task asks for the memory it needs. Default:
-        ``LMDX_SOLVE_MEMORY`` or 4 GB (:func:`solve_memory_budget`).
-    method_options
-        The method's own options (its pydantic model); read as attributes of this object
-        too (``options.alpha``), or typed by :meth:`own`.
-    """
 
-    method: str = "regmean"
-    coefficients: tuple[float, ...] | None = None
-    exclude: tuple[str, ...] = ()
-    heads: tuple[str, ...] = ()
-    head_policy: str = "keep"
-    dtype: str = "auto"
-    max_shard_size: int = 2 * 10**9
-    n_threads: int | None = None
-    solve_memory: int = DEFAULT_SOLVE_MEMORY
-    method_options: BaseModel = field(default_factory=NoOptions)
+class HeadOptions(_Section):
+    """Task heads: not merged; each model's own kept beside the merged body, or dropped."""
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name == "method_options":
-            raise AttributeError(name)
-        own = self.method_options
-        if name in type(own).model_fields:
-            return getattr(own, name)
-        raise AttributeError(f"method {self.method!r} has no option {name!r}")
+    patterns: Annotated[
+        Patterns,
+        Field(
+            description="fnmatch patterns of the parameters that are task heads (not merged)",
+            json_schema_extra={"label": "must be a list of name patterns", "keyword": "heads"},
+        ),
+    ] = []
+    policy: Annotated[
+        Literal["keep", "drop"],
+        Field(
+            description="keep: the merged folder loads as model 0 and every model's head is "
+            "kept in heads/<i>.safetensors; drop: the backbone is written without heads",
+            json_schema_extra={
+                "label": "must be keep or drop",
+                "keyword": "head_policy",
+                "writes": True,
+            },
+        ),
+    ] = "keep"
+    per_task_folders: Annotated[
+        bool,
+        Field(
+            description="also write one model folder per kept head, DIR/tasks/<i>",
+            json_schema_extra={
+                "label": "must be true or false",
+                "keyword": "task_folders",
+                "writes": True,
+                "flag": True,
+            },
+        ),
+    ] = False
+
+
+class OutputOptions(_Section):
+    """The merged folder's tensors, and the LoRA of the merged update."""
+
+    dtype: Annotated[
+        Literal["auto", "float32", "bfloat16", "float16"],
+        Field(
+            description="the merged tensors' dtype: auto (each tensor's input dtype) or a "
+            "float dtype",
+            json_schema_extra={"label": "must be auto/float32/bfloat16/float16", "writes": True},
+        ),
+    ] = "auto"
+    max_shard_size: Annotated[
+        Size,
+        Field(
+            description="largest output shard (e.g. 2GB)",
+            json_schema_extra={"writes": True},
+        ),
+    ] = 2 * 10**9
+    lora_rank: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            le=2**20,
+            description="also a rank-r LoRA of the merged update, lora/ (every model a LoRA "
+            "adapter over base)",
+            json_schema_extra={"label": "must be a whole number >= 1"},
+        ),
+    ] = None
+
+
+class SharedOptions(_Section):
+    """The options every merge shares: the keys of a configuration file besides
+    ``method``, ``models``, ``base`` and the method's own."""
+
+    exclude: Annotated[
+        Patterns,
+        Field(
+            description="fnmatch patterns of modules not solved (averaged instead)",
+            json_schema_extra={"label": "must be a list of name patterns"},
+        ),
+    ] = []
+    heads: HeadOptions = HeadOptions()
+    output: OutputOptions = OutputOptions()
+    threads: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            le=MAX_THREADS,
+            description="threads of the native kernels (default: lmdx.default_threads())",
+            json_schema_extra={
+                "label": f"must be a whole number of threads in [1, {MAX_THREADS}]",
+                "keyword": "n_threads",
+            },
+        ),
+    ] = None
+    solve_memory: Annotated[int, BeforeValidator(solve_memory_budget)] = Field(
+        None,  # its default comes from the environment, read when the options are made
+        validate_default=True,
+        description="memory budget of one merge step, e.g. 8GB (default "
+        f"{SOLVE_MEMORY_ENV} or 4GB): larger RegMean groups are solved, larger tensors "
+        "averaged, in blocks of rows",
+        json_schema_extra={"flag": True, "metavar": "SIZE"},
+    )
+
+    @classmethod
+    def fields(cls) -> dict[tuple[str, ...], FieldInfo]:
+        """Every option's field by its path (``("heads", "policy")``), sections entered."""
+        out: dict[tuple[str, ...], FieldInfo] = {}
+        for name, f in cls.model_fields.items():
+            section = f.annotation
+            if isinstance(section, type) and issubclass(section, _Section):
+                for sub, g in section.model_fields.items():
+                    out[(name, sub)] = g
+            else:
+                out[(name,)] = f
+        return out
+
+    @classmethod
+    def keyword_paths(cls) -> dict[str, tuple[str, ...]]:
+        """Front-door keyword -> the path of the field it sets."""
+        return {_extra(f).get("keyword", path[-1]): path for path, f in cls.fields().items()}
+
+    @classmethod
+    def labels(cls) -> dict[str, str]:
+        """The words of each option's error, by its dotted path (for a file's messages)."""
+        out = {}
+        for path, f in cls.fields().items():
+            label = _extra(f).get("label")
+            if label:
+                out[".".join(path)] = str(label)
+        return out
+
+    @classmethod
+    def from_keywords(
+        cls, given: Mapping[str, Any], fixed: Mapping[str, Any] | None = None, *, writes: bool
+    ) -> Any:
+        """The options from a front door's keyword arguments (each a keyword of
+        :meth:`keyword_paths`; None: the default) and ``fixed`` fields; the options of
+        writing a folder only where the door writes one (``writes``). Errors name the
+        keyword: :class:`OptionError`."""
+        paths = cls.keyword_paths()
+        fields = cls.fields()
+        tree: dict[str, Any] = dict(fixed or {})
+        for key, value in given.items():
+            if value is None:
+                continue
+            path = paths[key]
+            if not writes and _extra(fields[path]).get("writes"):
+                what = "for writing a folder (stream_merge, save_merged, lmdx merge)"
+                raise OptionError(key, what, value, unused=True)
+            section = tree
+            for part in path[:-1]:
+                section = section.setdefault(part, {})
+            section[path[-1]] = plain(value)
+        try:
+            return cls.model_validate(tree)
+        except ValidationError as exc:
+            err = exc.errors(include_url=False)[0]
+            loc = tuple(p for p in err["loc"] if isinstance(p, str))
+            where = {path: key for key, path in paths.items()}
+            key = where.get(loc, ".".join(loc) or "options")
+            label = _extra(fields.get(loc)).get("label")
+            msg = str(label) if label else str(err["msg"]).removeprefix("Value error, ")
+            if err.get("input") is None:  # a default (from the environment) refused
+                raise MergeError(f"{key}: {msg}") from None
+            raise OptionError(key, msg, err.get("input")) from None
+
+    @classmethod
+    def flags(cls) -> list[tuple[str, str, FieldInfo]]:
+        """The options ``lmdx merge`` has a flag for (``json_schema_extra={"flag": True}``):
+        (the field's dotted path, its keyword, its field)."""
+        return [
+            (".".join(path), key, cls.fields()[path])
+            for key, path in cls.keyword_paths().items()
+            if _extra(cls.fields()[path]).get("flag")
+        ]
+
+    @classmethod
+    def writing_keywords(cls) -> list[str]:
+        """The keywords of the options of writing a folder (``head_policy``, ``dtype``,
+        ``max_shard_size``, ``task_folders``: the fields marked ``writes``)."""
+        fields, paths = cls.fields(), cls.keyword_paths()
+        return sorted(k for k, p in paths.items() if _extra(fields[p]).get("writes"))
+
+    @classmethod
+    def for_writing(cls, given: Mapping[str, Any]) -> SharedOptions:
+        """The options of writing a folder (:meth:`writing_keywords`) from keyword
+        arguments, checked; any other keyword is refused."""
+        allowed = cls.writing_keywords()
+        for key in given:
+            if key not in allowed:
+                raise MergeError(
+                    f"unknown option {key!r}; the options of writing a folder are {allowed}"
+                )
+        out: SharedOptions = cls.from_keywords(given, writes=True)
+        return out
+
+    def keywords(self) -> dict[str, Any]:
+        """These options as the front doors' keyword arguments (:meth:`from_keywords`)."""
+        out = {}
+        for key, path in self.keyword_paths().items():
+            value: Any = self
+            for part in path:
+                value = getattr(value, part)
+            out[key] = value
+        return out
+
+
+class MergeOptions(SharedOptions):
+    """What one merge is told: the method's name, the options every merge shares
+    (:class:`SharedOptions`: ``exclude``, ``heads``, ``output``, ``threads``,
+    ``solve_memory``), the per-model ``coefficients`` (None: all equal) and the method's
+    own options (``method_options``: its pydantic model; typed by :meth:`own`)."""
+
+    method: Annotated[str, Field(min_length=1, description="the merge method's name")]
+    coefficients: Annotated[
+        tuple[float, ...] | None,
+        BeforeValidator(_coefficients),
+        Field(
+            description="per-model non-negative coefficients (default: all equal)",
+            json_schema_extra={"label": "must be finite, >= 0 and not all 0"},
+        ),
+    ] = None
+    method_options: SerializeAsAny[BaseModel] = Field(default_factory=BaseModel)
 
     def own(self, model: type[_Own]) -> _Own:
         """The method's own options as ``model`` (its pydantic model or a base of it), for
@@ -219,76 +389,20 @@ class MergeOptions:
         return self.method_options
 
     @classmethod
-    def checked(
-        cls,
-        k: int,
-        *,
-        method: str = "regmean",
-        coefficients: Sequence[float] | None = None,
-        exclude: Sequence[str] = (),
-        heads: Sequence[str] = (),
-        head_policy: str = "keep",
-        dtype: str = "auto",
-        max_shard_size: int | str = "2GB",
-        n_threads: int | None = None,
-        solve_memory: int | str | None = None,
-        **options: Any,
-    ) -> MergeOptions:
-        """Options for merging ``k`` models; :class:`MergeError` names what is wrong.
-
-        ``options`` are the method's own (None: the default); those of other methods are
-        refused."""
-        own = method_options(method, options)
-        shard = check_output(head_policy, dtype, max_shard_size)
+    def for_models(cls, k: int, checked: MergeOptions) -> MergeOptions:
+        """``checked`` for a merge of ``k`` models: at least 2, one coefficient each."""
         if k < 2:
             raise MergeError(f"need at least 2 models to merge, got {k}")
-        return cls(
-            method=method,
-            coefficients=_coefficients(coefficients, k),
-            exclude=tuple(exclude),
-            heads=tuple(heads),
-            head_policy=head_policy,
-            dtype=dtype,
-            max_shard_size=shard,
-            n_threads=n_threads,
-            solve_memory=solve_memory_budget(solve_memory),
-            method_options=own,
-        )
+        if checked.coefficients is not None and len(checked.coefficients) != k:
+            raise MergeError(f"coefficients: {len(checked.coefficients)} values for {k} models")
+        return checked
 
+    def keywords(self) -> dict[str, Any]:
+        """These options as the front doors' keyword arguments, the method's own included
+        (the method itself is not one)."""
+        return {**super().keywords(), **self.method_options.model_dump()}
 
-def solve_memory_budget(value: int | str | None = None) -> int:
-    """The ``solve_memory`` budget in bytes: ``value`` (``"8GB"`` or bytes), or else
-    ``LMDX_SOLVE_MEMORY``, or else :data:`DEFAULT_SOLVE_MEMORY`."""
-    key = "solve_memory"
-    if value is None:
-        value = os.environ.get(SOLVE_MEMORY_ENV) or DEFAULT_SOLVE_MEMORY
-        key = SOLVE_MEMORY_ENV
-    try:
-        return parse_size(value)
-    except ValueError:
-        raise MergeError(f"{key}={value!r}: expected a size such as 8GB or 500MB") from None
-
-
-def check_output(head_policy: str, dtype: str, max_shard_size: int | str) -> int:
-    """Check the options of writing a folder; returns the shard size in bytes."""
-    if head_policy not in HEAD_POLICIES:
-        raise MergeError(f"head_policy: expected 'keep' or 'drop', got {head_policy!r}")
-    if dtype not in OUTPUT_DTYPES:
-        raise MergeError(f"dtype: expected one of {OUTPUT_DTYPES}, got {dtype!r}")
-    try:
-        return parse_size(max_shard_size)
-    except ValueError:
-        raise MergeError(
-            f"max_shard_size: expected e.g. '2GB' or bytes, got {max_shard_size!r}"
-        ) from None
-
-
-def _coefficients(coefficients: Sequence[float] | None, k: int) -> tuple[float, ...] | None:
-    if coefficients is None:
-        return None
-    coef = tuple(float(c) for c in coefficients)
-    if len(coef) != k:
-        raise MergeError(f"coefficients: {len(coef)} values for {k} models")
-    if any(not math.isfinite(c) or c < 0 for c in coef) or sum(coef) <= 0:
-        raise MergeError(f"coefficients: must be finite, >= 0 and not all 0, got {list(coef)}")
-    return coef
+    @classmethod
+    def keyword_paths(cls) -> dict[str, tuple[str, ...]]:
+        paths = super().keyword_paths()
+        return {k: v for k, v in paths.items() if v not in (("method",), ("method_options",))}

@@ -3,122 +3,43 @@ against their statistics, the steps, the output tensors and shards, the memory n
 
 One plan serves both front doors: :func:`lmdx.merge_models` (models in memory) and
 :func:`lmdx.stream_merge` (checkpoints on disk) call :func:`make_plan` on their checked
-inputs (:class:`lmdx.merge.inputs.MergeInputs`), and the engine runs its steps. The steps
-are the method's (:mod:`lmdx.merge.registry`): its group steps, then one step per other
-tensor.
+inputs (:class:`lmdx.merge.method.MergeInputs`), and the engine runs its steps. The steps
+are the method's (:class:`lmdx.merge.method.MergeMethod`): its group steps, then one step
+per other tensor, each carrying the method that runs it.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
-import resource
-import sys
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from .._errors import MergeError, ModelMismatchError
 from .._tensors import FLOAT_DTYPES, itemsize
-from .._util import matches, split_in_order
+from .._util import current_rss_bytes, matches, split_in_order
 from ..config import default_threads
 from ..files.checkpoint import SINGLE_FILE
 from ..files.hf import base_model_info, model_files
 from ..files.identity import describe_mismatch
 from ..stats.file import Statistics
-from ..stats.join import join_statistics
-from .registry import method_named, step_method, tensor_step_kind
+from .method import MergeInputs, Step, StepSizes, tensor_step
 from .source import AdapterSource, TensorSource
 
-if TYPE_CHECKING:
-    from .inputs import MergeInputs
-
 __all__ = [
-    "Block",
     "MergePlan",
     "Output",
-    "Step",
-    "StepSizes",
     "check_same_entries",
     "check_same_layout",
     "check_stats_model",
     "content_sha256",
-    "current_rss_bytes",
     "make_plan",
-    "open_stats",
-    "peak_rss_bytes",
     "plan_outputs",
     "tensor_hashes",
 ]
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far (bytes)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)
-
-
-def current_rss_bytes() -> int:
-    """Resident set size of this process now (bytes; the peak where /proc is missing)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return peak_rss_bytes()
-
-
-@dataclass
-class Step:
-    """One unit of work: a RegMean input group, one tensor, or (RegMean++) one block."""
-
-    kind: str  # the method that runs it (lmdx.merge.registry.step_method)
-    tensors: list[str]  # input tensor names (RegMean: the members' weights; a block: all its)
-    modules: list[str] = field(default_factory=list)
-    layout: str = "linear"
-    dim: int = 0
-    memory: int = 0  # estimated bytes while the step runs
-    block: int | None = None  # regmean_plusplus: the index of the block
-
-
-@dataclass(frozen=True)
-class StepSizes:
-    """What a step's memory estimate is made of: K models, the step's ``n`` elements,
-    ``read`` bytes per model (+ ``widened``: float32 copies of 16-bit weights), ``out``
-    bytes of its cast result, and whether Grams are ``packed`` (read from files)."""
-
-    ref: TensorSource
-    k: int
-    out_size: int  # bytes per output element (0: the input's dtype)
-    packed: bool
-    n: int
-    read: int
-    widened: int
-    out: int
-
-    @classmethod
-    def of_step(
-        cls, step: Step, ref: TensorSource, k: int, out_size: int, packed: bool
-    ) -> StepSizes:
-        n = sum(int(np.prod(ref.shape(t))) for t in step.tensors)
-        read = sum(ref.nbytes(t) for t in step.tensors)
-        half = any(ref.dtype(t) in ("bfloat16", "float16") for t in step.tensors)
-        out = n * out_size if out_size else read
-        return cls(ref, k, out_size, packed, n, read, 4 * n if half else 0, out)
-
-    def of(self, step: Step, *, packed: bool) -> StepSizes:
-        """The sizes of another ``step`` of the same merge."""
-        return StepSizes.of_step(step, self.ref, self.k, self.out_size, packed)
-
-
-class Block(NamedTuple):
-    """One of the repeated blocks ``regmean_plusplus`` merges in order: the prefix of its
-    tensor names (``bert.encoder.layer.3``) and its linear modules' input dimensions."""
-
-    prefix: str
-    linear: dict[str, int]
 
 
 class Output(NamedTuple):
@@ -139,7 +60,7 @@ class Output(NamedTuple):
 class MergePlan:
     """What a merge will do, and how much memory and disk it needs."""
 
-    method: str
+    method: str  # its name
     labels: list[str]
     steps: list[Step]
     outputs: list[Output]
@@ -171,34 +92,14 @@ class MergePlan:
             "steps:    "
             + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
             + f" ({len(self.heads)} head tensors kept per model)",
-            *(
-                [
-                    f"averaged: {kinds['average']} tensors the statistics do not cover "
-                    "(biases, norms, embeddings, what was excluded); a tensor equal in every "
-                    "model, such as a frozen layer, comes back as it is and needs no statistics"
-                ]
-                if method_named(self.method).stats is not None and kinds.get("average")
-                else []
-            ),
             *(f"note:     {note}" for note in self.notes),
             f"output:   {len(self.outputs)} tensors, {self.output_bytes / 1e9:.2f} GB in "
             f"{len(self.shards)} shard(s)",
             f"memory:   ~{self.peak_memory / 1e9:.2f} GB peak estimated "
             f"({self.baseline_rss / 1e9:.2f} GB process now + largest step); largest steps:",
         ]
-        if any(s.block is not None for s in self.steps):
-            lines.insert(
-                -1,
-                "blocks:   merged in order on each model's data; the activations held between "
-                "blocks (K × tokens × hidden size) are not in the estimate "
-                "(max_activation_memory bounds them)",
-            )
         for s in biggest:
-            what = s.modules[0] if s.modules else s.tensors[0]
-            more = f" (+{len(s.modules) - 1} sharing its input)" if len(s.modules) > 1 else ""
-            if s.block is not None:
-                what, more = f"block {s.block}", f" ({len(s.modules)} linear modules)"
-            lines.append(f"  {s.memory / 1e6:9.1f} MB  {s.kind} {what}{more}")
+            lines.append(f"  {s.memory / 1e6:9.1f} MB  {s.kind} {s.method.step_label(s)}")
         return "\n".join(lines)
 
 
@@ -318,42 +219,6 @@ def content_sha256(source: TensorSource) -> str:
     return total.hexdigest()
 
 
-def _opened(stats: Any) -> Statistics:
-    """One model's statistics: a :class:`Statistics`, a file or folder, or a list of them
-    (parts collected over disjoint modules, :func:`lmdx.stats.join_statistics`)."""
-    if isinstance(stats, Statistics):
-        return stats
-    if isinstance(stats, (list, tuple)):
-        return join_statistics([_opened(part) for part in stats])
-    return Statistics.load(stats)
-
-
-def open_stats(
-    stats: Sequence[Any] | None, kind: str | None, method: str, k: int, labels: Sequence[str]
-) -> list[Statistics] | None:
-    """The K statistics of ``kind`` method ``method`` needs (None for methods without),
-    loaded and checked for kind and a common padding policy; not yet checked against the
-    models."""
-    if kind is None:
-        if stats:
-            raise MergeError(f"method {method!r} takes no statistics")
-        return None
-    if stats is None or len(stats) != k:
-        raise MergeError(
-            f"method {method!r} needs one {kind} statistics per model ({k}), got "
-            f"{0 if stats is None else len(stats)}"
-        )
-    objs = [_opened(s) for s in stats]
-    for i, (s, lab) in enumerate(zip(objs, labels, strict=True)):
-        if s.kind != kind:
-            raise MergeError(f"stats[{i}] ({s.source or lab}): kind {s.kind!r}, expected {kind!r}")
-    if kind == "regmean-gram" and len({s.padding for s in objs}) > 1:
-        raise MergeError(
-            "statistics mix padding policies (excluded and included); collect them all the same way"
-        )
-    return objs
-
-
 def check_same_entries(stats: Sequence[Statistics], labels: Sequence[str]) -> None:
     """Every statistics covers the modules (Grams) or parameters (Fisher) of the first;
     :class:`MergeError` names both files and the first entry missing."""
@@ -380,41 +245,43 @@ def make_plan(inputs: MergeInputs, *, folder: bool) -> MergePlan:
     """Check the inputs against each other and plan their merge by ``inputs.method``.
 
     ``folder``: the merged model is written as a ``save_pretrained`` folder (outputs named
-    and cast as ``options.head_policy`` and ``options.dtype`` say, shards planned);
+    and cast as ``options.heads.policy`` and ``options.output.dtype`` say, shards planned);
     otherwise it stays in memory (every non-head tensor in its input dtype). The method's
     group steps come first (RegMean groups, RegMean++'s blocks), every other tensor is
-    one step of the method :func:`~lmdx.merge.registry.tensor_step_kind` names (the
-    method's :meth:`~lmdx.merge.registry.MergeMethod.tensor_kind`, or a copy if not
-    floating point).
+    one step (:func:`~lmdx.merge.method.tensor_step`: by the method's
+    :meth:`~lmdx.merge.method.MergeMethod.tensor_method`, or a copy if not floating
+    point).
     """
     sources, options, method = inputs.sources, inputs.options, inputs.method
     labels = inputs.labels
     ref = sources[0]
     names = ref.names()
-    head_names = [n for n in names if matches(n, options.heads)]
-    body = [n for n in names if not matches(n, options.heads)]
-    check_same_layout(sources, body, options.heads)
+    heads = options.heads.patterns
+    head_names = [n for n in names if matches(n, heads)]
+    body = [n for n in names if not matches(n, heads)]
+    check_same_layout(sources, body, heads)
     tied = ref.aliases()
     if inputs.stats is not None:
         for source, s in zip(sources, inputs.stats, strict=True):
             tied = {**source.aliases(), **check_stats_model(source, s)}
         check_same_entries(inputs.stats, labels)
-    if inputs.base is not None:  # the tensors the base lacks: see inputs.notes["base"]
+    if inputs.base is not None:  # the tensors the base lacks: the method's to say
         base = inputs.base
-        check_same_layout([ref, base], [n for n in body if n in base], options.heads)
+        check_same_layout([ref, base], [n for n in body if n in base], heads)
     names = method.order(inputs, names)
-    body = [n for n in names if not matches(n, options.heads)]
+    body = [n for n in names if not matches(n, heads)]
 
     steps = method.group_steps(inputs, body, set(tied) | set(tied.values()))
     covered = {t for s in steps for t in s.tensors}
     for n in body:
         if n not in covered:
-            steps.append(Step(tensor_step_kind(inputs, n), [n]))
-    out_size = 0 if options.dtype == "auto" or not folder else itemsize(options.dtype)
+            steps.append(tensor_step(inputs, n))
+    output = options.output
+    out_size = 0 if output.dtype == "auto" or not folder else itemsize(output.dtype)
     packed = inputs.stats is not None and all(s.files for s in inputs.stats)  # from files
     for step in steps:
         sizes = StepSizes.of_step(step, ref, len(sources), out_size, packed)
-        step.memory = step_method(step.kind).memory(step, sizes, inputs)
+        step.memory = step.method.memory(step, sizes, inputs)
     if folder and ref.path is not None and ref.path.is_dir():
         model_files(ref.path)  # refuse what would be copied unsafely, before any work
     outputs, shards, prefix, base_class = plan_outputs(
@@ -422,12 +289,12 @@ def make_plan(inputs: MergeInputs, *, folder: bool) -> MergePlan:
         names,
         head_names,
         folder=folder,
-        head_policy=options.head_policy,
-        dtype=options.dtype,
-        max_shard_size=options.max_shard_size,
+        head_policy=options.heads.policy,
+        dtype=output.dtype,
+        max_shard_size=output.max_shard_size,
     )
     output_bytes = sum(o.nbytes for o in outputs)
-    if folder and options.head_policy == "keep":
+    if folder and options.heads.policy == "keep":
         output_bytes += sum(s.nbytes(h) for s in sources for h in head_names)
     return MergePlan(
         method=method.name,
@@ -442,7 +309,7 @@ def make_plan(inputs: MergeInputs, *, folder: bool) -> MergePlan:
         baseline_rss=current_rss_bytes(),
         base_class=base_class,
         base_prefix=prefix,
-        notes=method.plan_notes(inputs),
+        notes=method.plan_notes(inputs, steps),
     )
 
 

@@ -1,12 +1,14 @@
-"""RegMean groups solved by Ray tasks, a few groups ahead of the writer.
+"""A method's group steps run by Ray tasks, a few steps ahead of the writer (methods with
+``ray = "groups"``: RegMean's groups).
 
-Each group is one task (one CPU), submitted in the order the writer needs the groups, at
+Each step is one task (one CPU), submitted in the order the writer needs the steps, at
 most ``workers`` running and ``2 × workers`` ahead of the writer; a finished task gives
 its CPU back, so more workers than CPUs only queue, and the task of a lost node runs
 again (once) on a node that remains. A worker process opens the input checkpoints and
-statistics once (on a cluster every node must see the same paths) and solves each group
-exactly as the local engine does (same kernels, same cast), so the merged tensors are
-bit-identical to a local run.
+statistics once (on a cluster every node must see the same paths; no base, data or LoRA
+of the merged update travels) and runs the step's
+:meth:`~lmdx.merge.method.MergeMethod.compute` exactly as the local engine does, so the
+merged tensors are bit-identical to a local run.
 """
 
 from __future__ import annotations
@@ -14,19 +16,16 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .. import _ray
 from .._errors import LmdxError, MergeError, MissingFileError, RayClusterError
 from ..files.checkpoint import Checkpoint
 from ..stats.file import Statistics
 from ..stats.join import join_statistics
-from .engine import solve_regmean_step
+from .method import Merged, MergeInputs, Step
 from .options import MergeOptions
-from .plan import MergePlan, Step
-
-if TYPE_CHECKING:
-    from .inputs import MergeInputs
+from .plan import MergePlan
 
 __all__ = ["RayGroupSolver"]
 
@@ -65,16 +64,16 @@ def _open(
 
 def _solve(
     inputs: tuple[list[str], list[list[str]], list[str], MergeOptions], step: Step
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """One group solved (a Ray task); NumPy arrays (bfloat16 too) cross Ray's object store
-    as they are."""
+) -> Merged:
+    """One step run by its method (a Ray task) on the inputs opened here; NumPy arrays
+    (bfloat16 too) cross Ray's object store as they are."""
     models, stats, labels, options = inputs
     ckpts, st = _open(models, stats, labels)
-    return solve_regmean_step(step, ckpts, st, labels, options)
+    return step.method.compute(step, MergeInputs(step.method, options, list(ckpts), labels, st))
 
 
 class RayGroupSolver:
-    """RegMean groups submitted as Ray tasks in the order the writer needs them: at most
+    """Group steps submitted as Ray tasks in the order the writer needs them: at most
     ``workers`` running and ``2 × workers`` ahead (bounding the results held here), each
     asking Ray for the memory the plan estimates for it."""
 
@@ -96,7 +95,7 @@ class RayGroupSolver:
         self.task = ray.remote(num_cpus=1, max_retries=1)(_solve)
 
         self.inputs = ray.put((models, stats, labels, options))
-        step_of = {t: st for st in steps if st.modules for t in st.tensors}
+        step_of = {t: st for st in steps if st.method.ray == "groups" for t in st.tensors}
         seen: set[int] = set()
         self.queue: list[Step] = []
         for name in order:  # groups in the order their first member is written
@@ -118,8 +117,8 @@ class RayGroupSolver:
     def for_merge(
         cls, inputs: MergeInputs, plan: MergePlan, workers: int, address: str | None
     ) -> RayGroupSolver:
-        """The solver of a streaming merge's RegMean groups (checkpoints and statistics
-        files: every worker opens them itself)."""
+        """The solver of a streaming merge's group steps (checkpoints and statistics files:
+        every worker opens them itself)."""
         stats = inputs.stats
         assert stats is not None
         paths = [s.files for s in stats]
@@ -159,11 +158,12 @@ class RayGroupSolver:
             self.next += 1
 
     def _name(self, i: int) -> str:
-        return f"the RegMean group of {self.queue[i].modules[0]!r}"
+        step = self.queue[i]
+        return f"the {step.kind} group of {(step.modules or step.tensors)[0]!r}"
 
-    def result(self, step: Step) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The merged tensors of ``step`` (NumPy, in their input dtype; read-only) and the
-        solver's report per module."""
+    def result(self, step: Step) -> Merged:
+        """What ``step`` produced on its worker: its merged tensors (NumPy, in their input
+        dtype; read-only) and report entries."""
         i = self.position[id(step)]
         while True:  # wake up whenever a group ends, to submit the next ones
             self._submit(i)
@@ -176,7 +176,7 @@ class RayGroupSolver:
         del self.refs[i]
         self.ended.discard(i)
         try:
-            solved, layers = self.ray.get(ref)
+            merged: Merged = self.ray.get(ref)
         except self.ray.exceptions.RayError as exc:
             cause = getattr(exc, "cause", None)
             if isinstance(cause, LmdxError):  # what a local merge raises, as it would
@@ -184,7 +184,7 @@ class RayGroupSolver:
             raise RayClusterError(
                 f"{self._name(i)} failed on its Ray worker: {_ray.failure(self.ray, exc)}"
             ) from None
-        return dict(solved), layers
+        return Merged(dict(merged.tensors), merged.report)
 
     def close(self) -> None:
         """Cancel the groups still out; shut Ray down if this solver started it."""

@@ -1,230 +1,233 @@
-"""The merge methods, one registered object each: what a method needs, its options and its
-arithmetic. The plan, the engine, the option checks, the configuration schema, the CLI help
-and the model card ask the registry; nothing else in :mod:`lmdx.merge` names a method.
+"""The registered merge methods, by name: the built-in ones (:mod:`lmdx.merge.builtin`),
+those registered with :func:`register_method`, and those installed as packages that
+declare an entry point in the group ``lmdx.merge_methods`` (:data:`ENTRY_POINTS`).
 
-A method is a subclass of :class:`MergeMethod` registered with :func:`register_method`; the
-built-in ones (:mod:`lmdx.merge.builtin`) are registered exactly so. The smallest method
-merges one tensor at a time::
+The front doors, the configuration files, ``lmdx merge`` and the model card find a method
+here by its name; below this module a merge handles the method object itself
+(:class:`lmdx.merge.method.MergeMethod`). A method's own options are checked here too,
+since a key is refused with the names of the methods that take it.
 
-    class KeepFirst(MergeMethod):
-        name = "keep_first"
-        summary = "the first model's tensors"
+An installed method is one entry point named as the method, whose object is a
+:class:`MergeMethod` subclass (or instance), e.g. in the package's ``pyproject.toml``::
 
-        def tensor(self, name, tensors, inputs):
-            return np.asarray(tensors[0], dtype=np.float64)
+    [project.entry-points."lmdx.merge_methods"]
+    power_mean = "lmdx_power_mean:PowerMean"
 
-    register_method(KeepFirst())
-
-What a method declares (class attributes): ``name``; ``summary`` (its line in the model card
-and ``lmdx merge --help``); ``options``, a pydantic model of the method's own options (types,
-defaults, checks; each field's description is its help text, and a field's
-``json_schema_extra={"label": ...}`` the words of its error message); ``stats``, the kind
-of statistics it needs one of per model (``"regmean-gram"``, ``"fisher"`` or None);
-``needs_base`` (the pre-trained model, for task vectors), ``takes_data`` (each model's
-texts at merge time) and ``ray`` (whether its steps may run on Ray workers). What it does
-(methods, all with defaults): :meth:`MergeMethod.check` (inputs, before any work),
-:meth:`~MergeMethod.group_steps` (steps over several tensors),
-:meth:`~MergeMethod.order` (the order of the outputs), :meth:`~MergeMethod.tensor_kind`
-(the method of every other tensor), :meth:`~MergeMethod.tensor` (one tensor's
-arithmetic), :meth:`~MergeMethod.compute` (one step in the engine),
-:meth:`~MergeMethod.memory` (a step's memory estimate), :meth:`~MergeMethod.engine_helper`
-(what runs its group steps) and :meth:`~MergeMethod.report` (its entries in
-``lmdx_merge.json``).
-
-A plan's step names the method that runs it (:func:`step_method`): a registered one, or
-:data:`COPY` for a tensor that is not floating point (an integer buffer), which no user
-chooses and which is not among :func:`methods`.
+The installed methods are loaded the first time a method is looked up by name or the
+methods are listed, in any process (a script, ``lmdx merge``, a Ray worker). One that
+cannot be loaded (its package fails to import, it is no method, its name is taken) takes
+nothing from the others: asking for it by name raises the reason
+(:func:`method_named`), ``lmdx merge --help`` shows it (:func:`unloaded_methods`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Mapping
+from importlib.metadata import entry_points
+from typing import Any
 
-import numpy as np
-from numpy.typing import NDArray
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ValidationError
 
 from .._errors import MergeError
-
-if TYPE_CHECKING:
-    from .engine import Executor
-    from .inputs import MergeInputs
-    from .plan import MergePlan, Step, StepSizes
-    from .source import TensorSource
+from .builtin import BUILT_IN
+from .method import COPY, MergeMethod, NoOptions
+from .options import MergeOptions, OptionError, option_error, plain
 
 __all__ = [
-    "COPY",
-    "MergeMethod",
-    "NoOptions",
+    "ENTRY_POINTS",
+    "all_options",
+    "merge_options",
     "method_named",
     "method_names",
+    "method_options",
     "methods",
     "option_users",
     "register_method",
-    "step_method",
-    "tensor_step_kind",
+    "unloaded_methods",
+    "unused_option",
 ]
 
-
-class NoOptions(BaseModel):
-    """The options of a method that has none of its own (the base of every method's
-    options: unknown keys and ``true`` for 1 are refused, values must be finite)."""
-
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, frozen=True)
-
-
-class MergeMethod:
-    """One merge method; subclass, set the class attributes, override what differs, and
-    :func:`register_method` an instance."""
-
-    name: ClassVar[str] = ""
-    summary: ClassVar[str] = ""
-    options: ClassVar[type[BaseModel]] = NoOptions
-    stats: ClassVar[str | None] = None
-    needs_base: ClassVar[bool] = False
-    takes_data: ClassVar[bool] = False
-    #: Where its group steps run with ``ray_workers``: ``"groups"`` (on Ray actors, through
-    #: :func:`lmdx.merge.engine.solve_regmean_step`), ``"local"`` (in this process) or
-    #: ``"refused"`` (the merge must run in one process).
-    ray: ClassVar[str] = "local"
-    #: The options ``lmdx merge`` names in its one-line summary (e.g. TIES's density).
-    headline: ClassVar[tuple[str, ...]] = ()
-
-    def check(self, inputs: MergeInputs) -> None:
-        """Refuse inputs this method cannot merge, before any work (:class:`MergeError`);
-        the checks every method shares (statistics, base, data) are done already."""
-
-    def group_steps(self, inputs: MergeInputs, body: Sequence[str], tied: set[str]) -> list[Step]:
-        """Steps that merge several tensors together (RegMean groups, blocks); the other
-        tensors of ``body`` get one step each (:meth:`tensor_kind`)."""
-        return []
-
-    def order(self, inputs: MergeInputs, names: list[str]) -> list[str]:
-        """The order the merged tensors are produced in (default: the models')."""
-        return names
-
-    def tensor_kind(self, inputs: MergeInputs, name: str) -> str:
-        """The method that merges floating-point tensor ``name`` when no group step covers
-        it: this method (default) or another registered one (``"average"``)."""
-        return self.name
-
-    def tensor(self, name: str, tensors: Sequence[Any], inputs: MergeInputs) -> NDArray[np.float64]:
-        """Merged tensor ``name`` from every model's ``tensors`` (torch tensors or NumPy
-        arrays, in model order), in float64; ``inputs`` has the options
-        (``inputs.options``), statistics and base."""
-        raise MergeError(f"method {self.name!r} merges no single tensors")
-
-    def tensor_in_blocks(
-        self, name: str, sources: Sequence[TensorSource], inputs: MergeInputs
-    ) -> NDArray[Any] | None:
-        """Merged tensor ``name``, already cast, computed block by block of rows read alone
-        when the whole would not fit the memory budget; None (default): merge it whole
-        with :meth:`tensor`."""
-        return None
-
-    def compute(self, step: Step, executor: Executor) -> None:
-        """Run ``step``: put its merged tensors in ``executor.ready`` (default: one tensor
-        by :meth:`tensor`, through :meth:`Executor.merge_tensor`)."""
-        name = step.tensors[0]
-        executor.ready[name] = executor.merge_tensor(name, step.kind)
-
-    def memory(self, step: Step, sizes: StepSizes, inputs: MergeInputs) -> int:
-        """Estimated bytes while ``step`` runs: K reads (and widened copies of 16-bit
-        weights), the float64 result and the cast result."""
-        return sizes.k * (sizes.read + sizes.widened) + 8 * sizes.n + sizes.out
-
-    def plan_notes(self, inputs: MergeInputs) -> list[str]:
-        """Lines the plan says about the inputs (``lmdx merge --dry-run``); none by default."""
-        return []
-
-    def engine_helper(self, inputs: MergeInputs, plan: MergePlan, progress: bool) -> Any:
-        """What the engine hands this method's group steps to, built once the plan is made
-        (RegMean++'s block merger, :class:`lmdx.merge.engine.BlockSolver`); None: nothing.
-        Its ``summary()``, if any, goes into the report under the method's name."""
-        return None
-
-    def report(self, inputs: MergeInputs) -> dict[str, Any]:
-        """The method's entries in the merge report: its options as resolved."""
-        return dict(inputs.options.method_options.model_dump())
-
-
-class Copy(MergeMethod):
-    """The first model's tensor as it is, for tensors that are not floating point (integer
-    buffers such as position ids): the plan's steps for them, never a user's choice."""
-
-    name: ClassVar[str] = "copy"
-    summary: ClassVar[str] = "the first model's tensor, copied (tensors not floating point)"
-
-    def compute(self, step: Step, executor: Executor) -> None:
-        name = step.tensors[0]
-        first = executor.sources[0].read(name)
-        executor.ready[name] = first.clone() if hasattr(first, "clone") else first
-
-
-#: The method of every step that copies a tensor that is not floating point.
-COPY = Copy()
+#: The entry-point group of merge methods installed as packages.
+ENTRY_POINTS = "lmdx.merge_methods"
 
 _METHODS: dict[str, MergeMethod] = {}
+_UNLOADED: dict[str, str] = {}  # installed methods that could not be loaded: name -> why
+_installed_loaded = False
+
+
+def _checked(method: MergeMethod, where: str) -> MergeMethod:
+    """``method`` if it can be registered; :class:`MergeError` (``where``: who asked)."""
+    if not isinstance(method, MergeMethod):
+        raise MergeError(f"{where}: expected a MergeMethod, got {type(method).__name__}")
+    if not method.name.isidentifier():
+        raise MergeError(f"{where}: name {method.name!r} is not an identifier")
+    if method.name == COPY.name:
+        raise MergeError(
+            f"{where}: name {method.name!r} is taken by the copies of tensors that are not "
+            "floating point; choose another"
+        )
+    if not issubclass(method.options, NoOptions):
+        raise MergeError(f"{where}: {method.name}: options must derive from lmdx.merge.NoOptions")
+    if method.stats not in (None, "regmean-gram", "fisher"):
+        raise MergeError(f"{where}: {method.name}: unknown statistics {method.stats!r}")
+    return method
 
 
 def register_method(method: MergeMethod) -> MergeMethod:
     """Make ``method`` available by its name to every front door, the configuration files
     and ``lmdx merge``; returns it. Registering a name again replaces that method."""
-    if not method.name.isidentifier():
-        raise MergeError(f"register_method: name {method.name!r} is not an identifier")
-    if method.name == COPY.name:
-        raise MergeError(
-            f"register_method: name {method.name!r} is taken by the copies of tensors that "
-            "are not floating point; choose another"
-        )
-    if not issubclass(method.options, NoOptions):
-        raise MergeError(
-            f"register_method: {method.name}: options must derive from lmdx.merge.NoOptions"
-        )
-    if method.stats not in (None, "regmean-gram", "fisher"):
-        raise MergeError(f"register_method: {method.name}: unknown statistics {method.stats!r}")
-    _builtins()[method.name] = method  # the built-in methods first
+    _METHODS[_checked(method, "register_method").name] = method
     return method
 
 
-def _builtins() -> dict[str, MergeMethod]:
-    from . import builtin  # noqa: F401  (registers the built-in methods on first use)
+for _builtin in BUILT_IN:
+    register_method(_builtin)
 
-    return _METHODS
+
+def _load_installed() -> None:
+    """Register the methods installed packages declare (:data:`ENTRY_POINTS`), once per
+    process (one whose module registered it on import is kept as registered); what
+    cannot be registered is kept, with why, in :func:`unloaded_methods`."""
+    global _installed_loaded
+    if _installed_loaded:
+        return
+    _installed_loaded = True
+    for point in entry_points(group=ENTRY_POINTS):
+        dist = getattr(point.dist, "name", None) or "a package"
+        where = f"merge method {point.name!r} installed by {dist} ({point.value})"
+        try:
+            found: Any = point.load()
+            if isinstance(found, type) and issubclass(found, MergeMethod):
+                found = found()
+            method = found
+            _checked(method, where)
+            if method.name != point.name:
+                raise MergeError(f"{where}: the entry point names {method.name!r}, not itself")
+            known = _METHODS.get(method.name)
+            if known is not None and type(known) is not type(method):
+                raise MergeError(
+                    f"{where}: the name {method.name!r} is taken by {type(known).__name__}"
+                )
+        except MergeError as exc:
+            _UNLOADED[point.name] = f"{exc}; fix or uninstall that package"
+        except Exception as exc:  # any failure of another package's code on import
+            _UNLOADED[point.name] = (
+                f"{where} could not be loaded ({type(exc).__name__}: {exc}); fix or uninstall "
+                "that package"
+            )
+        else:
+            _METHODS.setdefault(method.name, method)
+
+
+def unloaded_methods() -> dict[str, str]:
+    """The installed methods that could not be loaded: name -> why (one line each)."""
+    _load_installed()
+    return dict(_UNLOADED)
 
 
 def methods() -> Mapping[str, MergeMethod]:
-    """Every registered method by name, built-in ones first (in registration order)."""
-    return dict(_builtins())
+    """Every registered method by name: the built-in ones first, then those registered in
+    this process and those installed (in the order they came)."""
+    _load_installed()
+    return dict(_METHODS)
 
 
 def method_names() -> tuple[str, ...]:
     """The names of the registered methods."""
-    return tuple(_builtins())
+    return tuple(methods())
 
 
 def method_named(name: str) -> MergeMethod:
-    """The method registered as ``name``; :class:`MergeError` lists the known ones."""
-    found = _builtins().get(name)
+    """The method registered as ``name``; :class:`MergeError` lists the known ones (or
+    says why an installed one named so could not be loaded)."""
+    found = methods().get(name)
     if found is None:
+        if name in _UNLOADED:
+            raise MergeError(_UNLOADED[name])
         raise MergeError(f"method: expected one of {method_names()}, got {name!r}")
     return found
 
 
+# --------------------------------------------------------------------------- options
+
+
 def option_users(key: str) -> list[str]:
     """The registered methods that take option ``key``."""
-    return [m.name for m in _builtins().values() if key in m.options.model_fields]
+    return [m.name for m in methods().values() if key in m.options.model_fields]
 
 
-def step_method(kind: str) -> MergeMethod:
-    """The method that runs a plan step of ``kind``: :data:`COPY` or a registered one."""
-    return COPY if kind == COPY.name else method_named(kind)
+def all_options() -> dict[str, Any]:
+    """Every method option of the registered methods: name -> its pydantic field (the first
+    method's that declares it)."""
+    out: dict[str, Any] = {}
+    for m in methods().values():
+        for key, f in m.options.model_fields.items():
+            out.setdefault(key, f)
+    return out
 
 
-def tensor_step_kind(inputs: MergeInputs, name: str) -> str:
-    """The kind of the step that merges tensor ``name`` alone: the method
-    :meth:`MergeMethod.tensor_kind` names for a floating-point tensor, else :data:`COPY`."""
-    if inputs.sources[0].is_float(name):
-        return inputs.method.tensor_kind(inputs, name)
-    return COPY.name
+def unused_option(key: str, method: str) -> OptionError:
+    """Option ``key`` given to a method that does not take it."""
+    users = option_users(key)
+    who = f"method {users[0]}" if len(users) == 1 else ", ".join(users)
+    return OptionError(key, f"used by {who}, not {method}", None, unused=True)
+
+
+def _ignored_elsewhere(key: str) -> bool:
+    """Whether option ``key`` is accepted, and ignored, by methods that do not take it
+    (``json_schema_extra={"elsewhere": "ignored"}``, as the RegMean solve's options)."""
+    for m in methods().values():
+        f = m.options.model_fields.get(key)
+        extra = None if f is None else f.json_schema_extra
+        if isinstance(extra, dict) and extra.get("elsewhere") == "ignored":
+            return True
+    return False
+
+
+def _check_one(model: type[BaseModel], key: str, value: Any) -> None:
+    """Option ``key`` of ``model`` checked alone (its error names it)."""
+    try:
+        model.model_validate({key: value})
+    except ValidationError as exc:
+        raise option_error(key, model, exc) from None
+
+
+def method_options(method: str, given: Mapping[str, Any]) -> BaseModel:
+    """``method``'s options from the ``given`` keys (None: the default), checked by its
+    pydantic model; keys other methods take are refused (or, for the solver's, ignored)."""
+    model = method_named(method).options
+    own: dict[str, Any] = {}
+    for key, value in given.items():
+        if value is None:
+            continue
+        value = plain(value)
+        if key in model.model_fields:
+            own[key] = value
+        elif not option_users(key):
+            known = sorted({*all_options(), *MergeOptions.keyword_paths()})
+            raise MergeError(f"unknown option {key!r}; the options are {known}")
+        else:  # a valid value of another method's option: refused, or ignored here
+            _check_one(method_named(option_users(key)[0]).options, key, value)
+            if not _ignored_elsewhere(key):
+                raise unused_option(key, method)
+    for key, value in own.items():
+        _check_one(model, key, value)
+    try:
+        return model.model_validate(own)
+    except ValidationError as exc:  # a check across fields
+        raise MergeError(f"method {method}: {option_error('', model, exc)}") from None
+
+
+def merge_options(
+    k: int, method: str, given: Mapping[str, Any], *, writes: bool = True
+) -> MergeOptions:
+    """The checked options of a merge of ``k`` models by the method registered as
+    ``method``, from a front door's keyword arguments ``given``: the shared ones
+    (:meth:`MergeOptions.keyword_paths`; those of writing a folder only if the door writes
+    one, ``writes``) and the method's own."""
+    paths = MergeOptions.keyword_paths()
+    shared = {key: value for key, value in given.items() if key in paths}
+    own = method_options(method, {key: v for key, v in given.items() if key not in paths})
+    fixed = {"method": method, "method_options": own}
+    checked: MergeOptions = MergeOptions.from_keywords(shared, fixed, writes=writes)
+    return MergeOptions.for_models(k, checked)

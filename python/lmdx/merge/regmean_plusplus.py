@@ -17,7 +17,7 @@ The conventions are those of the paper's code (FusionBench's ``regmean_plusplus`
   the attention mask, as in every lmdx collection (FusionBench's images have none).
 * The block's linear weights are merged by RegMean with those Grams — ``Ĝ_i = G_i/n_i``,
   ``G̃_i = α Ĝ_i + (1−α) diag Ĝ_i``, solved for the deviation from the average
-  (:func:`lmdx.merge.engine.solve_regmean_step`, the plain RegMean solve) — and its
+  (:func:`lmdx.merge.builtin.regmean.solve_step`, the plain RegMean solve) — and its
   other parameters averaged. The merged block (cast to the output dtype, as written)
   runs on every model's activations: its outputs are block ``l+1``'s inputs.
 
@@ -58,14 +58,12 @@ from ..config import resolve_threads
 from ..stats.collector import GramCollector
 from ..stats.file import Statistics
 from ..stats.sites import find_linear_modules
-from ..stats.stop import StopForward, run_until_stopped
+from ..stats.stop import run_until_stopped, stop_forward
 from .block_call import BlockCall, call_difference, hidden_of, same_value, tensor_bytes
 from .block_data import activation_budget, prepare_batches
-from .engine import solve_regmean_step
-from .methods import regmean_groups
+from .method import Step
 from .options import MergeOptions
-from .plan import Block, Step
-from .skeleton import build_skeleton, find_blocks, model_blocks
+from .skeleton import Block, build_skeleton, find_blocks, model_blocks
 from .source import TensorSource
 
 __all__ = [
@@ -79,13 +77,14 @@ __all__ = [
 
 
 class BlockMerger:
-    """RegMean++ for the merge engine: Grams and merged blocks, one block at a time.
+    """The activations and Grams RegMean++ merges with, one block at a time
+    (:class:`lmdx.merge.builtin.regmean_plusplus.RegMeanPlusPlus` drives it).
 
-    The engine hands it every merged tensor outside the blocks (:meth:`record`), then
-    asks for the blocks in order: :meth:`solve` collects the K models' Grams of block
-    ``l`` on activations from the merged prefix and RegMean-solves its linear modules;
-    :meth:`finish` takes the whole merged block (the engine averages the rest) and runs
-    it on the activations, which become block ``l+1``'s inputs.
+    It is handed every merged tensor outside the blocks (:meth:`record`), then asked for
+    the blocks in order: :meth:`grams` collects the K models' Grams of block ``l``'s
+    linear modules on activations from the merged prefix (the method solves them);
+    :meth:`finish` takes the whole merged block and runs it on the activations, which
+    become block ``l+1``'s inputs.
 
     Parameters
     ----------
@@ -98,8 +97,6 @@ class BlockMerger:
         Per model, its batches (:func:`prepare_batches`).
     options, labels
         The merge's options and model names.
-    tied
-        Names of tied weights (never solved).
     max_activation_memory
         Bytes of activations held between blocks; the batches beyond it are recomputed
         from the merged prefix for every block (None: hold them all).
@@ -115,18 +112,17 @@ class BlockMerger:
         options: MergeOptions,
         labels: Sequence[str],
         *,
-        tied: set[str] | None = None,
         max_activation_memory: int | None = None,
         progress: bool = True,
     ) -> None:
         self.sources, self.blocks, self.options = sources, list(blocks), options
-        self.labels, self.tied = list(labels), set(tied or ())
+        self.labels = list(labels)
         self.batches = [[dict(b) for b in model_batches] for model_batches in batches]
         self.budget = max_activation_memory
         self.progress = progress
         self.model = build_skeleton(sources[0].config, labels[0])
         self.prefix, self.stack = find_blocks(self.model)
-        self.n_threads = resolve_threads(options.n_threads)
+        self.n_threads = resolve_threads(options.threads)
         self.outside: dict[str, Any] = {}  # merged tensors outside the blocks
         self.held: dict[tuple[int, int], tuple[Any, BlockCall]] = {}
         self.recomputed: list[tuple[int, int]] = []
@@ -146,9 +142,10 @@ class BlockMerger:
         if self.next == 0:
             self.outside[name] = tensor
 
-    def solve(self, step: Step) -> tuple[dict[str, Any], list[tuple[list[str], dict[str, Any]]]]:
-        """Block ``step.block``'s merged linear weights (cast to their input dtype) and,
-        per group of modules sharing an input, the members and the solver's report."""
+    def grams(self, step: Step) -> list[Statistics] | None:
+        """Every model's Grams of block ``step.block``'s linear modules (all but the excluded
+        ones), on its activations from the merged prefix; None when every linear module of
+        the block is excluded."""
         index = step.block
         if index != self.next:
             raise MergeError(
@@ -158,26 +155,9 @@ class BlockMerger:
         if index == 0:
             self._start()
         modules = self._modules(index)
-        if not modules:  # every linear module of the block is excluded
-            return {}, []
-        ready = [self._grams(i, index, modules) for i in range(len(self.sources))]
-        merged: dict[str, Any] = {}
-        groups = []
-        for members in regmean_groups(ready, set(step.tensors), self.tied, self.options):
-            info = ready[0].modules[members[0]]
-            group = Step(
-                "regmean",
-                [ready[0].modules[m]["weight"] for m in members],
-                members,
-                info["layout"],
-                int(info["dim"]),
-            )
-            solved, layers = solve_regmean_step(
-                group, self.sources, ready, self.labels, self.options
-            )
-            merged.update(solved)
-            groups.append((members, layers))
-        return merged, groups
+        if not modules:
+            return None
+        return [self._grams(i, index, modules) for i in range(len(self.sources))]
 
     def finish(self, step: Step, merged: Mapping[str, Any]) -> None:
         """Take merged block ``step.block`` (every tensor of it) and run it on the
@@ -250,7 +230,7 @@ class BlockMerger:
 
         def grab(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             captured["call"] = BlockCall.capture(args, kwargs)
-            raise StopForward
+            stop_forward()
 
         handle = self.stack[0].register_forward_pre_hook(grab, with_kwargs=True)
         try:
@@ -301,7 +281,7 @@ class BlockMerger:
                 self._unassign(self._block_names(index))
                 self.forwards += 1
                 if index == last:
-                    raise StopForward
+                    stop_forward()
 
             return hook
 

@@ -9,13 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import MergeError
+from .._util import current_rss_bytes
 from ..files.hf import load_model
 from ..files.st import model_folder
 from .door import check_new_folder
 from .engine import run
 from .inputs import st_files
-from .options import check_output
-from .plan import MergePlan, current_rss_bytes, plan_outputs
+from .options import SharedOptions
+from .plan import MergePlan, plan_outputs
 from .result import MergeResult
 from .sink import FolderSink, merge_record, output_config
 from .source import StateDictSource
@@ -28,13 +29,10 @@ def save_merged(
     out_dir: str | os.PathLike[str],
     template: Any,
     *,
-    head_policy: str = "keep",
-    dtype: str = "auto",
-    max_shard_size: int | str = "2GB",
     tokenizer_from: str | os.PathLike[str] | None = None,
     record: Mapping[str, Any] | None = None,
-    task_folders: bool = False,
     progress: bool = True,
+    **options: Any,
 ) -> Path:
     """Write a merged model as a Hugging Face ``save_pretrained`` folder, atomically,
     exactly as :func:`stream_merge` writes its output.
@@ -51,25 +49,24 @@ def save_merged(
         its configuration is written and every merged tensor must fit one of its tensors
         (it is not modified). A sentence-transformers folder's modules are written
         beside the merged encoder.
-    head_policy
-        ``"keep"``: the model is saved with the first model's head and every model's head
-        is written to ``heads/<i>.safetensors``; ``"drop"``: the backbone is saved
-        without heads (its class in ``architectures``).
-    dtype
-        ``"auto"`` (each tensor's dtype in the inputs), ``"float32"``, ``"bfloat16"`` or
-        ``"float16"``.
     tokenizer_from
         A model folder whose tokenizer and generation files (and, for a
         sentence-transformers folder, its other modules) are copied (default: the
         template's folder when it is one).
     record
         Extra entries for ``lmdx_merge.json`` (e.g. the resolved config, ``command``).
-    task_folders
-        Also write ``tasks/<i>/`` for every model's head: a complete ``save_pretrained``
-        folder (the merged body, model i's head and labels) that
-        ``AutoModelForSequenceClassification.from_pretrained`` loads directly.
     progress
         Show progress bars (transformers' own included).
+    options
+        The options of writing a folder (:meth:`lmdx.merge.options.SharedOptions.
+        for_writing`): ``head_policy`` (``"keep"``: the model is saved with the first
+        model's head and every model's head is written to ``heads/<i>.safetensors``;
+        ``"drop"``: the backbone is saved without heads, its class in ``architectures``),
+        ``dtype`` (``"auto"``: each tensor's dtype in the inputs; ``"float32"``,
+        ``"bfloat16"`` or ``"float16"``), ``max_shard_size`` and ``task_folders`` (also
+        write ``tasks/<i>/`` for every model's head: a complete ``save_pretrained`` folder,
+        the merged body with model i's head and labels, that
+        ``AutoModelForSequenceClassification.from_pretrained`` loads directly).
 
     Notes
     -----
@@ -78,7 +75,9 @@ def save_merged(
     adapter folder ``lora/``.
     """
     out = check_new_folder(out_dir)
-    shard = check_output(head_policy, dtype, max_shard_size)
+    writing = SharedOptions.for_writing(options)
+    head_policy, task_folders = writing.heads.policy, writing.heads.per_task_folders
+    dtype, shard = writing.output.dtype, writing.output.max_shard_size
     given = tokenizer_from
     if given is None and isinstance(template, (str, os.PathLike)):
         given = template

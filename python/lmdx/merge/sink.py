@@ -30,7 +30,7 @@ from ..files.checkpoint import INDEX_FILE
 from ..files.hf import copy_model_files
 from ..files.safetensors import SafetensorsWriter, TensorSpec, read_safetensors_header
 from .card import MODEL_CARD, model_card, task_card
-from .methods import cast_merged
+from .method import cast_merged
 from .plan import MergePlan
 from .source import TensorSource
 

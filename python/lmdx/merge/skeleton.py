@@ -11,15 +11,22 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from .._errors import MergeError
 from ..files.hf import hf_config, model_class
 from ..stats.sites import find_linear_modules
-from .plan import Block
 from .source import TensorSource
 
-__all__ = ["build_skeleton", "find_blocks", "model_blocks"]
+__all__ = ["Block", "build_skeleton", "find_blocks", "model_blocks"]
+
+
+class Block(NamedTuple):
+    """One of the repeated blocks ``regmean_plusplus`` merges in order: the prefix of its
+    tensor names (``bert.encoder.layer.3``) and its linear modules' input dimensions."""
+
+    prefix: str
+    linear: dict[str, int]
 
 
 @contextlib.contextmanager

@@ -18,12 +18,20 @@ import numpy as np
 
 from .._errors import MergeError
 from .._tensors import FLOAT_DTYPES, as_float64, dtype_name
+from ..files.checkpoint import Checkpoint
 from ..files.hf import load_model
 from ..files.identity import tensor_sha256
 from ..files.peft import LoraAdapter, is_peft_model
 from ..files.saved import saved_state
 
-__all__ = ["AdapterSource", "PrefixedSource", "StateDictSource", "TensorSource", "model_source"]
+__all__ = [
+    "AdapterSource",
+    "PrefixedSource",
+    "StateDictSource",
+    "TensorSource",
+    "model_source",
+    "read_rows",
+]
 
 
 class TensorSource(Protocol):
@@ -342,3 +350,11 @@ class PrefixedSource:
 
     def total_bytes(self) -> int:
         return self.inner.total_bytes()
+
+
+def read_rows(source: TensorSource, name: str, start: int, stop: int) -> Any:
+    """Rows ``start:stop`` of tensor ``name`` (its first axis): read alone from a
+    checkpoint, sliced from any other source."""
+    if isinstance(source, Checkpoint):
+        return source.read_rows(name, start, stop)
+    return source.read(name)[start:stop]

@@ -81,11 +81,9 @@ def add_statistics(parts: Iterable[Statistics], *, data: str | None = None) -> S
         extra["accumulation"] = accumulation
     if "experts" in first.extra:
         extra["experts"] = first.extra["experts"]
-    return Statistics(
-        kind=first.kind,
-        model=first.model,
+    return first.rebuilt(
+        {spec.name: summed(spec.name) for spec in first.specs()},
         data=data if data is not None else " + ".join(p.data for p in parts),
-        tensors={spec.name: summed(spec.name) for spec in first.specs()},
         extra=extra,
         **kwargs,
     )

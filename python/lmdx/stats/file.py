@@ -284,6 +284,27 @@ class Statistics:
             meta["parameters"] = self.parameters
         return meta
 
+    def rebuilt(
+        self, tensors: Mapping[str, NDArray[Any] | Callable[[], NDArray[Any]]], **changes: Any
+    ) -> Statistics:
+        """New statistics with these statistics' description (kind, model, data, padding,
+        modules, groups with their row counts, Fisher parameters and example count, extra)
+        and ``tensors`` (as stored, or callables that read them); ``changes`` replace
+        description fields or set ``source`` and ``files`` (the one way statistics are
+        made from others: added, joined, sent between processes)."""
+        fields: dict[str, Any] = {
+            "kind": self.kind,
+            "model": self.model,
+            "data": self.data,
+            "padding": self.padding,
+            "modules": self.modules,
+            "groups": {g: {**v, "count": self.group_count(g)} for g, v in self.groups.items()},
+            "parameters": self.parameters,
+            "count": self._count,
+            "extra": self.extra,
+        }
+        return Statistics(**{**fields, **changes}, tensors=tensors)
+
     def group_count(self, g: str) -> float:
         """Rows seen by input group ``g``."""
         if g in self._moments:

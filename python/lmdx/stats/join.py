@@ -94,14 +94,4 @@ def join_statistics(parts: Iterable[Statistics]) -> Statistics:
     not_solved = {m: why for p in parts for m, why in p.not_solved.items() if m not in modules}
     if not_solved:
         extra["not_solved"] = not_solved
-    return Statistics(
-        kind="regmean-gram",
-        model=first.model,
-        data=first.data,
-        padding=first.padding,
-        modules=modules,
-        groups=groups,
-        tensors=tensors,
-        extra=extra,
-        files=files,
-    )
+    return first.rebuilt(tensors, modules=modules, groups=groups, extra=extra, files=files)

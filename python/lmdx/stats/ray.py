@@ -80,7 +80,7 @@ def _load(model: str | Callable[[], Any]) -> Any:
 
 def _collect_shard(
     model: str | Callable[[], Any], threads: int, batches: list[Any], kwargs: Mapping[str, Any]
-) -> dict[str, Any]:
+) -> Statistics:
     """One shard's statistics (a Ray task): metadata and packed float64 arrays."""
     import torch
 
@@ -100,23 +100,12 @@ def _collect_shard(
 
 def shard_partial(
     module: Any, threads: int, batches: list[Any], kwargs: Mapping[str, Any]
-) -> dict[str, Any]:
+) -> Statistics:
     """The statistics of ``batches`` on ``module`` as a shard's plain data (metadata and
-    packed float64 arrays), what a worker sends back to be added on the driver."""
+    packed float64 arrays in memory, no file), what a worker sends back to be added on the
+    driver."""
     stats = collect_regmean_stats(module, batches, progress=False, n_threads=threads, **kwargs)
-    return {
-        "kind": stats.kind,
-        "model": stats.model,
-        "data": stats.data,
-        "padding": stats.padding,
-        "modules": stats.modules,
-        "groups": {
-            g: {"dim": int(v["dim"]), "count": stats.group_count(g)}
-            for g, v in stats.groups.items()
-        },
-        "extra": stats.extra,
-        "tensors": {spec.name: stats.packed(spec.name) for spec in stats.specs()},
-    }
+    return stats.rebuilt({spec.name: stats.packed(spec.name) for spec in stats.specs()})
 
 
 def _check_collect_kwargs(kwargs: Mapping[str, Any]) -> None:
@@ -150,7 +139,7 @@ def _model_spec(model: Any, local: bool) -> str | Callable[[], Any]:
 
 
 def _add_partials(
-    partials: Sequence[Mapping[str, Any]],
+    partials: Sequence[Statistics],
     bounds: Sequence[tuple[int, int]],
     threads_per_worker: int,
 ) -> Statistics:
@@ -158,17 +147,7 @@ def _add_partials(
     n = bounds[-1][1]
     names = [f"shard {i + 1} (batches {a}..{b - 1})" for i, (a, b) in enumerate(bounds)]
     parts = [
-        Statistics(
-            kind=p["kind"],
-            model=p["model"],
-            data=p["data"],
-            padding=p["padding"],
-            modules=p["modules"],
-            groups=p["groups"],
-            tensors=p["tensors"],
-            source=name,
-            extra=p["extra"],
-        )
+        p.rebuilt({spec.name: p.packed(spec.name) for spec in p.specs()}, source=name)
         for p, name in zip(partials, names, strict=True)
     ]
     try:
@@ -189,16 +168,7 @@ def _add_partials(
         "shards": [[a, b] for a, b in bounds],
         "batches": n,
     }
-    return Statistics(
-        kind=total.kind,
-        model=total.model,
-        data=total.data,
-        padding=total.padding,
-        modules=total.modules,
-        groups=total.groups,
-        tensors=tensors,
-        extra=extra,
-    )
+    return total.rebuilt(tensors, extra=extra)
 
 
 def collect_regmean_stats_ray(

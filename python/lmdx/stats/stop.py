@@ -2,8 +2,9 @@
 lmdx for it (statistics passes that end after their last module, RegMean++ capturing a
 block's inputs).
 
-A forward hook raises :class:`StopForward`; :func:`run_until_stopped` runs a forward pass
-and takes it as the pass's end. :func:`stop_before` is the common hook: it ends the pass
+A forward hook calls :func:`stop_forward`; :func:`run_until_stopped` runs a forward pass
+and takes that as the pass's end (the exception it raises is control flow between the
+two and never reaches a caller). :func:`stop_before` is the common hook: it ends the pass
 as a given module is about to run.
 """
 
@@ -11,22 +12,26 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
-__all__ = ["StopForward", "run_until_stopped", "stop_before"]
+__all__ = ["run_until_stopped", "stop_before", "stop_forward"]
 
 
-class StopForward(Exception):
-    """Raised by a forward hook to end the forward pass it runs in (caught by
-    :func:`run_until_stopped`)."""
+class _StopForward(Exception):
+    """Raised by :func:`stop_forward`, caught by :func:`run_until_stopped`."""
+
+
+def stop_forward() -> NoReturn:
+    """End the forward pass the calling hook runs in (inside :func:`run_until_stopped`)."""
+    raise _StopForward
 
 
 def run_until_stopped(forward: Callable[[], Any]) -> bool:
-    """Run ``forward()`` (a forward pass) to its end or until a hook raises
-    :class:`StopForward`; whether a hook stopped it."""
+    """Run ``forward()`` (a forward pass) to its end or until a hook calls
+    :func:`stop_forward`; whether a hook stopped it."""
     try:
         forward()
-    except StopForward:
+    except _StopForward:
         return True
     return False
 
@@ -34,13 +39,13 @@ def run_until_stopped(forward: Callable[[], Any]) -> bool:
 @contextlib.contextmanager
 def stop_before(module: Any | None) -> Iterator[None]:
     """While inside, a forward pass ends as ``module`` is about to run (a forward pre-hook
-    raising :class:`StopForward`); ``None``: passes run to their end."""
+    calling :func:`stop_forward`); ``None``: passes run to their end."""
     if module is None:
         yield
         return
 
     def hook(module: Any, args: tuple[Any, ...]) -> None:
-        raise StopForward
+        stop_forward()
 
     handle = module.register_forward_pre_hook(hook)
     try:

@@ -1,23 +1,72 @@
-"""``average``: the (coefficient-weighted) average of every parameter."""
+"""``average``: the (coefficient-weighted) average of every parameter, ``Σ c_i θ_i / Σ c_i``;
+the tensors other methods do not solve are merged so too.
+
+Tensors larger than the merge's ``solve_memory`` (a Llama-3.1-8B's embeddings: 128256 ×
+4096) are averaged block by block of rows, each block's rows read alone; an average is
+element-wise, so the blocks give the whole average's numbers.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 from numpy.typing import NDArray
 
-from ..methods import average_tensor
-from ..output_blocks import average_block_size, average_in_blocks
-from ..registry import MergeMethod
+from ..._tensors import itemsize
+from ...average import weighted_average
+from ...files import Checkpoint
+from ..method import MergeInputs, MergeMethod, Step, StepSizes, cast_merged, on_tensor
+from ..options import MergeOptions
+from ..source import StateDictSource, TensorSource, read_rows
 
-if TYPE_CHECKING:
-    from ..inputs import MergeInputs
-    from ..plan import Step, StepSizes
-    from ..source import TensorSource
+__all__ = ["AVERAGE", "Average", "average_block_size", "average_in_blocks", "average_tensor"]
 
-__all__ = ["Average"]
+
+def average_tensor(name: str, tensors: Sequence[Any], options: MergeOptions) -> NDArray[np.float64]:
+    """``Σ c_i θ_i / Σ c_i`` of one tensor, in float64."""
+    return on_tensor(
+        name, weighted_average, tensors, options.coefficients, n_threads=options.threads
+    )
+
+
+def average_block_size(name: str, sources: Sequence[TensorSource], budget: int) -> int | None:
+    """The rows of tensor ``name`` to average at once within ``budget`` bytes (per row:
+    K reads and their float32 widenings, the float64 average, the cast result), or None
+    when the whole average fits (or the tensor has fewer than two dimensions, or a source
+    is neither a checkpoint nor in memory)."""
+    first = sources[0]
+    shape = tuple(int(n) for n in first.shape(name))
+    if len(shape) < 2 or not all(isinstance(s, (Checkpoint, StateDictSource)) for s in sources):
+        return None
+    stored = max(itemsize(s.dtype(name)) for s in sources)
+    per_row = int(np.prod(shape[1:])) * (len(sources) * (stored + 4) + 8 + stored)
+    if per_row * shape[0] <= budget:
+        return None
+    return int(max(1, budget // per_row))
+
+
+def average_in_blocks(
+    name: str, sources: Sequence[TensorSource], options: MergeOptions
+) -> NDArray[Any] | None:
+    """The coefficient-weighted average of tensor ``name``, cast to its stored dtype,
+    computed :func:`average_block_size` rows at a time within ``options.solve_memory``
+    bytes, each block's rows read alone; None when it is averaged whole."""
+    block = average_block_size(name, sources, options.solve_memory)
+    if block is None:
+        return None
+    first = sources[0]
+    shape = tuple(int(n) for n in first.shape(name))
+    merged: NDArray[Any] | None = None
+    for r0 in range(0, shape[0], block):
+        r1 = min(shape[0], r0 + block)
+        value = average_tensor(name, [read_rows(s, name, r0, r1) for s in sources], options)
+        part = cast_merged(name, value, first.dtype(name))
+        if merged is None:
+            merged = np.empty(shape, dtype=part.dtype)
+        merged[r0:r1] = part
+    return merged
 
 
 class Average(MergeMethod):
@@ -39,12 +88,15 @@ class Average(MergeMethod):
         """The whole average's (:meth:`MergeMethod.memory`), or one block of rows' where it
         is averaged in blocks (over ``solve_memory``)."""
         whole = super().memory(step, sizes, inputs)
-        if (
-            inputs.lora is not None
-        ):  # merges that also build a LoRA of the merged update: never blocked
+        if inputs.lora is not None:  # merges that also build a LoRA: never in blocks
             return whole
         name = step.tensors[0]
         block = average_block_size(name, inputs.sources, inputs.options.solve_memory)
         if block is None:
             return whole
         return whole * block // int(sizes.ref.shape(name)[0])
+
+
+#: The one average: the method of the tensors RegMean, Fisher, RegMean++ and the
+#: task-vector methods (where the base lacks one) do not merge themselves.
+AVERAGE = Average()

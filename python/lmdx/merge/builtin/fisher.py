@@ -1,23 +1,22 @@
-"""``fisher``: Fisher-weighted averaging (Matena & Raffel, 2022)."""
+"""``fisher``: Fisher-weighted averaging (Matena & Raffel, 2022), ``Σ c_i (F_i+ε) θ_i /
+Σ c_i (F_i+ε)`` per parameter, with ``F_i`` the mean squared gradients from
+:func:`lmdx.collect_fisher`; the parameters the statistics do not cover are averaged."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import numpy as np
 from numpy.typing import NDArray
 from pydantic import Field
 
-from ..methods import fisher_tensor
-from ..registry import MergeMethod, NoOptions
+from ...average import fisher_average
+from ...stats.file import Statistics
+from ..method import Merged, MergeInputs, MergeMethod, NoOptions, Step, StepSizes, on_tensor
+from .average import AVERAGE
 
-if TYPE_CHECKING:
-    from ..engine import Executor
-    from ..inputs import MergeInputs
-    from ..plan import Step, StepSizes
-
-__all__ = ["Fisher", "FisherOptions"]
+__all__ = ["Fisher", "FisherOptions", "fisher_tensor"]
 
 
 class FisherOptions(NoOptions):
@@ -33,6 +32,21 @@ class FisherOptions(NoOptions):
     ] = 1e-8
 
 
+def fisher_tensor(
+    name: str,
+    tensors: Sequence[Any],
+    stats: Sequence[Statistics],
+    coefficients: Sequence[float] | None,
+    eps: float,
+    n_threads: int | None,
+) -> NDArray[np.float64]:
+    """One parameter's Fisher-weighted average, the Fisher sums divided by the counts."""
+    fishers = [s.fisher(name) / max(s.count(), 1.0) for s in stats]
+    return on_tensor(
+        name, fisher_average, tensors, fishers, coefficients, eps=eps, n_threads=n_threads
+    )
+
+
 class Fisher(MergeMethod):
     """``Σ c_i (F_i+ε) θ_i / Σ c_i (F_i+ε)`` for the parameters the Fisher statistics
     cover (``F_i``: their mean squared gradients); the others are averaged."""
@@ -42,17 +56,27 @@ class Fisher(MergeMethod):
     options: ClassVar[type[NoOptions]] = FisherOptions
     stats: ClassVar[str | None] = "fisher"
 
-    def tensor_kind(self, inputs: MergeInputs, name: str) -> str:
+    def tensor_method(self, inputs: MergeInputs, name: str) -> MergeMethod:
         assert inputs.stats is not None
-        return self.name if name in inputs.stats[0].parameters else "average"
+        return self if name in inputs.stats[0].parameters else AVERAGE
 
     def tensor(self, name: str, tensors: Sequence[Any], inputs: MergeInputs) -> NDArray[np.float64]:
         assert inputs.stats is not None
-        return fisher_tensor(name, tensors, inputs.stats, inputs.options)
+        options = inputs.options
+        return fisher_tensor(
+            name,
+            tensors,
+            inputs.stats,
+            options.coefficients,
+            options.own(FisherOptions).fisher_eps,
+            options.threads,
+        )
 
-    def compute(self, step: Step, executor: Executor) -> None:
-        executor.report.setdefault("fisher_weighted", []).append(step.tensors[0])
-        super().compute(step, executor)
+    def compute(self, step: Step, inputs: MergeInputs) -> Merged:
+        """The tensor, and its name in the report's ``fisher_weighted``."""
+        merged = super().compute(step, inputs)
+        merged.report["fisher_weighted"] = [step.tensors[0]]
+        return merged
 
     def memory(self, step: Step, sizes: StepSizes, inputs: MergeInputs) -> int:
         """The average's estimate plus the K Fisher tensors and their weights."""

@@ -1,26 +1,48 @@
 """The task-vector methods: ``task_arithmetic``, ``ties``, ``dare`` and ``dare_ties``
-merge ``τ_i = θ_i − θ_base`` against the pre-trained ``base`` (formulas:
-:mod:`lmdx.merge.methods`)."""
+merge the task vectors ``τ_i = θ_i − θ_0`` against the pre-trained ``base`` ``θ_0``, tensor
+by tensor, in float64 (vectorized NumPy):
+
+* ``task_arithmetic``: ``θ_0 + λ Σ c_i τ_i``.
+* ``ties`` (TIES-Merging, Yadav et al., 2023; mergekit's ``ties``, whose per-tensor trim
+  and coefficient-weighted mean it follows; the paper's code trims over the whole
+  flattened model and divides by the number of agreeing models): per tensor and per
+  model keep the ``int(density × numel)`` entries of ``τ_i`` of largest magnitude (ties at
+  the threshold: the lowest flat indices in C order), elect per entry the sign of
+  ``Σ c_i τ̂_i`` (``+`` where it is 0), and average the trimmed ``c_i τ̂_i`` that are non-zero
+  and have the elected sign: ``Σ_agree c_i τ̂_i / Σ_agree c_i`` (0 where none agrees);
+  ``θ_0 + λ`` times that.
+* ``dare`` (DARE, Yu et al., 2024): drop each entry of ``τ_i`` with probability
+  ``1 − density``, rescale the survivors by ``1/density``, then task arithmetic (density
+  1 is ``task_arithmetic`` bit for bit). The drops of model ``i``'s tensor ``name`` come
+  from NumPy's PCG64 seeded by ``SeedSequence([seed, i, *w])``, ``w`` the eight
+  little-endian 32-bit words of SHA-256(``name`` in UTF-8): keep where ``random() <
+  density``; so they depend on nothing else (not the order of steps, the threads or the
+  front door).
+* ``dare_ties`` (mergekit's name): DARE's drop and rescale, then TIES's sign election and
+  mean of the agreeing entries (as the DARE paper's code applies DARE before TIES-Merging;
+  mergekit's ``dare_ties`` sums the agreeing entries unless ``normalize: true``).
+
+The tensors the base lacks are averaged (or copied, if not floating point); task heads
+follow the ``heads`` policy.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar
+import hashlib
+from collections.abc import Iterable, Sequence
+from typing import Annotated, Any, ClassVar
 
 import numpy as np
 from numpy.typing import NDArray
 from pydantic import Field
 
 from ..._errors import MergeError
+from ..._tensors import as_float64
 from ..._util import matches
 from ...files.hf import base_model_info
-from ..methods import task_vector_tensor
-from ..registry import MergeMethod, NoOptions
+from ..method import MergeInputs, MergeMethod, NoOptions, Step, StepSizes
 from ..source import PrefixedSource, TensorSource
-
-if TYPE_CHECKING:
-    from ..inputs import MergeInputs
-    from ..plan import Step, StepSizes
+from .average import AVERAGE
 
 __all__ = [
     "Dare",
@@ -33,6 +55,9 @@ __all__ = [
     "Ties",
     "TiesOptions",
     "base_as_models_name_it",
+    "dare_keep",
+    "task_vector_tensor",
+    "top_k_magnitude",
 ]
 
 _SCALING = Field(description="λ: θ_base + λ × (merged task vector)")
@@ -81,6 +106,129 @@ class DareTiesOptions(NoOptions):
     seed: Annotated[int, _SEED] = 0
 
 
+def task_vector_tensor(
+    name: str,
+    base: Any,
+    tensors: Sequence[Any],
+    coefficients: Sequence[float] | None,
+    scaling: float,
+    *,
+    sparsify: str | None = None,
+    density: float = 1.0,
+    seed: int = 0,
+    elects: bool = False,
+) -> NDArray[np.float64]:
+    """One tensor merged from its task vectors ``τ_i = θ_i − θ_0`` (``base`` is ``θ_0``; see
+    the module's description), in float64: ``θ_0 + λ Σ c_i τ_i`` (``λ``: ``scaling``), with
+    ``τ_i`` sparsified first (``sparsify``: ``"top_k"``, TIES's trim, or ``"drop"``,
+    DARE's drop and rescale, at ``density`` and ``seed``) and, with ``elects``, the sum
+    replaced by the mean of the entries agreeing with the elected sign (TIES)."""
+    theta0 = as_float64(base, f"base: {name}")
+    coefficients = coefficients or (1.0,) * len(tensors)
+    taus = (
+        _sparsified(name, i, as_float64(t, name) - theta0, sparsify, density, seed)
+        for i, t in enumerate(tensors)
+    )
+    if elects:
+        delta = _elected_mean(taus, coefficients)
+    else:
+        delta = np.zeros_like(theta0)
+        for ci, tau in zip(coefficients, taus, strict=True):
+            tau *= ci  # in place: every task vector here is a new array of this function's
+            delta += tau
+    merged: NDArray[np.float64] = theta0 + scaling * delta
+    return merged
+
+
+def _sparsified(
+    name: str, i: int, tau: NDArray[np.float64], sparsify: str | None, density: float, seed: int
+) -> NDArray[np.float64]:
+    """Model ``i``'s task vector of tensor ``name`` sparsified: ``"top_k"`` (TIES's trim),
+    ``"drop"`` (DARE's drop and rescale) or None (unchanged: task arithmetic)."""
+    if sparsify is None:
+        return tau
+    if not np.isfinite(tau).all():  # a dropped or trimmed NaN would vanish silently
+        raise MergeError(
+            f"tensor {name!r}: the task vector of model {i} (its values minus the base's) is "
+            "not finite; check that model and the base for NaN/Inf"
+        )
+    if sparsify == "drop":
+        if density >= 1.0:
+            return tau
+        keep = dare_keep(name, i, tau.shape, density, seed)
+        tau = np.asarray(tau)  # in place below: ``tau`` is this merge's own array
+        tau /= density
+        np.copyto(tau, 0.0, where=~keep)
+        return tau
+    return top_k_magnitude(tau, density)
+
+
+def top_k_magnitude(tau: NDArray[np.float64], density: float) -> NDArray[np.float64]:
+    """``tau`` with all but its ``int(density × tau.size)`` entries of largest magnitude set
+    to 0 (TIES's trim, mergekit's ``magnitude``). Entries tied at the threshold are kept
+    in C order (lowest flat index first), so the result is deterministic. ``k = 0`` keeps
+    nothing."""
+    n = tau.size
+    k = int(density * n)
+    if k >= n:
+        return tau
+    flat = tau.reshape(-1)
+    magnitude = np.abs(flat)
+    keep = np.zeros(n, dtype=bool)
+    if k > 0:
+        threshold = np.partition(magnitude, n - k)[n - k]  # the k-th largest magnitude
+        np.greater(magnitude, threshold, out=keep)
+        short = k - int(np.count_nonzero(keep))
+        if short > 0:
+            keep[np.flatnonzero(magnitude == threshold)[:short]] = True
+    return np.where(keep, flat, 0.0).reshape(tau.shape)
+
+
+def dare_keep(
+    name: str, model: int, shape: tuple[int, ...], density: float, seed: int
+) -> NDArray[np.bool_]:
+    """DARE's mask of model ``model``'s task vector of tensor ``name``: each entry kept with
+    probability ``density``, from PCG64 seeded by ``SeedSequence([seed, model, *w])`` with
+    ``w`` the eight little-endian 32-bit words of SHA-256(``name``) (keep where
+    ``random() < density``)."""
+    words = np.frombuffer(hashlib.sha256(name.encode("utf-8")).digest(), dtype="<u4")
+    entropy = [int(seed), int(model), *(int(w) for w in words)]
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy)))
+    return rng.random(shape) < density
+
+
+def _elected_mean(
+    taus: Iterable[NDArray[np.float64]], coefficients: Sequence[float]
+) -> NDArray[np.float64]:
+    """TIES's sign election and disjoint mean (mergekit's ``sum`` consensus with
+    normalization): the elected sign per entry is that of ``Σ c_i τ_i`` (``+`` at 0); the
+    result is ``Σ c_i τ_i / Σ c_i`` over the models whose ``c_i τ_i`` is non-zero with that
+    sign (0 where none is). ``taus`` are new arrays, scaled by ``c_i`` in place."""
+    weighted = []
+    for ci, tau in zip(coefficients, taus, strict=True):
+        tau *= ci
+        weighted.append(tau)
+    total = np.zeros_like(weighted[0])
+    for w in weighted:
+        total += w
+    elected = np.where(total >= 0, 1.0, -1.0)
+    del total
+    mixed = np.zeros_like(weighted[0])
+    divisor = np.zeros_like(weighted[0])
+    work = np.empty_like(mixed)
+    agree = np.empty(np.shape(mixed), dtype=bool)
+    for ci, w in zip(coefficients, weighted, strict=True):
+        np.multiply(w, elected, out=work)  # > 0 exactly where w is non-zero with the sign
+        np.greater(work, 0.0, out=agree)
+        np.multiply(w, agree, out=work)
+        mixed += work
+        np.multiply(agree, ci, out=work)
+        divisor += work
+    np.copyto(divisor, 1.0, where=divisor == 0)
+    mixed /= divisor
+    return mixed
+
+
 def base_as_models_name_it(
     base: TensorSource, ref: TensorSource, inputs: MergeInputs
 ) -> tuple[TensorSource, dict[str, Any]]:
@@ -106,7 +254,7 @@ def base_as_models_name_it(
             f"base {base.label} has none of the models' tensors (e.g. {names[0]!r}): it is not "
             "the model they were fine-tuned from"
         )
-    heads = inputs.options.heads
+    heads = inputs.options.heads.patterns
     kinds = {
         "heads": [n for n in lacks if matches(n, heads)],
         "averaged": [n for n in lacks if not matches(n, heads) and ref.is_float(n)],
@@ -115,7 +263,7 @@ def base_as_models_name_it(
     note.update({k: v for k, v in kinds.items() if v})
     if note:
         where = base.label if base.path is None else str(base.path)
-        note["line"] = _said(where, note, inputs.options.head_policy)
+        note["line"] = _said(where, note, inputs.options.heads.policy)
     return base, note
 
 
@@ -153,27 +301,38 @@ class TaskVectorMethod(MergeMethod):
         assert inputs.base is not None
         inputs.base, note = base_as_models_name_it(inputs.base, inputs.sources[0], inputs)
         if note:
-            inputs.notes["base"] = note
+            inputs.state["base"] = note
 
-    def plan_notes(self, inputs: MergeInputs) -> list[str]:
-        note = inputs.notes.get("base")
+    def plan_notes(self, inputs: MergeInputs, steps: Sequence[Step]) -> list[str]:
+        note = inputs.state.get("base")
         return [note["line"]] if note else []
 
     def report(self, inputs: MergeInputs) -> dict[str, Any]:
         """The options, and what the base lacks or how its names were read."""
         out = super().report(inputs)
-        if "base" in inputs.notes:
-            out["base"] = inputs.notes["base"]
+        if "base" in inputs.state:
+            out["base"] = inputs.state["base"]
         return out
 
-    def tensor_kind(self, inputs: MergeInputs, name: str) -> str:
-        """This method, or ``average`` for a tensor the base lacks (no task vector)."""
-        lacks = inputs.notes.get("base", {}).get("averaged", [])
-        return "average" if name in lacks else self.name
+    def tensor_method(self, inputs: MergeInputs, name: str) -> MergeMethod:
+        """This method, or the average for a tensor the base lacks (no task vector)."""
+        lacks = inputs.state.get("base", {}).get("averaged", [])
+        return AVERAGE if name in lacks else self
 
     def tensor(self, name: str, tensors: Sequence[Any], inputs: MergeInputs) -> NDArray[np.float64]:
         assert inputs.base is not None
-        return task_vector_tensor(name, inputs.base.read(name), tensors, inputs.options)
+        own: Any = inputs.options.method_options
+        return task_vector_tensor(
+            name,
+            inputs.base.read(name),
+            tensors,
+            inputs.options.coefficients,
+            own.scaling,
+            sparsify=self.sparsify,
+            density=getattr(own, "density", 1.0),
+            seed=getattr(own, "seed", 0),
+            elects=self.elects,
+        )
 
     def memory(self, step: Step, sizes: StepSizes, inputs: MergeInputs) -> int:
         """The base's read too, ``θ_0``, the sum and the float64 work arrays: one task

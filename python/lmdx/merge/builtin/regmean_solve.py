@@ -1,16 +1,18 @@
-"""RegMean groups too large for memory, solved in blocks of output rows.
+"""One RegMean group solved: whole, or in blocks of output rows when its weights would
+not fit the merge's memory budget; and the memory model of a RegMean solve.
+
+:func:`solve_group` solves ``W_Mᵀ = (Σ c_i G̃_i)⁻¹ Σ c_i G̃_i W_iᵀ`` with
+``G̃_i = α·G_i/n_i + (1−α)·diag(G_i/n_i)`` for the modules of one group (modules that
+share an input Gram, q/k/v, in one system: one factorization) with the native
+:func:`lmdx.regmean_merge_layer`.
 
 The merged weight's output rows (the columns of ``W_Mᵀ = S⁻¹ Σ_i G̃_i W_iᵀ``) are
 independent of each other given the system ``S``: a group whose K weights would not fit
-is solved block by block, each block's rows read from the checkpoints alone, widened,
-solved and cast to the stored dtype before the next block is read. The result equals the
-whole solve's to rounding (tests/merge/test_output_blocks.py, against NumPy float64);
-each block refactors the system, which costs at most a sixth of its products (a block has
-at least as many rows as the layer has inputs).
-
-Averaged tensors larger than the budget (a Llama-3.1-8B's embeddings: 128256 × 4096) are
-averaged the same way, block by block of rows; an average is element-wise, so the blocks
-give the whole average's numbers.
+is solved block by block (:func:`solve_in_output_blocks`), each block's rows read from the
+checkpoints alone, widened, solved and cast to the stored dtype before the next block is
+read. The result equals the whole solve's to rounding (tests/merge/test_output_blocks.py,
+against NumPy float64); each block refactors the system, which costs at most a sixth of
+its products (a block has at least as many rows as the layer has inputs).
 
 Peak memory while a group is solved (:func:`group_memory`, the one memory model of a
 RegMean solve: the blocks here, the dry run's estimate and the memory a Ray task asks
@@ -25,36 +27,170 @@ merge's ``solve_memory`` option (:func:`lmdx.merge.options.solve_memory_budget`:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from numpy.typing import NDArray
+from pydantic import Field
 
-from ..files import Checkpoint
-from ..stats.file import Statistics
-from .methods import average_tensor, cast_merged, solve_group
-from .options import MergeOptions
-from .plan import Step, StepSizes
-from .source import StateDictSource, TensorSource
+from ..._errors import MergeError
+from ..._tensors import as_tensor_array, itemsize
+from ...files import Checkpoint
+from ...regmean import regmean_merge_layer
+from ...stats.file import Statistics
+from ..method import NoOptions, Step, StepSizes, cast_merged
+from ..options import MergeOptions
+from ..source import StateDictSource, TensorSource, read_rows
 
 __all__ = [
-    "average_block_size",
-    "average_in_blocks",
+    "GRAM_ROUNDOFF",
+    "SolveOptions",
     "group_memory",
+    "noise_floor",
     "output_block_rows",
     "output_block_size",
     "regmean_memory",
+    "solve_group",
     "solve_in_output_blocks",
     "solve_precision",
 ]
 
+_IGNORED = "ignored"  # given to a method that solves nothing: accepted, no effect
+
+
+class SolveOptions(NoOptions):
+    """RegMean's α and how its systems are solved (see :func:`lmdx.regmean_merge_layer`),
+    shared by ``regmean`` and ``regmean_plusplus``."""
+
+    alpha: Annotated[
+        float,
+        Field(
+            ge=0.0,
+            le=1.0,
+            description="off-diagonal scaling of the Grams in [0, 1] (the paper uses 0.9 "
+            "for transformers)",
+            json_schema_extra={"label": "must be in [0, 1]", "elsewhere": _IGNORED},
+        ),
+    ] = 1.0
+    ridge: Annotated[
+        float,
+        Field(
+            ge=0.0,
+            description="relative ridge added to every system",
+            json_schema_extra={"label": "must be a number >= 0", "elsewhere": _IGNORED},
+        ),
+    ] = 0.0
+    allow_regularization: Annotated[
+        bool,
+        Field(
+            description="whether the solver may raise the ridge of a system that is not "
+            "positive definite",
+            json_schema_extra={"label": "must be true or false", "elsewhere": _IGNORED},
+        ),
+    ] = True
+    precision: Annotated[
+        Literal["auto", "float32", "float64"],
+        Field(
+            description="auto: per layer float32 where a certificate bounds the relative "
+            "output error by 1e-6, else float64; float32: always (estimate reported); "
+            "float64: always",
+            json_schema_extra={
+                "label": "must be one of auto, float32, float64",
+                "elsewhere": _IGNORED,
+            },
+        ),
+    ] = "auto"
+
+
+#: Relative rounding of a Gram's entries for each statistics accumulation precision
+#: (``Statistics.accumulation``): float32 products summed in float64 ("mixed" by lmdx's
+#: kernel, "torch-float32" by torch on the collecting device), or float64 throughout.
+#: Statistics that record none are taken as exact.
+GRAM_ROUNDOFF = {"torch-float32": 2.0**-24, "mixed": 2.0**-24, "float64": 2.0**-53}
+
+
+def noise_floor(stats: Sequence[Statistics]) -> float:
+    """The RegMean solves' ``noise_floor``: the coarsest accumulation precision of
+    ``stats`` (see :func:`lmdx.regmean_merge_layer`)."""
+    return max(GRAM_ROUNDOFF.get(str(s.accumulation), 0.0) for s in stats)
+
+
+def solve_group(
+    members: Sequence[str],
+    weights: Sequence[Sequence[Any]],
+    grams: Sequence[NDArray[np.float64]],
+    stats: Sequence[Statistics],
+    labels: Sequence[str],
+    options: MergeOptions,
+) -> tuple[dict[str, NDArray[np.float64]], dict[str, Any]]:
+    """RegMean of one group: ``weights[i]`` are model i's weights of ``members``,
+    ``grams[i]`` its input Gram as :meth:`Statistics.gram_stored` returns it.
+
+    Returns weight name -> merged float64 weight, and module name -> the solver's
+    information (ridge used, attempts, which module's input it shares).
+    """
+    layout = stats[0].modules[members[0]]["layout"]
+    axis = 0 if layout == "linear" else 1
+    weights_k = []
+    sizes: list[int] = []
+    for ws in weights:
+        arrays = [as_tensor_array(w, f"{m}.weight") for m, w in zip(members, ws, strict=True)]
+        sizes = [int(a.shape[axis]) for a in arrays]
+        weights_k.append(np.concatenate(arrays, axis=axis) if len(arrays) > 1 else arrays[0])
+        del arrays
+    counts = [s.count(members[0]) for s in stats]
+    for i, n in enumerate(counts):
+        if n <= 0:
+            raise MergeError(f"statistics of {labels[i]}: module {members[0]!r} saw no rows")
+    name = (
+        members[0] if len(members) == 1 else f"{members[0]} (+{len(members) - 1} sharing its input)"
+    )
+    own = options.own(SolveOptions)
+    res = regmean_merge_layer(
+        grams,
+        weights_k,
+        counts,
+        alpha=own.alpha,
+        coefficients=options.coefficients,
+        layout=layout,
+        precision=own.precision,
+        noise_floor=noise_floor(stats),
+        ridge=own.ridge,
+        allow_regularization=own.allow_regularization,
+        name=name,
+        n_threads=options.threads,
+    )
+    dim = int(weights_k[0].shape[1 - axis])  # the layer's input dimension
+    del weights_k
+    info = res.info
+    solved = {
+        "ridge": float(info.ridge),
+        "attempts": int(info.attempts),
+        "precision": str(info.precision),
+        "rcond_estimate": float(info.rcond_estimate),
+        "condition_estimate": float(info.condition_estimate),
+        "output_error_estimate": float(info.output_error_estimate),
+        "unseen_directions": int(info.unseen_directions),
+        "relative_spread": float(info.relative_spread),
+        "rows": min(counts),
+        "dim": dim,
+    }
+    out = {}
+    layers = {}
+    start = 0
+    for m, size in zip(members, sizes, strict=True):
+        part = slice(start, start + size)
+        out[stats[0].modules[m]["weight"]] = res.weight[part] if axis == 0 else res.weight[:, part]
+        start += size
+        layers[m] = {**solved, "shared_with": members[0] if m != members[0] else None}
+    return out, layers
+
 
 def solve_precision(options: MergeOptions) -> str:
-    """The ``precision`` of a merge's RegMean solves (``"auto"`` for methods without)."""
-    return str(getattr(options, "precision", "auto"))
+    """The ``precision`` of a merge's RegMean solves."""
+    return options.own(SolveOptions).precision
 
 
-_STORED_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 _CHUNK = 1024  # outputs per chunk of the core's float64 deviations
 
 
@@ -138,12 +274,6 @@ def output_block_rows(
     return int(min(rows, max(d_in, lo)))
 
 
-def _rows(source: TensorSource, name: str, start: int, stop: int) -> Any:
-    if isinstance(source, Checkpoint):
-        return source.read_rows(name, start, stop)
-    return source.read(name)[start:stop]
-
-
 def output_block_size(
     step: Step, sources: Sequence[TensorSource], options: MergeOptions
 ) -> int | None:
@@ -157,7 +287,7 @@ def output_block_size(
     first = sources[0]
     rows = sum(int(first.shape(w)[0]) for w in step.tensors)
     d_in = int(first.shape(step.tensors[0])[1])
-    stored = max(_STORED_BYTES.get(s.dtype(w), 8) for s in sources for w in step.tensors)
+    stored = max(itemsize(s.dtype(w)) for s in sources for w in step.tensors)
     block = output_block_rows(
         d_in,
         rows,
@@ -206,7 +336,7 @@ def solve_in_output_blocks(
             (w, min(max(r0 - a, 0), b - a), min(max(r1 - a, 0), b - a))
             for w, a, b in zip(step.tensors, starts[:-1], starts[1:], strict=True)
         ]
-        weights = [[_rows(s, w, lo, hi) for w, lo, hi in spans] for s in sources]
+        weights = [[read_rows(s, w, lo, hi) for w, lo, hi in spans] for s in sources]
         solved, layers = solve_group(step.modules, weights, grams, stats, labels, options)
         del weights
         for w, lo, hi in spans:
@@ -219,41 +349,3 @@ def solve_in_output_blocks(
             parts[m].append(info)
         n_blocks += 1
     return merged, {m: _combined(infos, n_blocks) for m, infos in parts.items()}
-
-
-def average_block_size(name: str, sources: Sequence[TensorSource], budget: int) -> int | None:
-    """The rows of tensor ``name`` to average at once within ``budget`` bytes (per row:
-    K reads and their float32 widenings, the float64 average, the cast result), or None
-    when the whole average fits (or the tensor has fewer than two dimensions, or a source
-    is neither a checkpoint nor in memory)."""
-    first = sources[0]
-    shape = tuple(int(n) for n in first.shape(name))
-    if len(shape) < 2 or not all(isinstance(s, (Checkpoint, StateDictSource)) for s in sources):
-        return None
-    stored = max(_STORED_BYTES.get(s.dtype(name), 8) for s in sources)
-    per_row = int(np.prod(shape[1:])) * (len(sources) * (stored + 4) + 8 + stored)
-    if per_row * shape[0] <= budget:
-        return None
-    return int(max(1, budget // per_row))
-
-
-def average_in_blocks(
-    name: str, sources: Sequence[TensorSource], options: MergeOptions
-) -> NDArray[Any] | None:
-    """The coefficient-weighted average of tensor ``name``, cast to its stored dtype,
-    computed :func:`average_block_size` rows at a time within ``options.solve_memory``
-    bytes, each block's rows read alone; None when it is averaged whole."""
-    block = average_block_size(name, sources, options.solve_memory)
-    if block is None:
-        return None
-    first = sources[0]
-    shape = tuple(int(n) for n in first.shape(name))
-    merged: NDArray[Any] | None = None
-    for r0 in range(0, shape[0], block):
-        r1 = min(shape[0], r0 + block)
-        value = average_tensor(name, [_rows(s, name, r0, r1) for s in sources], options)
-        part = cast_merged(name, value, first.dtype(name))
-        if merged is None:
-            merged = np.empty(shape, dtype=part.dtype)
-        merged[r0:r1] = part
-    return merged

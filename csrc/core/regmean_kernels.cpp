@@ -1,4 +1,4 @@
-#include "core/regmean_detail.hpp"
+#include "core/regmean_kernels.hpp"
 
 #include <Eigen/Eigenvalues>
 #include <cstdint>

@@ -1,5 +1,7 @@
-// Measured peak FMA throughput of this machine for the instruction set this copy of the
-// core was compiled for. Benchmarks report kernel speed as a fraction of it.
+// Measured peak FMA (and bf16 dot-product) throughput of this machine for the instruction
+// set this copy of the module was compiled for. Benchmarks report kernel speed as a fraction
+// of it. Not part of the core (csrc/core: the math); compiled into each module beside the
+// bindings.
 #pragma once
 
 #include "core/config.hpp"

@@ -1,4 +1,4 @@
-#include "core/peak.hpp"
+#include "bench/peak.hpp"
 
 #include <Eigen/Core>
 #include <chrono>

@@ -1,11 +1,10 @@
-// The building blocks of the RegMean merge, shared by its float64 path (regmean.cpp) and its
-// float32 path (regmean_float32.cpp): the Gram sources and their reduced rows, the weights
-// widened to float64 and their deviations from the average, the fixed-seed probes, norms,
-// the spectral solve below the noise floor and the per-phase clock. Internal to the core.
+// The kernels of the RegMean merge shared by its float64 path (regmean.cpp) and its float32
+// path (regmean_float32.cpp): the Gram sources and their reduced rows, the weights widened
+// to float64 and their deviations from the average, the Gram differences, the fixed-seed
+// probes, norms and the spectral solve below the noise floor. Internal to the core.
 #pragma once
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -181,31 +180,6 @@ double symmetric_norm1(Index d, double alpha, double shift, int threads, const C
 // system's 2-norm condition over the kept ones.
 void spectral_solve(const MatrixXd& system, double floor, const std::string& name, MatrixXd& x,
                     RegMeanInfo& info);
-
-// Elapsed time per phase of one layer's merge, added into info.timings (seconds; a phase
-// entered twice accumulates).
-class PhaseClock {
- public:
-  explicit PhaseClock(RegMeanInfo& info) : info_(info), last_(Clock::now()) {}
-  void lap(const char* phase) {
-    const Clock::time_point now = Clock::now();
-    const double seconds = std::chrono::duration<double>(now - last_).count();
-    last_ = now;
-    for (auto& entry : info_.timings) {
-      if (entry.first == phase) {
-        entry.second += seconds;
-        return;
-      }
-    }
-    info_.timings.emplace_back(phase, seconds);
-  }
-  void restart() { last_ = Clock::now(); }
-
- private:
-  using Clock = std::chrono::steady_clock;
-  RegMeanInfo& info_;
-  Clock::time_point last_;
-};
 
 // Rows [r0, r0 + h) of the symmetric d x d matrix sa A - sb B (B optional: sb = 0 or b
 // null), off-diagonal reduced by alpha, into the first h rows of t (column-major, at least
