@@ -85,6 +85,8 @@ def report_errors(
             raise
         print(f"lmdx {command}: error: {printable(exc)}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader of stdout has gone: lmdx.cli.main stops quietly
+        raise
     except (LmdxError, ValueError, RuntimeError, OSError) as exc:
         if _debug[0]:
             raise

@@ -206,10 +206,17 @@ class MergePlan:
 
 
 def check_same_layout(
-    sources: Sequence[TensorSource], body: Sequence[str], heads: Sequence[str]
+    sources: Sequence[TensorSource],
+    body: Sequence[str],
+    heads: Sequence[str],
+    *,
+    extra_buffers: bool = False,
 ) -> None:
     """Every source holds ``body`` (the first source's non-head tensors) with the same
-    shapes and dtypes and nothing else but heads; :class:`MergeError` names the tensor."""
+    shapes and dtypes and nothing else but heads; :class:`MergeError` names the tensor.
+    With ``extra_buffers``, the other sources may also hold tensors that are not floating
+    point (a base's ``position_ids`` buffer, which checkpoints saved by older transformers
+    hold and task models saved by newer ones lack): no weight, nothing to merge."""
     ref = sources[0]
     known = set(body)
     for c in sources[1:]:
@@ -231,7 +238,13 @@ def check_same_layout(
                     f"{c.dtype(n)} in {c.label}{c.where(n)}; convert the models to one dtype "
                     "first (the merged tensor would otherwise take the first model's)"
                 )
-        extra = [n for n in c.names() if n not in known and not matches(n, heads)]
+        extra = [
+            n
+            for n in c.names()
+            if n not in known
+            and not matches(n, heads)
+            and not (extra_buffers and not c.is_float(n))
+        ]
         if extra:
             raise MergeError(
                 f"{c.label} has tensors {ref.label} lacks (e.g. {extra[0]!r}): the models do "
@@ -401,7 +414,9 @@ def make_plan(inputs: MergeInputs, *, folder: bool) -> MergePlan:
         check_same_entries(inputs.stats, labels)
     if inputs.base is not None:  # the tensors the base lacks: see inputs.notes["base"]
         base = inputs.base
-        check_same_layout([ref, base], [n for n in body if n in base], options.heads)
+        check_same_layout(
+            [ref, base], [n for n in body if n in base], options.heads, extra_buffers=True
+        )
     names = method.order(inputs, names)
     body = [n for n in names if not matches(n, options.heads)]
 
