@@ -62,11 +62,12 @@ read as ``lmdx stats`` reads DATA::
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, ParamSpec, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model
 
@@ -83,7 +84,7 @@ from .api import merge_models, stream_merge
 from .block_data import MODEL_DATA_OPTIONS
 from .door import check_new_folder
 from .inputs import base_users
-from .options import HEAD_POLICIES, OptionError, all_options, method_options
+from .options import HEAD_POLICIES, HeadsError, OptionError, all_options, method_options
 from .plan import MergePlan
 from .registry import method_named, method_names
 from .save import save_merged
@@ -489,6 +490,25 @@ def _output_kwargs(cfg: MergeConfig) -> dict[str, Any]:
     }
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _file_door(door: Callable[_P, _R]) -> Callable[_P, _R]:
+    """A merge from a configuration file: the advice an error gives in the keyword
+    arguments' spelling (:class:`~lmdx.merge.options.HeadsError`) given in the file's."""
+
+    @functools.wraps(door)
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return door(*args, **kwargs)
+        except HeadsError as exc:
+            raise MergeError(exc.in_file()) from None
+
+    return run
+
+
+@_file_door
 def plan_merge(cfg: MergeConfig) -> MergePlan:
     """The streaming merge's plan for ``cfg``: steps, output shards, memory and disk
     estimates. Reads headers (and, with statistics, hashes the weights they are checked
@@ -505,6 +525,7 @@ def plan_merge(cfg: MergeConfig) -> MergePlan:
     return result.plan
 
 
+@_file_door
 def run_merge(
     cfg: MergeConfig,
     out_dir: str | os.PathLike[str],

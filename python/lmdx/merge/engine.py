@@ -160,7 +160,7 @@ class Executor:
     def record(self, module: str, layers: dict[str, Any]) -> None:
         """The solver's report of a RegMean group (``module``: its first member)."""
         self.report["layers"].update(layers)
-        note = poorly_determined(module, layers[module])
+        note = poorly_determined(module, layers[module], self.inputs.options.alpha)
         if note is not None:
             self.report["poorly_determined"].append(note)
 

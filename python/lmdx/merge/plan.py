@@ -30,6 +30,7 @@ from ..files.hf import base_model_info, model_files
 from ..files.identity import describe_mismatch
 from ..stats.file import Statistics
 from ..stats.join import join_statistics
+from .options import HeadsError
 from .registry import method_named, step_method, tensor_step_kind
 from .source import AdapterSource, TensorSource
 
@@ -227,10 +228,10 @@ def check_same_layout(
                     "models do not share one architecture"
                 )
             if c.shape(n) != ref.shape(n):
-                raise MergeError(
+                raise HeadsError(
+                    n,
                     f"tensor {n!r}: shape {ref.shape(n)} in {ref.label}{ref.where(n)} but "
-                    f"{c.shape(n)} in {c.label}{c.where(n)}; models must be fine-tuned from "
-                    "one checkpoint (exclude differing task heads with heads=[...])"
+                    f"{c.shape(n)} in {c.label}{c.where(n)}",
                 )
             if c.dtype(n) != ref.dtype(n):
                 raise MergeError(
