@@ -582,32 +582,6 @@ def test_poorly_determined_systems_are_reported_with_what_to_do():
     assert len(notes) < len([m for m, v in layers.items() if v["shared_with"] is None])
 
 
-@pytest.mark.parametrize(
-    ("alpha", "advice"),
-    [
-        (1.0, ", lower alpha from 1 (e.g. to 0.9: "),
-        (0.9, ", lower alpha from 0.9 (e.g. to 0.8: "),
-        (0.3, ", lower alpha from 0.3 (e.g. to 0.15: "),
-        (0.0, " or exclude the module (alpha is 0 already: no off-diagonal to lower)"),
-    ],
-)
-def test_the_advice_on_alpha_fits_the_alpha_in_use(alpha, advice):
-    """20 rows for the pooler's 16 inputs: poorly determined at every alpha; the advice
-    lowers alpha from the value in use, never to it, and not below 0."""
-    _, models = H.family("bert", k=2)
-    stats = [
-        H.collect(m, H.random_batches("bert", 10 + i, n_sequences=20)) for i, m in enumerate(models)
-    ]
-    res = merge_models(
-        models, "regmean", stats=stats, alpha=alpha, heads=H.HEADS["bert"], progress=False
-    )
-    notes = {n["module"]: n for n in res.report["poorly_determined"]}
-    said = notes["bert.pooler.dense"]["advice"]
-    assert said.startswith("collect statistics on more data (more texts or a longer max_length)")
-    assert advice in said
-    assert f"e.g. to {alpha:g}:" not in said
-
-
 def test_a_model_merged_with_itself_reports_no_poorly_determined_system():
     """Nothing is solved where the weights are equal in every model: whatever the
     statistics (here 20 rows for the pooler's 16 inputs), no system is reported."""
