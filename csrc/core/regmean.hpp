@@ -38,8 +38,8 @@ struct RegMeanInfo : SolveInfo {
   /// "float64", "float32" (factorization, right-hand side and solve), or "identical" (the
   /// weights are equal in every model: returned as they are, no solve).
   std::string precision = "float64";
-  /// Estimate of the 1-norm condition number of the regularized system (0: not estimated;
-  /// estimated up to 1024 inputs).
+  /// Estimate of the 1-norm condition number of the regularized system (0: not estimated,
+  /// "identical": nothing was solved).
   double condition_estimate = 0.0;
   /// Certified estimate (safety margin included) of the relative output error
   /// ||W - W_float64||_S / ||W_float64||_S of a float32 merge; 0 for "float64" (exact to

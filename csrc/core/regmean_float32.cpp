@@ -289,12 +289,9 @@ bool Float32Merge::run(const SolveOptions& opt, bool forced, RegMeanInfo& info,
   info.max_pivot = l32.diagonal().maxCoeff();
   const double ratio = info.min_pivot / info.max_pivot;
   info.rcond_estimate = ratio * ratio;
-  info.condition_estimate = 0.0;
-  if (d_in <= kEstimateDim) {
-    info.condition_estimate = symmetric_norm1(d_in, alpha, ridge, threads,
-                                              [&](Index j, double*) { return &lhs(j, j); }) *
-                              inverse_norm1_estimate(l32);
-  }
+  info.condition_estimate =
+      symmetric_norm1(d_in, alpha, ridge, threads, [&](Index j, double*) { return &lhs(j, j); }) *
+      inverse_norm1_estimate(l32);
   info.output_error_estimate = estimate;
   info.precision = "float32";
   phases.lap("certificate");

@@ -22,9 +22,6 @@ namespace detail {
 constexpr Index kRhsChunk = 1024;
 // Columns of W_i^T widened per task.
 constexpr Index kWidenColumns = 64;
-// Input dimensions up to which a layer solved in float64 gets a 1-norm condition estimate
-// (beyond, its solves streaming the factor cost more than they tell).
-constexpr Index kEstimateDim = 1024;
 // Tiles of the mirrored (upper) triangle.
 constexpr Index kTile = 64;
 // A float64 system gets the eigendecomposition that finds the directions below the noise

@@ -8,6 +8,8 @@
   site (one text for GitHub and the site's home page).
 * ``bench/README.md`` and ``bench/RESULTS.md``: the benchmark conventions and the raw runs,
   copied from the repository's ``bench/`` folder, so the benchmarks page can link to them.
+* ``css/pygments.css``: the colours of the code blocks, which Pygments highlights when the
+  site is built (``pymdownx.highlight``), so the site needs no script from a CDN.
 
 Registered in ``mkdocs.yml`` (``hooks:``); run by ``mkdocs build``.
 """
@@ -26,6 +28,8 @@ from mkdocs.structure.files import File, Files
 ROOT = Path(__file__).resolve().parents[2]
 #: Width of the generated help (argparse reads it from COLUMNS).
 HELP_COLUMNS = "100"
+#: Pygments' colours for the code blocks.
+PYGMENTS_STYLE = "friendly"
 
 
 def _help(argv: list[str], *, strict: bool = True) -> str:
@@ -102,4 +106,12 @@ def on_files(files: Files, config: Any) -> Files:
     for name in ("README.md", "RESULTS.md"):
         text = (ROOT / "bench" / name).read_text(encoding="utf-8")
         files.append(File.generated(config, f"bench/{name}", content=text))
+    files.append(File.generated(config, "css/pygments.css", content=pygments_css()))
     return files
+
+
+def pygments_css() -> str:
+    """The style sheet of the code blocks Pygments highlighted (class ``highlight``)."""
+    from pygments.formatters import HtmlFormatter
+
+    return str(HtmlFormatter(style=PYGMENTS_STYLE).get_style_defs(".highlight"))

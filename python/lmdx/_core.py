@@ -86,8 +86,9 @@ def _baseline() -> ModuleType:
     except ImportError as exc:
         raise ImportError(
             "lmdx's native core (lmdx._core_baseline) is missing or cannot be loaded. "
-            "Install a wheel (`pip install lmdx`), or build from source with `pip install .` "
-            "(needs a C++17 compiler), rather than importing lmdx from the source tree."
+            "Install a wheel, or build from a checkout with `pip install .` (needs a C++17 "
+            "compiler; docs/install.md: where lmdx comes from), rather than importing lmdx "
+            "from the source tree."
         ) from exc
 
 

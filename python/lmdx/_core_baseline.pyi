@@ -150,7 +150,7 @@ class RegMeanInfo(SolveInfo):
     @property
     def condition_estimate(self) -> float:
         """
-        1-norm condition estimate of the system (0: not estimated).
+        1-norm condition estimate of the system (0: nothing solved).
         """
     @property
     def output_error_estimate(self) -> float:

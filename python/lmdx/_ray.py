@@ -52,7 +52,8 @@ def import_ray() -> Any:
         import ray
     except ImportError as exc:
         raise ImportError(
-            f"this needs the ray package: pip install 'lmdx[ray]' (import failed: {exc})"
+            "this needs the ray package: pip install 'ray>=2.9' (lmdx's ray extra; import "
+            f"failed: {exc})"
         ) from exc
     return ray
 

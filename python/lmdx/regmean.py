@@ -95,9 +95,11 @@ def regmean_merge_layer(
         as directions the statistics never saw (an eigendecomposition of the system, only
         for layers whose factorization shows a pivot near that floor or needs a ridge;
         ``info.unseen_directions`` counts them).
-    ridge, allow_regularization
-        As in :func:`lmdx.spd_solve`; a singular sum (an input feature never active in
-        any model) is regularized with a warning unless forbidden.
+    ridge
+        As in :func:`lmdx.spd_solve`.
+    allow_regularization
+        As in :func:`lmdx.spd_solve`: a singular sum (an input feature never active in any
+        model) is regularized with a warning unless this is False.
     name
         Layer name for errors and warnings.
 

@@ -26,7 +26,8 @@ def _help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     with pytest.raises(SystemExit) as done:
         main(argv)
     assert done.value.code == 0
-    return " ".join(capsys.readouterr().out.split())  # one line: help wraps anywhere
+    # one line: help wraps anywhere, example commands with a shell's continuation
+    return " ".join(capsys.readouterr().out.replace(" \\\n", " ").split())
 
 
 def _parser(add: object) -> argparse.ArgumentParser:

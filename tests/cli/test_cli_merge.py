@@ -366,6 +366,32 @@ def test_merge_config_errors(
     assert _leftovers(workspace) == before
 
 
+@pytest.mark.parametrize("flags", [[], ["--dry-run"], ["--in-memory"]])
+def test_differing_heads_are_advised_in_the_files_words(
+    workspace: Path, tmp_path: Path, flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A configuration file is told how to exclude heads as a file writes it, not as a
+    Python keyword argument (heads=[...])."""
+    three = workspace / "m0-three-labels"
+    if not three.exists():
+        model = BertForSequenceClassification.from_pretrained(
+            str(workspace / "m0"), num_labels=3, ignore_mismatched_sizes=True
+        )
+        model.save_pretrained(three)
+    cfg = _write_config(
+        tmp_path / "heads.yaml", f"method: average\nmodels: [{workspace / 'm0'}, {three}]\n"
+    )
+    out = tmp_path / "merged"
+    capsys.readouterr()
+    assert main(["merge", str(cfg), "--out", str(out), "--no-progress", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lmdx merge: error: tensor 'classifier.bias': shape (2,) in ")
+    assert err.rstrip().endswith(
+        "(exclude differing task heads with heads: {patterns: ['classifier.*']})"
+    )
+    assert not out.exists()
+
+
 def test_merge_refuses_existing_output(workspace: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = workspace / "exists"
     out.mkdir()

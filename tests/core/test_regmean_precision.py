@@ -324,3 +324,19 @@ def test_auto_keeps_float32_with_many_models_and_threads_agree(rng, k):
     for other in runs[1:]:
         assert np.array_equal(other.weight, auto.weight)
         assert other.info.output_error_estimate == auto.info.output_error_estimate
+
+
+@pytest.mark.parametrize("precision", ["float64", "float32"])
+@pytest.mark.parametrize("d_in", [96, 1100])
+def test_condition_estimate_at_every_input_size(rng, precision, d_in):
+    """``info.condition_estimate`` estimates cond₁(Σ c_i G̃_i) (Hager's estimator: at most
+    the true value, usually within 3× of it) from the factor of the precision used, at
+    every input size: also above 1024 inputs, where it used to be 0.0 (not estimated)."""
+    counts = [N] * K
+    grams = grams_of_condition(rng, "alike", K, d_in, 1e5, N)
+    weights = fine_tuned(rng, K, 8, d_in, 0.1)
+    res = lmdx.regmean_merge_layer(grams, weights, counts, alpha=0.9, precision=precision)
+    assert res.info.precision == precision
+    exact = np.linalg.cond(sum(reduced_grams(grams, counts, 0.9)), 1)
+    assert exact > 1e3
+    assert exact / 3 <= res.info.condition_estimate <= exact * 1.01

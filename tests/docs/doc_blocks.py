@@ -6,10 +6,12 @@ A fenced block is marked by an HTML comment on the line just above its opening f
 ``<!-- test: WORKSPACE -->``
     run by ``tests/docs/test_doc_blocks.py``. The blocks of one page marked with the same
     WORKSPACE run in page order in one fresh folder made by that workspace (below), as
-    the current directory: a ``bash``/``console``/``sh`` block is ``lmdx`` command lines
-    (``\\`` continues a line, ``#`` starts a comment), each run in-process and expected to
-    exit 0; a ``yaml`` block whose first line is ``# NAME.yaml`` is written to NAME.yaml;
-    ``python`` blocks run in one namespace per page and workspace.
+    the current directory: a ``bash``/``console``/``sh`` block is command lines (``\\``
+    continues a line, ``#`` starts a comment): ``lmdx ...``, each run in-process and
+    expected to exit 0; ``python examples/NAME.py ...``, the repository's example run as a
+    script; ``cd DIR``. A ``yaml`` block whose first line is ``# NAME.yaml`` is written to
+    NAME.yaml in the current directory; ``python`` blocks run in one namespace per page and
+    workspace.
 ``<!-- tested: tests/PATH.py -->``
     read and run by that test file, which checks more than that it runs.
 ``<!-- not run: WHY -->``

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import io
+import runpy
 import shlex
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -46,9 +48,29 @@ def test_every_code_block_is_marked_and_every_marker_is_known() -> None:
 
 
 def test_the_pages_have_runnable_blocks() -> None:
-    """The convention is in use (a parser that finds nothing would pass everything)."""
-    assert ("README.md", "classifiers") in CHAINS
+    """The convention is in use (a parser that finds nothing would pass everything), and
+    the README's quick start runs from its first step (the example that makes its inputs)."""
+    assert ("docs/guide/statistics.md", "classifiers") in CHAINS
+    quick = CHAINS[("README.md", "empty")]
+    assert command_lines(quick[0].text)[0].startswith("python examples/quickstart.py")
     assert sum(len(c) for c in CHAINS.values()) >= 8
+
+
+def run_line(line: str, where: str, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """One command line of a shell block: ``cd DIR``; ``python examples/NAME.py ARGS`` (the
+    repository's example, run as a script); or ``lmdx ARGS``, expected to exit 0."""
+    argv = shlex.split(line, comments=True)
+    if argv[0] == "cd" and len(argv) == 2:
+        monkeypatch.chdir(argv[1])
+        return
+    if argv[0] == "python" and argv[1].startswith("examples/"):
+        monkeypatch.setattr(sys, "argv", argv[1:])
+        runpy.run_path(str(ROOT / argv[1]), run_name="__main__")
+        return
+    assert argv[0] == "lmdx", f"{where}: not an lmdx command: {line}"
+    code = main(argv[1:])
+    err = capsys.readouterr().err
+    assert code == 0, f"{where}: `{line}` exited {code}: {err}"
 
 
 @pytest.mark.parametrize(
@@ -68,15 +90,11 @@ def test_marked_blocks_run(
     for block in CHAINS[(page, workspace)]:
         if block.lang in ("bash", "console", "sh"):
             for line in command_lines(block.text):
-                argv = shlex.split(line, comments=True)
-                assert argv[0] == "lmdx", f"{block.where}: not an lmdx command: {line}"
-                code = main(argv[1:])
-                err = capsys.readouterr().err
-                assert code == 0, f"{block.where}: `{line}` exited {code}: {err}"
+                run_line(line, block.where, monkeypatch, capsys)
         elif block.lang == "yaml":
             first = block.text.split("\n", 1)[0]
             assert first.startswith("# ") and first.split()[1].endswith(".yaml"), block.where
-            (tmp_path / first.split()[1]).write_text(block.text, encoding="utf-8")
+            Path(first.split()[1]).write_text(block.text, encoding="utf-8")
         elif block.lang == "python":
             with contextlib.redirect_stdout(io.StringIO()):
                 exec(compile(block.text, block.where, "exec"), namespace)

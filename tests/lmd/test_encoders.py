@@ -180,7 +180,7 @@ def test_hf_encoder_missing_path(tmp_path: Path) -> None:
 def test_hf_encoder_without_transformers(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(
-        ImportError, match=r"needs torch and transformers: pip install 'lmdx\[lmd\]'"
+        ImportError, match=r"needs torch and transformers: pip install 'transformers>=4\.40'"
     ):
         HFEncoder(tmp_path, name="m")
 

@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import os
 import sys
+import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -30,9 +31,34 @@ def debugging(enabled: bool) -> Iterator[None]:
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """``--help`` of every command: descriptions and examples as written, and each
-    option's default value after its help (``(default: 128)``), unless the help already
-    says it or there is none to show (a flag, an option that is unset by default)."""
+    """``--help`` of every command: descriptions and examples laid out as written but
+    within the width (a line of prose wrapped; an indented ``lmdx ...`` example continued
+    with ``\\``; other indented lines, such as tables, kept), and each option's default
+    value after its help (``(default: 128)``), unless the help already says it or there is
+    none to show (a flag, an option that is unset by default)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        lines: list[str] = []
+        for line in text.splitlines():
+            body = line.lstrip()
+            if len(indent + line) <= width or not body:
+                lines.append(indent + line)
+            elif line == body:  # prose
+                lines += textwrap.wrap(line, width, initial_indent=indent, subsequent_indent=indent)
+            elif body.startswith("lmdx "):  # a command line: continued with a backslash
+                lead = indent + line[: len(line) - len(body)]
+                wrapped = textwrap.wrap(
+                    body,
+                    width - 2,
+                    initial_indent=lead,
+                    subsequent_indent=lead + "    ",
+                    break_long_words=False,
+                    break_on_hyphens=False,
+                )
+                lines += [f"{ln} \\" for ln in wrapped[:-1]] + wrapped[-1:]
+            else:
+                lines.append(indent + line)
+        return "\n".join(lines)
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -85,6 +111,8 @@ def report_errors(
             raise
         print(f"lmdx {command}: error: {printable(exc)}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader of stdout has gone: lmdx.cli.main stops quietly
+        raise
     except (LmdxError, ValueError, RuntimeError, OSError) as exc:
         if _debug[0]:
             raise

@@ -7,6 +7,7 @@ import math
 import os
 import sys
 import tempfile
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from .._errors import CliError
+from .._errors import CliError, SampleSizeWarning
 from .common import HelpFormatter
 
 __all__ = ["HELP", "add_decompose_parser", "format_tables", "run_decompose", "split_counts"]
@@ -358,13 +359,17 @@ def run_decompose(args: argparse.Namespace) -> int:
     assert dec is not None
 
     try:
-        result = dec.fit(
-            ridge=args.ridge,
-            ridge_grid=grid,
-            mode=args.mode,
-            n_threads=args.threads,
-            svcca_variance=args.svcca_variance,
-        )
+        # A sample-size warning is in result.warnings, printed once as a note with the
+        # tables; not a second time, raw, by the warnings module.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SampleSizeWarning)
+            result = dec.fit(
+                ridge=args.ridge,
+                ridge_grid=grid,
+                mode=args.mode,
+                n_threads=args.threads,
+                svcca_variance=args.svcca_variance,
+            )
     except ValueError as exc:
         raise CliError(str(exc)) from exc
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -17,14 +18,26 @@ __all__ = ["main"]
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; a SIGTERM (e.g. from a job scheduler) is handled like Ctrl-C, so
-    partial outputs are removed before the process ends."""
-    if threading.current_thread() is not threading.main_thread():
-        return _main(argv)
-    previous = signal.signal(signal.SIGTERM, _terminated)
+    partial outputs are removed before the process ends. When the reader of the output
+    goes away (``lmdx stats show FILE | head -1``), the command stops quietly with exit
+    status 1, as Python's documentation of SIGPIPE recommends."""
     try:
-        return _main(argv)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+        try:
+            if threading.current_thread() is not threading.main_thread():
+                return _main(argv)
+            previous = signal.signal(signal.SIGTERM, _terminated)
+            try:
+                return _main(argv)
+            finally:
+                signal.signal(signal.SIGTERM, previous)
+        finally:
+            sys.stdout.flush()  # a closed pipe shows here (also after --help), not at exit
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at /dev/null so that flush has
+        # nowhere to fail (the rest of the output has no reader anyway).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
 
 
 def _terminated(signum: int, frame: Any) -> None:

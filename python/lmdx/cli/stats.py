@@ -33,7 +33,7 @@ def add_stats_parser(sub: Any) -> None:
             "  lmdx stats add FILE FILE... --out FILE   add statistics of disjoint data shards\n"
             "  lmdx stats show FILE   print a file's metadata\n\n"
             "DATA is a text file (one text per line), a .jsonl file (field --text-field), a "
-            ".csv file (column --text-field) or corpus:NAME (a corpus of lmdx.corpora); for "
+            ".csv file (column --text-field) or corpus:NAME (a corpus of lmdx.data.corpora); for "
             "vision models a folder of images (read with Pillow, turned into pixel values by "
             "the image processor saved in MODEL, preprocessor_config.json) or a .npy file of "
             "pixel values (images, channels, height, width), used as they are.\n\n"
@@ -186,7 +186,7 @@ def add_stats_parser(sub: Any) -> None:
         help="write --out as a folder of shards of at most SIZE (e.g. 2GB) with an index",
     )
     ray = p.add_argument_group(
-        "Ray (RegMean only; pip install 'lmdx[ray]')",
+        "Ray (RegMean only; pip install 'ray>=2.9')",
         "split the batches into contiguous shards collected by Ray workers that each load "
         "MODEL once; the shards' statistics are added in float64 (the same file as without "
         "Ray, Grams to <= 1e-12 relative, plus extra.ray naming the shards)",
@@ -458,7 +458,7 @@ def _image_processor(model_dir: Path) -> Any:
     from transformers import AutoImageProcessor
 
     try:
-        return AutoImageProcessor.from_pretrained(str(model_dir))  # type: ignore[no-untyped-call]
+        return AutoImageProcessor.from_pretrained(str(model_dir))
     except (OSError, ValueError) as exc:
         raise CliError(
             f"MODEL {model_dir}: its image processor (preprocessor_config.json) cannot be "

@@ -14,7 +14,7 @@ __all__ = ["load_corpus", "read_data"]
 
 
 def load_corpus(name: str, option: str) -> Any:
-    """A corpus of :mod:`lmdx.corpora` by reader name; errors name ``option``."""
+    """A corpus of :mod:`lmdx.data.corpora` by reader name; errors name ``option``."""
     if name not in corpora.CORPORA:
         raise DataError(
             f"{option}: unknown corpus {name!r}; known: {', '.join(sorted(corpora.CORPORA))} "

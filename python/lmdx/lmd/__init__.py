@@ -46,8 +46,8 @@ Conventions (``mode``)
     second moments divided by the stacked dimension rather than N, no intercept, and an
     uncentered SST.)
 
-The relative ridge was called ``rho`` (grid ``rho_grid``, :data:`DEFAULT_RHO_GRID`) and
-the absolute one ``alpha`` (:data:`COMPAT_ALPHA`); those names still work and warn (see
+The relative ridge was called ``rho`` (grid ``rho_grid``, ``DEFAULT_RHO_GRID``) and
+the absolute one ``alpha`` (``COMPAT_ALPHA``); those names still work and warn (see
 :mod:`lmdx.lmd.names`). The files keep them: ``rho``, ``rho_scores``, ``lambda`` and
 ``regularization.rho_grid``/``alpha`` in result.json and results.csv, ``--rho`` and
 ``--rho-grid`` on the command line (also spelled ``--ridge`` and ``--ridge-grid``).

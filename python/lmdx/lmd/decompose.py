@@ -30,8 +30,10 @@ class Decomposition:
 
     Parameters
     ----------
-    names, dims
-        Model names (used in every output) and their embedding sizes.
+    names
+        Model names (used in every output).
+    dims
+        Their embedding sizes, in the same order.
     seed
         Recorded in the result (e.g. the seed that shuffled the data into splits); the
         fits themselves are deterministic.
@@ -138,7 +140,9 @@ class Decomposition:
             dropped by CCA, SVCCA and PWCCA.
         svcca_variance
             Fraction of each model's variance SVCCA keeps.
-        allow_regularization, n_threads
+        allow_regularization
+            As in :meth:`fit` (for ``cv_r2``).
+        n_threads
             As in :meth:`fit` (for ``cv_r2``).
         """
         pieces = {s: m for s, m in self.splits.items() if m.count >= 2}

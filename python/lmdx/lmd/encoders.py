@@ -13,7 +13,8 @@ Every encoder is a callable ``texts -> (n, d) float32 array`` with a ``name``:
 
 Every encoder receives the same raw text; each tokenizes it with its own tokenizer.
 torch and transformers are imported only when an :class:`HFEncoder` is built
-(``pip install 'lmdx[lmd]'`` and a torch build of your choice).
+(``pip install 'transformers>=4.40'``, lmdx's ``lmd`` extra, and a torch build of your
+choice).
 """
 
 from __future__ import annotations
@@ -190,7 +191,8 @@ class HFEncoder:
         except ImportError as exc:
             raise ImportError(
                 f"HFEncoder({self.name!r}) needs torch and transformers: "
-                "pip install 'lmdx[lmd]' and a torch build for your machine"
+                "pip install 'transformers>=4.40' (lmdx's lmd extra) and a torch build for "
+                "your machine (docs/install.md)"
             ) from exc
 
         path = Path(source).expanduser()

@@ -1,7 +1,7 @@
 """Plots of LMD results: the pairwise R² heatmap, the group R² bar chart, and one heatmap
 per similarity measure.
 
-matplotlib is optional (``pip install 'lmdx[lmd]'`` or ``pip install matplotlib``). The
+matplotlib is optional (``pip install matplotlib``; lmdx's ``lmd`` extra has it). The
 figures are built with :class:`matplotlib.figure.Figure` directly, without pyplot, so
 they never open a window or change the global backend.
 """
@@ -24,9 +24,7 @@ def _figure(width: float, height: float) -> Any:
     try:
         from matplotlib.figure import Figure
     except ImportError as exc:
-        raise ImportError(
-            "lmdx plots need matplotlib: pip install matplotlib (or 'lmdx[lmd]')"
-        ) from exc
+        raise ImportError("lmdx plots need matplotlib: pip install matplotlib") from exc
     return Figure(figsize=(width, height), layout="constrained")
 
 

@@ -102,8 +102,10 @@ class SplitMoments:
 
     Parameters
     ----------
-    names, dims
-        Model names and embedding sizes, in block order.
+    names
+        Model names, in block order.
+    dims
+        Their embedding sizes, in the same order.
     split
         Which split this is (``"train"``, ``"validation"`` or ``"test"``); used in errors.
     chunk_rows

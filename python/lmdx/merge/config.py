@@ -67,11 +67,12 @@ options every merge shares (``heads``, ``output``, ``exclude``, ``threads``,
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, ParamSpec, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, Field, ValidationError, create_model
 
@@ -83,7 +84,14 @@ from ..files.peft import is_adapter_folder
 from .api import merge_in_memory, stream_merge
 from .block_data import MODEL_DATA_OPTIONS
 from .inputs import check_needs
-from .options import HeadOptions, MergeOptions, OptionError, OutputOptions, SharedOptions
+from .options import (
+    HeadOptions,
+    HeadsError,
+    MergeOptions,
+    OptionError,
+    OutputOptions,
+    SharedOptions,
+)
 from .plan import MergePlan
 from .registry import (
     all_options,
@@ -430,6 +438,25 @@ def _texts(cfg: MergeConfig) -> list[Any]:
     return out
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _file_door(door: Callable[_P, _R]) -> Callable[_P, _R]:
+    """A merge from a configuration file: the advice an error gives in the keyword
+    arguments' spelling (:class:`~lmdx.merge.options.HeadsError`) given in the file's."""
+
+    @functools.wraps(door)
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return door(*args, **kwargs)
+        except HeadsError as exc:
+            raise MergeError(exc.in_file()) from None
+
+    return run
+
+
+@_file_door
 def plan_merge(cfg: MergeConfig) -> MergePlan:
     """The streaming merge's plan for ``cfg``: steps, output shards, memory and disk
     estimates. Reads headers (and, with statistics, hashes the weights they are checked
@@ -440,6 +467,7 @@ def plan_merge(cfg: MergeConfig) -> MergePlan:
     ).plan
 
 
+@_file_door
 def run_merge(
     cfg: MergeConfig,
     out_dir: str | os.PathLike[str],

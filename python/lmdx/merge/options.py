@@ -42,6 +42,7 @@ __all__ = [
     "MAX_THREADS",
     "SOLVE_MEMORY_ENV",
     "HeadOptions",
+    "HeadsError",
     "MergeOptions",
     "OptionError",
     "OutputOptions",
@@ -86,6 +87,27 @@ class OptionError(MergeError):
 def _extra(field: FieldInfo | None) -> dict[str, Any]:
     extra = None if field is None else field.json_schema_extra
     return extra if isinstance(extra, dict) else {}
+
+
+class HeadsError(MergeError):
+    """Models whose tensor ``name`` differs in shape (``detail`` says how). The message
+    ends with how to exclude differing task heads, spelled for the keyword arguments
+    (``heads=['classifier.*']``); :meth:`in_file` spells it for a configuration file."""
+
+    def __init__(self, name: str, detail: str) -> None:
+        self.detail = detail
+        self.pattern = f"{name.rsplit('.', 1)[0]}.*" if "." in name else name
+        super().__init__(self._worded(f"heads=[{self.pattern!r}]"))
+
+    def _worded(self, spelling: str) -> str:
+        return (
+            f"{self.detail}; models must be fine-tuned from one checkpoint (exclude "
+            f"differing task heads with {spelling})"
+        )
+
+    def in_file(self) -> str:
+        """The message for a configuration file (``heads: {patterns: [...]}``)."""
+        return self._worded(f"heads: {{patterns: [{self.pattern!r}]}}")
 
 
 def option_error(key: str, model: type[BaseModel], exc: ValidationError) -> OptionError:

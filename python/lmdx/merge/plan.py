@@ -27,6 +27,7 @@ from ..files.hf import base_model_info, model_files
 from ..files.identity import describe_mismatch
 from ..stats.file import Statistics
 from .method import MergeInputs, Step, StepSizes, tensor_step
+from .options import HeadsError
 from .source import AdapterSource, TensorSource
 
 __all__ = [
@@ -107,10 +108,17 @@ class MergePlan:
 
 
 def check_same_layout(
-    sources: Sequence[TensorSource], body: Sequence[str], heads: Sequence[str]
+    sources: Sequence[TensorSource],
+    body: Sequence[str],
+    heads: Sequence[str],
+    *,
+    extra_buffers: bool = False,
 ) -> None:
     """Every source holds ``body`` (the first source's non-head tensors) with the same
-    shapes and dtypes and nothing else but heads; :class:`MergeError` names the tensor."""
+    shapes and dtypes and nothing else but heads; :class:`MergeError` names the tensor.
+    With ``extra_buffers``, the other sources may also hold tensors that are not floating
+    point (a base's ``position_ids`` buffer, which checkpoints saved by older transformers
+    hold and task models saved by newer ones lack): no weight, nothing to merge."""
     ref = sources[0]
     known = set(body)
     for c in sources[1:]:
@@ -121,10 +129,10 @@ def check_same_layout(
                     "models do not share one architecture"
                 )
             if c.shape(n) != ref.shape(n):
-                raise MergeError(
+                raise HeadsError(
+                    n,
                     f"tensor {n!r}: shape {ref.shape(n)} in {ref.label}{ref.where(n)} but "
-                    f"{c.shape(n)} in {c.label}{c.where(n)}; models must be fine-tuned from "
-                    "one checkpoint (exclude differing task heads with heads=[...])"
+                    f"{c.shape(n)} in {c.label}{c.where(n)}",
                 )
             if c.dtype(n) != ref.dtype(n):
                 raise MergeError(
@@ -132,7 +140,13 @@ def check_same_layout(
                     f"{c.dtype(n)} in {c.label}{c.where(n)}; convert the models to one dtype "
                     "first (the merged tensor would otherwise take the first model's)"
                 )
-        extra = [n for n in c.names() if n not in known and not matches(n, heads)]
+        extra = [
+            n
+            for n in c.names()
+            if n not in known
+            and not matches(n, heads)
+            and not (extra_buffers and not c.is_float(n))
+        ]
         if extra:
             raise MergeError(
                 f"{c.label} has tensors {ref.label} lacks (e.g. {extra[0]!r}): the models do "
@@ -267,7 +281,7 @@ def make_plan(inputs: MergeInputs, *, folder: bool) -> MergePlan:
         check_same_entries(inputs.stats, labels)
     if inputs.base is not None:  # the tensors the base lacks: the method's to say
         base = inputs.base
-        check_same_layout([ref, base], [n for n in body if n in base], heads)
+        check_same_layout([ref, base], [n for n in body if n in base], heads, extra_buffers=True)
     names = method.order(inputs, names)
     body = [n for n in names if not matches(n, heads)]
 

@@ -75,8 +75,8 @@ def coarsest_accumulation(parts: Sequence[Statistics]) -> str | None:
 class Statistics:
     """Gram (RegMean) or diagonal Fisher statistics of one model on one dataset.
 
-    Build with :func:`lmdx.capture.collect_regmean_stats` /
-    :func:`lmdx.capture.collect_fisher`, or :meth:`load` a file. Tensors are read lazily
+    Build with :func:`lmdx.stats.collect.collect_regmean_stats` /
+    :func:`lmdx.stats.fisher.collect_fisher`, or :meth:`load` a file. Tensors are read lazily
     (one group at a time) from a loaded file.
 
     Attributes
@@ -84,7 +84,7 @@ class Statistics:
     kind
         ``"regmean-gram"`` or ``"fisher"``.
     model
-        Identity of the model the statistics belong to (:func:`model_identity`).
+        Identity of the model the statistics belong to (:func:`lmdx.files.identity.model_identity`).
     data
         The user's description of the data.
     padding

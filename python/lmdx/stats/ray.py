@@ -230,7 +230,7 @@ def collect_regmean_stats_ray(
     Raises
     ------
     ImportError
-        Ray is not installed (``pip install 'lmdx[ray]'``).
+        Ray is not installed (``pip install 'ray>=2.9'``, lmdx's ``ray`` extra).
     RuntimeError
         A worker raised (e.g. its model could not be loaded: a folder missing on its node);
         the message names the shard's batch range and the worker's error.

@@ -105,11 +105,11 @@ ROWS_PER_INPUT = 2.0
 CONDITION_LIMIT = 1e6
 
 
-def poorly_determined(module: str, layer: Mapping[str, Any]) -> dict[str, Any] | None:
-    """Why the RegMean system of ``module`` (its solver report from :func:`solve_group`) is
-    poorly determined, with what to do; None when it is not, or when nothing was solved
-    (``precision`` ``"identical"``: the weights are equal in every model and come back
-    exactly, whatever the statistics)."""
+def poorly_determined(module: str, layer: Mapping[str, Any], alpha: float) -> dict[str, Any] | None:
+    """Why the RegMean system of ``module`` (its solver report from :func:`solve_group`,
+    merged at ``alpha``) is poorly determined, with what to do; None when it is not, or
+    when nothing was solved (``precision`` ``"identical"``: the weights are equal in every
+    model and come back exactly, whatever the statistics)."""
     if layer.get("precision") == "identical":
         return None
     rows, dim = float(layer["rows"]), int(layer["dim"])
@@ -136,9 +136,24 @@ def poorly_determined(module: str, layer: Mapping[str, Any]) -> dict[str, Any] |
         "dim": dim,
         "condition": condition,
         "why": "; ".join(reasons),
-        "advice": "collect statistics on more data (more texts or a longer max_length), "
-        "lower alpha (e.g. 0.9), or exclude the module",
+        "advice": advice(alpha),
     }
+
+
+def advice(alpha: float) -> str:
+    """What to do about a poorly determined system merged at ``alpha``. The system is
+    α Σ c_i Ĝ_i + (1 − α) × its diagonal, so its smallest eigenvalue is at least (1 − α) ×
+    its smallest diagonal entry: from α = 1 the paper's 0.9; below, the α that doubles
+    1 − α (0.9 → 0.8), or halves α at 0.5 and below; at α = 0 there is no off-diagonal
+    left to lower."""
+    more = "collect statistics on more data (more texts or a longer max_length)"
+    if alpha <= 0.0:
+        return f"{more} or exclude the module (alpha is 0 already: no off-diagonal to lower)"
+    suggested = 0.9 if alpha >= 1.0 else round(2.0 * alpha - 1.0 if alpha > 0.5 else alpha / 2, 3)
+    return (
+        f"{more}, lower alpha from {alpha:g} (e.g. to {suggested:g}: the system's smallest "
+        "eigenvalue is at least (1 − alpha) × its smallest diagonal entry), or exclude the module"
+    )
 
 
 def regmean_low_rank(
@@ -334,10 +349,11 @@ def solve_group_low_rank(
     return out, updates, layers
 
 
-def group_report(module: str, layers: dict[str, Any]) -> dict[str, Any]:
+def group_report(module: str, layers: dict[str, Any], alpha: float) -> dict[str, Any]:
     """A solved group's report entries: the solver's information per module (``layers``)
-    and, if the system of ``module`` (its first member) is poorly determined, why."""
-    note = poorly_determined(module, layers[module])
+    and, if the system of ``module`` (its first member, merged at ``alpha``) is poorly
+    determined, why."""
+    note = poorly_determined(module, layers[module], alpha)
     return {"layers": layers, "poorly_determined": [] if note is None else [note]}
 
 
@@ -356,6 +372,7 @@ def solve_step(step: Step, inputs: MergeInputs) -> Merged:
         inputs.lora,
     )
     assert stats is not None
+    alpha = options.own(SolveOptions).alpha
     factors = low_rank_inputs(step, sources)
     if factors is not None:
         solved, updates, layers = solve_group_low_rank(
@@ -377,14 +394,14 @@ def solve_step(step: Step, inputs: MergeInputs) -> Merged:
             blocked, layers = solve_in_output_blocks(
                 step, sources, stats, grams, labels, options, block
             )
-            return Merged(blocked, group_report(step.modules[0], layers))
+            return Merged(blocked, group_report(step.modules[0], layers, alpha))
         solved, layers = solve_group(step.modules, weights, grams, stats, labels, options)
         del weights, grams
         if lora is not None:
             for w, value in solved.items():
                 lora.observe(w, value)
     tensors = {w: cast_merged(w, v, sources[0].dtype(w)) for w, v in solved.items()}
-    return Merged(tensors, group_report(step.modules[0], layers))
+    return Merged(tensors, group_report(step.modules[0], layers, alpha))
 
 
 class RegMean(MergeMethod):
