@@ -24,7 +24,10 @@ Two parts, in one process, on the same inputs:
    4096, MLP 14336, 32/8 heads of 128; ``--layers`` layers, a 1,024-token vocabulary, no
    head; random weights) in bfloat16, on ``--tokens`` tokens in sequences of ``--seq``:
    the forward pass alone, and :func:`lmdx.stats.collect.collect_regmean_stats` with each
-   Gram path (its forward included), so ``overhead = collect / forward - 1``.
+   lmdx Gram path (its forward included; ``--torch-collect`` adds the torch path), so
+   ``overhead = collect / forward - 1``. The accumulators' first touch (8·d² bytes per
+   input group: 2 GB per layer) and the one-sequence probe are part of every collection;
+   use enough tokens that they do not dominate.
 
 Repetitions alternate between the methods (``--reps``, medians). Threads: ``--threads``
 for lmdx and torch alike. ``--clock cpu`` times the process's CPU seconds instead of wall
@@ -269,7 +272,8 @@ def run_collect(args: argparse.Namespace, peaks: dict[str, float]) -> list[str]:
             return collect(None)
 
     variants["collect: lmdx widen"] = collect_widened
-    variants["collect: torch fp32 blocks"] = lambda: collect("torch")
+    if args.torch_collect:
+        variants["collect: torch fp32 blocks"] = lambda: collect("torch")
     for fn in variants.values():  # warm-up
         fn()
     times: dict[str, list[float]] = {name: [] for name in variants}
@@ -316,6 +320,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settle", type=float, default=0.2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    p.add_argument(
+        "--torch-collect",
+        action="store_true",
+        help="also collect with backend='torch' (the GPU path, on the CPU: slow there)",
+    )
     args = p.parse_args(argv)
     if args.clock == "cpu":  # CPU seconds per thread: the wall time of an unloaded machine
         global clock

@@ -9,8 +9,8 @@ its own (:meth:`MergeResult.model_state`, ``heads/<i>.safetensors`` with its lab
 they are dropped. :func:`lmdx.merge.load.load_merged` loads a merged folder as task
 ``i``'s model: the merged body, model ``i``'s head and labels.
 
-Models may be PEFT LoRA adapter folders over ``base`` (:class:`~lmdx.merge.source.
-AdapterSource`; RegMean on their factors, :mod:`lmdx.merge.lora`) and
+Models may be PEFT LoRA adapter folders over ``base``
+(:class:`~lmdx.merge.source.AdapterSource`; RegMean on their factors, :mod:`lmdx.merge.lora`) and
 sentence-transformers folders (:mod:`lmdx.files.st`: the Transformer is merged, the
 other modules written unchanged beside it).
 """
@@ -121,10 +121,10 @@ def merge_models(
           LoRA adapter over ``base``: :attr:`MergeResult.lora`, written by
           :func:`save_merged`); the options of writing a folder are
           :func:`save_merged`'s;
-        * the method's own (its pydantic model, :attr:`lmdx.merge.method.MergeMethod.
-          options`; ``lmdx merge --help`` lists them for every registered method; those
-          of other methods are refused). Built in, e.g.: ``alpha``, ``ridge``,
-          ``allow_regularization`` and ``precision`` for ``regmean`` and
+        * the method's own (its pydantic model,
+          :attr:`lmdx.merge.method.MergeMethod.options`; ``lmdx merge --help`` lists them
+          for every registered method; those of other methods are refused). Built in,
+          e.g.: ``alpha``, ``ridge``, ``allow_regularization`` and ``precision`` for ``regmean`` and
           ``regmean_plusplus`` (``precision="auto"`` solves a layer in float32 where a
           certificate bounds its relative output error by 1e-6, see
           :func:`lmdx.regmean_merge_layer`); ``fisher_eps``; ``scaling``, ``density`` and

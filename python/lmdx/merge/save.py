@@ -58,9 +58,10 @@ def save_merged(
     progress
         Show progress bars (transformers' own included).
     options
-        The options of writing a folder (:meth:`lmdx.merge.options.SharedOptions.
-        for_writing`): ``head_policy`` (``"keep"``: the model is saved with the first
-        model's head and every model's head is written to ``heads/<i>.safetensors``;
+        The options of writing a folder
+        (:meth:`lmdx.merge.options.SharedOptions.for_writing`): ``head_policy``
+        (``"keep"``: the model is saved with the first model's head and every model's
+        head is written to ``heads/<i>.safetensors``;
         ``"drop"``: the backbone is saved without heads, its class in ``architectures``),
         ``dtype`` (``"auto"``: each tensor's dtype in the inputs; ``"float32"``,
         ``"bfloat16"`` or ``"float16"``), ``max_shard_size`` and ``task_folders`` (also
