@@ -17,6 +17,7 @@ workers), :mod:`~lmdx.merge.door` (the setup both front doors share),
 :mod:`~lmdx.merge.registry` (the methods by name, installed ones included);
 :mod:`~lmdx.merge.save` (a merged model written as a folder), :mod:`~lmdx.merge.result`
 (what the doors return), :mod:`~lmdx.merge.api` (the front doors),
+:mod:`~lmdx.merge.state_dicts` (mergekit's in-memory door, ``merge_state_dicts``),
 :mod:`~lmdx.merge.load` (a merged folder loaded as one task's model) and
 :mod:`~lmdx.merge.config` (merge configuration files).
 """
@@ -32,6 +33,7 @@ from .plan import MergePlan
 from .registry import method_names, register_method
 from .result import MergeResult, StreamMergeResult
 from .save import save_merged
+from .state_dicts import merge_state_dicts
 
 
 def __getattr__(name: str) -> tuple[str, ...]:
@@ -53,6 +55,7 @@ __all__ = [
     "load_merge_config",
     "load_merged",
     "merge_models",
+    "merge_state_dicts",
     "method_names",
     "plan_merge",
     "register_method",

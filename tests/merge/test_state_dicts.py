@@ -1,0 +1,165 @@
+"""lmdx.merge_state_dicts: mergekit's in-memory door (the arguments sentence-transformers
+passes) with lmdx's methods, RegMean included. Checked against float64 NumPy references
+written here and in tests/task_vectors.py, and against lmdx's own merge_models."""
+
+from __future__ import annotations
+
+import copy
+
+import hf_models as H
+import numpy as np
+import pytest
+import torch
+from lmdx import MergeError, merge_models, merge_state_dicts
+from task_vectors import ref_merge
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def states(k: int = 3) -> tuple[dict, list[dict]]:
+    base, models, _ = H.cached_family("bert", k=k)
+    return base.state_dict(), [m.state_dict() for m in models]
+
+
+def as64(t) -> np.ndarray:
+    return t.detach().double().numpy()
+
+
+def test_linear_is_lmdx_average_with_weights_and_keeps_keys_order_and_buffers():
+    _, sds = states()
+    weights = [1.0, 2.0, 0.5]
+    out = merge_state_dicts(sds, "linear", parameters={"weight": weights})
+    assert list(out) == list(sds[0])
+    for name, t in out.items():
+        if not t.is_floating_point():  # position ids, token type ids: copied
+            assert torch.equal(t, sds[0][name]), name
+            continue
+        ref = sum(w * as64(sd[name]) for w, sd in zip(weights, sds, strict=True)) / sum(weights)
+        assert H.rel_err(t, ref) <= 1e-6, name  # float32 output of a float64 average
+        assert t.dtype == sds[0][name].dtype
+
+
+def test_base_is_one_of_the_ids_and_task_vectors_follow_the_papers():
+    base_sd, sds = states()
+    models = {"base": base_sd, "a": sds[0], "b": sds[1], "c": sds[2]}
+    out = merge_state_dicts(
+        models, "ties", base="base", parameters={"density": 0.4, "scaling": 0.8}
+    )
+    direct = merge_models(sds, "ties", base=base_sd, density=0.4, scaling=0.8, progress=False)
+    for name, t in out.items():
+        if not t.is_floating_point():
+            continue
+        assert torch.equal(t, direct.state_dict[name]), name
+        ref = ref_merge(
+            "ties", name, as64(base_sd[name]), [as64(sd[name]) for sd in sds], [1.0] * 3, 0.4, 0.8
+        )
+        assert H.rel_err(t, ref) <= 1e-6, name
+
+
+def test_per_input_weights_by_id_or_in_input_order_skip_the_base():
+    base_sd, sds = states(2)
+    ids = {"base": base_sd, "x": sds[0], "y": sds[1]}
+    by_id = merge_state_dicts(
+        ids, "task_arithmetic", base="base", parameters={"weight": {"x": 1.0, "y": 3.0}}
+    )
+    in_order = merge_state_dicts(
+        [base_sd, *sds], "task_arithmetic", base=0, parameters={"weight": [9.0, 1.0, 3.0]}
+    )
+    direct = merge_models(
+        sds, "task_arithmetic", base=base_sd, coefficients=[1.0, 3.0], progress=False
+    )
+    for name in direct.state_dict:
+        assert torch.equal(by_id[name], direct.state_dict[name]), name
+        assert torch.equal(in_order[name], direct.state_dict[name]), name
+
+
+def test_dtype_casts_the_inputs_and_out_dtype_the_result():
+    _, sds = states(2)
+    out = merge_state_dicts(sds, "average", dtype=torch.bfloat16, out_dtype=torch.float16)
+    for name, t in out.items():
+        if not sds[0][name].is_floating_point():
+            continue
+        assert t.dtype == torch.float16, name
+        rounded = [as64(sd[name].to(torch.bfloat16)) for sd in sds]
+        ref = torch.from_numpy((rounded[0] + rounded[1]) / 2).to(torch.bfloat16).half()
+        assert torch.equal(t, ref), name
+
+
+def test_regmean_with_statistics_equals_merge_models():
+    _, models, batches = H.cached_family("bert")
+    stats = [H.collect(m, list(b)) for m, b in zip(models, batches, strict=True)]
+    out = merge_state_dicts(
+        models, "regmean", statistics=stats, parameters={"alpha": 0.9, "heads": H.HEADS["bert"]}
+    )
+    direct = merge_models(
+        models, "regmean", stats=stats, alpha=0.9, heads=H.HEADS["bert"], progress=False
+    )
+    for name, t in direct.model_state(0).items():
+        assert torch.equal(out[name], t), name
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # sentence-transformers' own
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_sentence_transformers_models_with_statistics(tmp_path):
+    from sentence_transformers import SentenceTransformer, models
+    from tiny_bert import build_tiny_bert
+
+    tiny = build_tiny_bert(tmp_path / "tiny")
+    transformer = models.Transformer(str(tiny), max_seq_length=16)
+    pooling = models.Pooling(transformer.get_word_embedding_dimension(), "mean")
+    template = SentenceTransformer(modules=[transformer, pooling], device="cpu")
+    encoders = []
+    for seed in range(2):
+        m = copy.deepcopy(template)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+        encoders.append(m)
+    tok = transformer.tokenizer
+    texts = [["alpha beta gamma", "delta"], ["beta beta", "gamma delta alpha beta"]]
+    from lmdx import collect_regmean_stats
+
+    stats = [
+        collect_regmean_stats(m, [dict(tok(t, padding=True, return_tensors="pt"))], progress=False)
+        for m, t in zip(encoders, texts, strict=True)
+    ]
+    out = merge_state_dicts(encoders, "regmean", statistics=stats)
+    assert list(out) == list(encoders[0].state_dict())
+    inner = [e[0].auto_model for e in encoders]
+    direct = merge_models(inner, "regmean", stats=stats, progress=False)
+    prefix = next(n for n in out if n.endswith("encoder.layer.0.attention.self.query.weight"))
+    prefix = prefix[: -len("encoder.layer.0.attention.self.query.weight")]
+    for name, t in direct.state_dict.items():
+        assert torch.equal(out[prefix + name], t), name
+    merged = copy.deepcopy(encoders[0])
+    merged.load_state_dict(out)  # the result loads as the model's own state dict
+    assert merged.encode(["alpha gamma"]).shape == (1, template.get_sentence_embedding_dimension())
+
+
+def test_errors_name_what_to_do():
+    _, sds = states(2)
+    with pytest.raises(MergeError, match=r"^merge_state_dicts: base 'nope' is not one of"):
+        merge_state_dicts(sds, "average", base="nope")
+    fewer = dict(sds[1])
+    dropped = next(iter(fewer))
+    del fewer[dropped]
+    with pytest.raises(MergeError, match=r"hold different tensors .*strict=False"):
+        merge_state_dicts([sds[0], fewer], "average")
+    out = merge_state_dicts([sds[0], fewer], "average", strict=False)
+    assert dropped not in out and len(out) == len(sds[0]) - 1
+    one, other = dict(sds[0]), dict(sds[1])
+    one["steps"], other["steps"] = torch.tensor([3]), torch.tensor([4])
+    with pytest.raises(MergeError, match=r"tensor 'steps' \(torch.int64, not merged\) differs"):
+        merge_state_dicts([one, other], "average")
+    other["steps"] = torch.tensor([3])
+    assert torch.equal(merge_state_dicts([one, other], "average")["steps"], one["steps"])
+    with pytest.raises(MergeError, match=r"statistics has 1 entries for 2 merged models"):
+        merge_state_dicts(sds, "regmean", statistics=[H.collect(*_first_bert())])
+    with pytest.raises(MergeError, match=r"model 1 is a str"):
+        merge_state_dicts([sds[0], "no"], "average")
+
+
+def _first_bert():
+    _, models, batches = H.cached_family("bert")
+    return models[0], list(batches[0])
