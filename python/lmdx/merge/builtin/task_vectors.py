@@ -45,6 +45,7 @@ from ..source import PrefixedSource, TensorSource
 from .average import AVERAGE
 
 __all__ = [
+    "SCALING",
     "Dare",
     "DareOptions",
     "DareTies",
@@ -65,7 +66,8 @@ __all__ = [
     "top_k_magnitude",
 ]
 
-_SCALING = Field(description="λ: θ_base + λ × (merged task vector)")
+#: The field of λ, the scaling of a merged task vector (every task-vector method's).
+SCALING = Field(description="λ: θ_base + λ × (merged task vector)")
 _DENSITY = Field(
     gt=0.0,
     le=1.0,
@@ -84,13 +86,13 @@ _SEED = Field(
 class TaskVectorOptions(NoOptions):
     """Task arithmetic's λ (lmdx's default 0.3)."""
 
-    scaling: Annotated[float, _SCALING] = 0.3
+    scaling: Annotated[float, SCALING] = 0.3
 
 
 class TiesOptions(NoOptions):
     """TIES: λ = 1 and the top 20 % kept (the TIES paper's recommendations)."""
 
-    scaling: Annotated[float, _SCALING] = 1.0
+    scaling: Annotated[float, SCALING] = 1.0
     density: Annotated[float, _DENSITY] = 0.2
 
 
@@ -98,7 +100,7 @@ class DareOptions(NoOptions):
     """DARE: λ = 0.3 (so that density 1 is task arithmetic) and FusionBench's density
     0.5."""
 
-    scaling: Annotated[float, _SCALING] = 0.3
+    scaling: Annotated[float, SCALING] = 0.3
     density: Annotated[float, _DENSITY] = 0.5
     seed: Annotated[int, _SEED] = 0
 
@@ -106,7 +108,7 @@ class DareOptions(NoOptions):
 class DareTiesOptions(NoOptions):
     """DARE-TIES: DARE's drops, TIES's λ = 1."""
 
-    scaling: Annotated[float, _SCALING] = 1.0
+    scaling: Annotated[float, SCALING] = 1.0
     density: Annotated[float, _DENSITY] = 0.5
     seed: Annotated[int, _SEED] = 0
 
