@@ -203,8 +203,9 @@ def all_options() -> dict[str, Any]:
 
 
 def unused_option(key: str, method: str) -> OptionError:
-    """Option ``key`` given to a method that does not take it."""
-    users = option_users(key)
+    """Option ``key`` given to a method that does not take it (a post-step's option: to
+    that method followed by the post-step)."""
+    users = [u.replace("METHOD", method.partition("+")[0], 1) for u in option_users(key)]
     who = f"method {users[0]}" if len(users) == 1 else ", ".join(users)
     return OptionError(key, f"used by {who}, not {method}", None, unused=True)
 

@@ -239,7 +239,10 @@ class _WithSvc(MergeMethod):
 def with_svc(method: MergeMethod) -> MergeMethod:
     """``method`` followed by SVC: the method named ``<name>+svc``, whose options are the
     method's and :class:`SvcOptions`."""
-    options = create_model(f"{method.options.__name__}Svc", __base__=(method.options, SvcOptions))
+    bases = (
+        (SvcOptions,) if issubclass(SvcOptions, method.options) else (method.options, SvcOptions)
+    )
+    options = create_model(f"{method.options.__name__}Svc", __base__=bases)
     cls = type(
         f"{type(method).__name__}Svc",
         (_WithSvc,),
