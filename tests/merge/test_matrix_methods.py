@@ -261,5 +261,5 @@ def test_matrix_method_options_are_checked():
         merge_models(models, "tsv_m", rank_fraction=0.0, **kw)
     with pytest.raises(MergeError, match=r"common_space_fraction: must be in \[0, 1\]"):
         merge_models(models, "iso_cts", common_space_fraction=1.5, **kw)
-    with pytest.raises(MergeError, match=r"rank_fraction: used by method tsv_m, not iso_c"):
+    with pytest.raises(MergeError, match=r"rank_fraction: only used by method tsv_m, not iso_c"):
         merge_models(models, "iso_c", rank_fraction=0.5, **kw)
