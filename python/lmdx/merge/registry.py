@@ -253,8 +253,9 @@ def method_options(method: str, given: Mapping[str, Any]) -> BaseModel:
         _check_one(model, key, value)
     try:
         return model.model_validate(own)
-    except ValidationError as exc:  # a check across fields
-        raise MergeError(f"method {method}: {option_error('', model, exc)}") from None
+    except ValidationError as exc:  # a check across fields (its message names them)
+        msg = str(exc.errors(include_url=False)[0]["msg"]).removeprefix("Value error, ")
+        raise MergeError(f"method {method}: {msg}") from None
 
 
 def merge_options(
