@@ -248,7 +248,9 @@ def test_svc_errors_are_one_line():
         merge_models(models, "average+svc", **kw)
     with pytest.raises(MergeError, match=r"no post-step 'svd'.*ties\+svc"):
         merge_models(models, "ties+svd", base=base, **kw)
-    with pytest.raises(MergeError, match=r"svc_alpha: only used by method ties\+svc, not ties; leave it out"):
+    with pytest.raises(
+        MergeError, match=r"svc_alpha: only used by method ties\+svc, not ties; leave it out"
+    ):
         merge_models(models, "ties", base=base, svc_alpha=0.5, **kw)
     with pytest.raises(MergeError, match=r"svc_alpha: must be a number > 0, got 0"):
         merge_models(models, "ties+svc", base=base, svc_alpha=0, **kw)
