@@ -359,8 +359,8 @@ def test_errors_are_one_line(folders):
         ),
         (
             {"method": "average", "base": base},
-            r"base: used by LoRA adapters .* and by task_arithmetic, ties, dare, dare_ties, not "
-            "by average",
+            r"base: used by LoRA adapters .* and by task_arithmetic, ties, dare, dare_ties, "
+            r"breadcrumbs, .*, wudi, not by average",
         ),
     ]
     for kwargs, match in cases:

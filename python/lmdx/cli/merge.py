@@ -37,7 +37,7 @@ def methods_help() -> str:
     """Every registered merge method with its line and its options (type, default, what
     it does), as ``lmdx merge --help`` lists them; then the installed methods that could
     not be loaded, with why."""
-    from ..merge.registry import methods, unloaded_methods
+    from ..merge.registry import methods, post_steps, unloaded_methods
 
     def wrapped(text: str, indent: str) -> list[str]:
         return textwrap.wrap(text, 96, initial_indent=indent, subsequent_indent=indent + "  ")
@@ -52,12 +52,23 @@ def methods_help() -> str:
         ]
         if needs:
             lines += wrapped(f"needs: {', '.join(needs)}", "      ")
-        for key, f in method.options.model_fields.items():
-            default = "none" if f.default is None else f.default
-            lines += wrapped(f"{key} (default {default}): {f.description or ''}", "      ")
+        lines += _options_help(method.options, wrapped)
     for name, why in unloaded_methods().items():
         lines += wrapped(f"{name}: not loaded: {why}", "  ")
+    lines.append("post-steps any method can be followed by (method: NAME+POST, e.g. ties+svc):")
+    for name, post in post_steps().items():
+        lines += wrapped(f"+{name}: {post.summary}", "  ")
+        lines += _options_help(post.options, wrapped)
     return "\n".join(lines)
+
+
+def _options_help(model: Any, wrapped: Any) -> list[str]:
+    """One line per option of a method's (or post-step's) pydantic ``model``."""
+    lines = []
+    for key, f in model.model_fields.items():
+        default = "none" if f.default is None else f.default
+        lines += wrapped(f"{key} (default {default}): {f.description or ''}", "      ")
+    return lines
 
 
 def add_merge_parser(sub: Any) -> None:

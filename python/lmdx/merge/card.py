@@ -8,7 +8,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from .registry import methods
+from .._errors import MergeError
+from .registry import method_named
 
 __all__ = ["MODEL_CARD", "model_card", "task_card"]
 
@@ -21,8 +22,9 @@ _SHARED = ("coefficients", "exclude", "heads", "head_policy", "dtype")
 def _method(name: str) -> tuple[str, tuple[str, ...]]:
     """A method's line (its registered summary) and its options' names; a method not
     registered in this process is named as it is."""
-    found = methods().get(name)
-    if found is None:
+    try:
+        found = method_named(name)
+    except MergeError:
         return name, ()
     return found.summary, tuple(found.options.model_fields)
 

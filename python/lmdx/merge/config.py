@@ -99,6 +99,7 @@ from .registry import (
     method_names,
     method_options,
     methods,
+    post_steps,
     unloaded_methods,
 )
 
@@ -272,17 +273,32 @@ def load_merge_config(path: str | os.PathLike[str]) -> MergeConfig:
         raw = read_yaml(path, "config", MergeError)
     if not isinstance(raw, dict):
         raise MergeError(f"{where}: expected a mapping of keys (method, models, ...)")
-    if "method" in raw and raw["method"] not in method_names():
+    if "method" in raw and not _known(raw["method"]):
         got = raw["method"]
         why = unloaded_methods().get(got) if isinstance(got, str) else None
         if why is not None:
             raise MergeError(f"{where}: {why}")
-        raise MergeError(f"{where}: method must be one of {', '.join(method_names())}, got {got!r}")
+        posts = ", ".join(f"+{p}" for p in post_steps())
+        raise MergeError(
+            f"{where}: method must be one of {', '.join(method_names())} (each may be followed "
+            f"by {posts}), got {got!r}"
+        )
     try:
         checked = _config_schema().model_validate(raw)
     except ValidationError as exc:
         raise _schema_error(exc, where) from None
     return _resolved(checked, path.parent, where)
+
+
+def _known(method: Any) -> bool:
+    """Whether ``method`` names a registered method, or one followed by a post-step."""
+    if not isinstance(method, str):
+        return False
+    try:
+        method_named(method)
+    except MergeError:
+        return False
+    return True
 
 
 def _resolved(checked: Any, root: Path, where: str) -> MergeConfig:

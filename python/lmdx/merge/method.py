@@ -68,6 +68,7 @@ __all__ = [
     "MergeMethod",
     "Merged",
     "NoOptions",
+    "PostStep",
     "Step",
     "StepSizes",
     "add_entries",
@@ -352,6 +353,19 @@ class Copy(MergeMethod):
 
 #: The method of every step that copies a tensor that is not floating point.
 COPY = Copy()
+
+
+@dataclass(frozen=True)
+class PostStep:
+    """A step any method's merged model can go through, named after the method:
+    ``method: <name>+<post-step>`` (SVC: ``ties+svc``). ``summary`` is its line in
+    ``lmdx merge --help``, ``options`` its pydantic model (joined to the method's), and
+    ``wrap(method)`` makes the method followed by it (a :class:`MergeMethod` named so)."""
+
+    name: str
+    summary: str
+    options: type[NoOptions]
+    wrap: Callable[[MergeMethod], MergeMethod]
 
 
 def tensor_step(inputs: MergeInputs, name: str) -> Step:

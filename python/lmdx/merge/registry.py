@@ -2,6 +2,10 @@
 those registered with :func:`register_method`, and those installed as packages that
 declare an entry point in the group ``lmdx.merge_methods`` (:data:`ENTRY_POINTS`).
 
+A method followed by a post-step (:data:`lmdx.merge.builtin.POST_STEPS`: SVC) is named
+``<method>+<post-step>`` (``ties+svc``): :func:`method_named` makes it on first use, with
+the method's options and the post-step's.
+
 The front doors, the configuration files, ``lmdx merge`` and the model card find a method
 here by its name; below this module a merge handles the method object itself
 (:class:`lmdx.merge.method.MergeMethod`). A method's own options are checked here too,
@@ -29,8 +33,8 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from .._errors import MergeError
-from .builtin import BUILT_IN
-from .method import COPY, MergeMethod, NoOptions
+from .builtin import BUILT_IN, POST_STEPS
+from .method import COPY, MergeMethod, NoOptions, PostStep
 from .options import MergeOptions, OptionError, option_error, plain
 
 __all__ = [
@@ -42,6 +46,7 @@ __all__ = [
     "method_options",
     "methods",
     "option_users",
+    "post_steps",
     "register_method",
     "unloaded_methods",
     "unused_option",
@@ -53,6 +58,7 @@ ENTRY_POINTS = "lmdx.merge_methods"
 _METHODS: dict[str, MergeMethod] = {}
 _UNLOADED: dict[str, str] = {}  # installed methods that could not be loaded: name -> why
 _installed_loaded = False
+_FOLLOWED: dict[tuple[str, str, int], MergeMethod] = {}  # (method, post-step, id) -> both
 
 
 def _checked(method: MergeMethod, where: str) -> MergeMethod:
@@ -137,38 +143,69 @@ def method_names() -> tuple[str, ...]:
     return tuple(methods())
 
 
+def post_steps() -> dict[str, PostStep]:
+    """The post-steps a method can be followed by (``<method>+<post-step>``), by name."""
+    return {p.name: p for p in POST_STEPS}
+
+
 def method_named(name: str) -> MergeMethod:
-    """The method registered as ``name``; :class:`MergeError` lists the known ones (or
-    says why an installed one named so could not be loaded)."""
+    """The method registered as ``name``, or a registered method followed by a post-step
+    (``ties+svc``); :class:`MergeError` lists the known ones (or says why an installed one
+    named so could not be loaded)."""
     found = methods().get(name)
-    if found is None:
-        if name in _UNLOADED:
-            raise MergeError(_UNLOADED[name])
-        raise MergeError(f"method: expected one of {method_names()}, got {name!r}")
-    return found
+    if found is not None:
+        return found
+    inner, plus, post = name.partition("+")
+    if plus and post in post_steps() and inner in methods():
+        method = methods()[inner]
+        key = (inner, post, id(method))
+        if key not in _FOLLOWED:
+            _FOLLOWED[key] = post_steps()[post].wrap(method)
+        return _FOLLOWED[key]
+    if name in _UNLOADED:
+        raise MergeError(_UNLOADED[name])
+    if plus and inner in methods():
+        raise MergeError(
+            f"method: {name!r}: no post-step {post!r}; the post-steps are "
+            f"{tuple(post_steps())} (e.g. {inner}+{next(iter(post_steps()))})"
+        )
+    raise MergeError(
+        f"method: expected one of {method_names()} (each may be followed by a post-step: "
+        f"+{', +'.join(post_steps())}), got {name!r}"
+    )
 
 
 # --------------------------------------------------------------------------- options
 
 
 def option_users(key: str) -> list[str]:
-    """The registered methods that take option ``key``."""
-    return [m.name for m in methods().values() if key in m.options.model_fields]
+    """The registered methods that take option ``key``, and the post-steps
+    (``METHOD+svc``)."""
+    users = [m.name for m in methods().values() if key in m.options.model_fields]
+    return users + [f"METHOD+{p.name}" for p in POST_STEPS if key in p.options.model_fields]
+
+
+def _options_of(user: str) -> type[BaseModel]:
+    """The options model of an :func:`option_users` entry."""
+    if user.startswith("METHOD+"):
+        return post_steps()[user.removeprefix("METHOD+")].options
+    return method_named(user).options
 
 
 def all_options() -> dict[str, Any]:
-    """Every method option of the registered methods: name -> its pydantic field (the first
-    method's that declares it)."""
+    """Every method option of the registered methods and the post-steps: name -> its
+    pydantic field (the first method's that declares it)."""
     out: dict[str, Any] = {}
-    for m in methods().values():
-        for key, f in m.options.model_fields.items():
+    for model in (*(m.options for m in methods().values()), *(p.options for p in POST_STEPS)):
+        for key, f in model.model_fields.items():
             out.setdefault(key, f)
     return out
 
 
 def unused_option(key: str, method: str) -> OptionError:
-    """Option ``key`` given to a method that does not take it."""
-    users = option_users(key)
+    """Option ``key`` given to a method that does not take it (a post-step's option: to
+    that method followed by the post-step)."""
+    users = [u.replace("METHOD", method.partition("+")[0], 1) for u in option_users(key)]
     who = f"method {users[0]}" if len(users) == 1 else ", ".join(users)
     return OptionError(key, f"used by {who}, not {method}", None, unused=True)
 
@@ -185,11 +222,13 @@ def _ignored_elsewhere(key: str) -> bool:
 
 
 def _check_one(model: type[BaseModel], key: str, value: Any) -> None:
-    """Option ``key`` of ``model`` checked alone (its error names it)."""
+    """Option ``key`` of ``model`` checked alone (its error names it); checks across
+    fields (DELLA's density ± epsilon) wait for the options together."""
     try:
         model.model_validate({key: value})
     except ValidationError as exc:
-        raise option_error(key, model, exc) from None
+        if any(err["loc"] for err in exc.errors(include_url=False)):
+            raise option_error(key, model, exc) from None
 
 
 def method_options(method: str, given: Mapping[str, Any]) -> BaseModel:
@@ -207,15 +246,16 @@ def method_options(method: str, given: Mapping[str, Any]) -> BaseModel:
             known = sorted({*all_options(), *MergeOptions.keyword_paths()})
             raise MergeError(f"unknown option {key!r}; the options are {known}")
         else:  # a valid value of another method's option: refused, or ignored here
-            _check_one(method_named(option_users(key)[0]).options, key, value)
+            _check_one(_options_of(option_users(key)[0]), key, value)
             if not _ignored_elsewhere(key):
                 raise unused_option(key, method)
     for key, value in own.items():
         _check_one(model, key, value)
     try:
         return model.model_validate(own)
-    except ValidationError as exc:  # a check across fields
-        raise MergeError(f"method {method}: {option_error('', model, exc)}") from None
+    except ValidationError as exc:  # a check across fields (its message names them)
+        msg = str(exc.errors(include_url=False)[0]["msg"]).removeprefix("Value error, ")
+        raise MergeError(f"method {method}: {msg}") from None
 
 
 def merge_options(

@@ -29,7 +29,7 @@ follow the ``heads`` policy.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Annotated, Any, ClassVar
 
 import numpy as np
@@ -45,22 +45,29 @@ from ..source import PrefixedSource, TensorSource
 from .average import AVERAGE
 
 __all__ = [
+    "SCALING",
     "Dare",
     "DareOptions",
     "DareTies",
     "DareTiesOptions",
+    "Sparsifier",
     "TaskArithmetic",
     "TaskVectorMethod",
     "TaskVectorOptions",
     "Ties",
     "TiesOptions",
     "base_as_models_name_it",
+    "dare_drop",
     "dare_keep",
+    "elected_mean",
+    "largest",
+    "random_draws",
     "task_vector_tensor",
     "top_k_magnitude",
 ]
 
-_SCALING = Field(description="λ: θ_base + λ × (merged task vector)")
+#: The field of λ, the scaling of a merged task vector (every task-vector method's).
+SCALING = Field(description="λ: θ_base + λ × (merged task vector)")
 _DENSITY = Field(
     gt=0.0,
     le=1.0,
@@ -79,13 +86,13 @@ _SEED = Field(
 class TaskVectorOptions(NoOptions):
     """Task arithmetic's λ (lmdx's default 0.3)."""
 
-    scaling: Annotated[float, _SCALING] = 0.3
+    scaling: Annotated[float, SCALING] = 0.3
 
 
 class TiesOptions(NoOptions):
     """TIES: λ = 1 and the top 20 % kept (the TIES paper's recommendations)."""
 
-    scaling: Annotated[float, _SCALING] = 1.0
+    scaling: Annotated[float, SCALING] = 1.0
     density: Annotated[float, _DENSITY] = 0.2
 
 
@@ -93,7 +100,7 @@ class DareOptions(NoOptions):
     """DARE: λ = 0.3 (so that density 1 is task arithmetic) and FusionBench's density
     0.5."""
 
-    scaling: Annotated[float, _SCALING] = 0.3
+    scaling: Annotated[float, SCALING] = 0.3
     density: Annotated[float, _DENSITY] = 0.5
     seed: Annotated[int, _SEED] = 0
 
@@ -101,9 +108,14 @@ class DareOptions(NoOptions):
 class DareTiesOptions(NoOptions):
     """DARE-TIES: DARE's drops, TIES's λ = 1."""
 
-    scaling: Annotated[float, _SCALING] = 1.0
+    scaling: Annotated[float, SCALING] = 1.0
     density: Annotated[float, _DENSITY] = 0.5
     seed: Annotated[int, _SEED] = 0
+
+
+#: A task vector's sparsification: ``(model index, τ_i) -> τ̂_i``, in float64; it may
+#: work in place (``τ_i`` is a new array of the merge's own).
+Sparsifier = Callable[[int, NDArray[np.float64]], NDArray[np.float64]]
 
 
 def task_vector_tensor(
@@ -113,54 +125,55 @@ def task_vector_tensor(
     coefficients: Sequence[float] | None,
     scaling: float,
     *,
-    sparsify: str | None = None,
-    density: float = 1.0,
-    seed: int = 0,
+    sparsify: Sparsifier | None = None,
     elects: bool = False,
 ) -> NDArray[np.float64]:
     """One tensor merged from its task vectors ``τ_i = θ_i − θ_0`` (``base`` is ``θ_0``; see
     the module's description), in float64: ``θ_0 + λ Σ c_i τ_i`` (``λ``: ``scaling``), with
-    ``τ_i`` sparsified first (``sparsify``: ``"top_k"``, TIES's trim, or ``"drop"``,
-    DARE's drop and rescale, at ``density`` and ``seed``) and, with ``elects``, the sum
-    replaced by the mean of the entries agreeing with the elected sign (TIES)."""
+    each ``τ_i`` sparsified first by ``sparsify`` (TIES's trim, DARE's drop and rescale,
+    ...; a non-finite task vector is refused then, since a dropped NaN would vanish
+    silently) and, with ``elects``, the sum replaced by the mean of the entries agreeing
+    with the elected sign (TIES)."""
     theta0 = as_float64(base, f"base: {name}")
     coefficients = coefficients or (1.0,) * len(tensors)
-    taus = (
-        _sparsified(name, i, as_float64(t, name) - theta0, sparsify, density, seed)
-        for i, t in enumerate(tensors)
-    )
+
+    def tau(i: int, t: Any) -> NDArray[np.float64]:
+        out: NDArray[np.float64] = as_float64(t, name) - theta0
+        if sparsify is None:
+            return out
+        if not np.isfinite(out).all():
+            raise MergeError(
+                f"tensor {name!r}: the task vector of model {i} (its values minus the base's) "
+                "is not finite; check that model and the base for NaN/Inf"
+            )
+        return sparsify(i, out)
+
+    taus = (tau(i, t) for i, t in enumerate(tensors))
     if elects:
-        delta = _elected_mean(taus, coefficients)
+        delta = elected_mean(taus, coefficients)
     else:
         delta = np.zeros_like(theta0)
-        for ci, tau in zip(coefficients, taus, strict=True):
-            tau *= ci  # in place: every task vector here is a new array of this function's
-            delta += tau
+        for ci, t in zip(coefficients, taus, strict=True):
+            t *= ci  # in place: every task vector here is a new array of this function's
+            delta += t
     merged: NDArray[np.float64] = theta0 + scaling * delta
     return merged
 
 
-def _sparsified(
-    name: str, i: int, tau: NDArray[np.float64], sparsify: str | None, density: float, seed: int
-) -> NDArray[np.float64]:
-    """Model ``i``'s task vector of tensor ``name`` sparsified: ``"top_k"`` (TIES's trim),
-    ``"drop"`` (DARE's drop and rescale) or None (unchanged: task arithmetic)."""
-    if sparsify is None:
-        return tau
-    if not np.isfinite(tau).all():  # a dropped or trimmed NaN would vanish silently
-        raise MergeError(
-            f"tensor {name!r}: the task vector of model {i} (its values minus the base's) is "
-            "not finite; check that model and the base for NaN/Inf"
-        )
-    if sparsify == "drop":
-        if density >= 1.0:
-            return tau
-        keep = dare_keep(name, i, tau.shape, density, seed)
-        tau = np.asarray(tau)  # in place below: ``tau`` is this merge's own array
-        tau /= density
-        np.copyto(tau, 0.0, where=~keep)
-        return tau
-    return top_k_magnitude(tau, density)
+def largest(magnitude: NDArray[np.float64], k: int) -> NDArray[np.bool_]:
+    """The mask of the ``k`` largest entries of the flat ``magnitude``; entries tied at the
+    threshold are taken in order (lowest index first), so the mask is deterministic."""
+    n = magnitude.size
+    keep = np.zeros(n, dtype=bool)
+    if k >= n:
+        keep[:] = True
+    elif k > 0:
+        threshold = np.partition(magnitude, n - k)[n - k]  # the k-th largest magnitude
+        np.greater(magnitude, threshold, out=keep)
+        short = k - int(np.count_nonzero(keep))
+        if short > 0:
+            keep[np.flatnonzero(magnitude == threshold)[:short]] = True
+    return keep
 
 
 def top_k_magnitude(tau: NDArray[np.float64], density: float) -> NDArray[np.float64]:
@@ -168,36 +181,49 @@ def top_k_magnitude(tau: NDArray[np.float64], density: float) -> NDArray[np.floa
     to 0 (TIES's trim, mergekit's ``magnitude``). Entries tied at the threshold are kept
     in C order (lowest flat index first), so the result is deterministic. ``k = 0`` keeps
     nothing."""
-    n = tau.size
-    k = int(density * n)
-    if k >= n:
+    k = int(density * tau.size)
+    if k >= tau.size:
         return tau
     flat = tau.reshape(-1)
-    magnitude = np.abs(flat)
-    keep = np.zeros(n, dtype=bool)
-    if k > 0:
-        threshold = np.partition(magnitude, n - k)[n - k]  # the k-th largest magnitude
-        np.greater(magnitude, threshold, out=keep)
-        short = k - int(np.count_nonzero(keep))
-        if short > 0:
-            keep[np.flatnonzero(magnitude == threshold)[:short]] = True
-    return np.where(keep, flat, 0.0).reshape(tau.shape)
+    return np.where(largest(np.abs(flat), k), flat, 0.0).reshape(tau.shape)
+
+
+def random_draws(name: str, model: int, shape: tuple[int, ...], seed: int) -> NDArray[np.float64]:
+    """Uniform draws in [0, 1), one per entry of model ``model``'s task vector of tensor
+    ``name``: PCG64 seeded by ``SeedSequence([seed, model, *w])`` with ``w`` the eight
+    little-endian 32-bit words of SHA-256(``name``), so they depend on nothing else (not
+    the order of steps, the threads or the front door)."""
+    words = np.frombuffer(hashlib.sha256(name.encode("utf-8")).digest(), dtype="<u4")
+    entropy = [int(seed), int(model), *(int(w) for w in words)]
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy)))
+    return rng.random(shape)
 
 
 def dare_keep(
     name: str, model: int, shape: tuple[int, ...], density: float, seed: int
 ) -> NDArray[np.bool_]:
     """DARE's mask of model ``model``'s task vector of tensor ``name``: each entry kept with
-    probability ``density``, from PCG64 seeded by ``SeedSequence([seed, model, *w])`` with
-    ``w`` the eight little-endian 32-bit words of SHA-256(``name``) (keep where
-    ``random() < density``)."""
-    words = np.frombuffer(hashlib.sha256(name.encode("utf-8")).digest(), dtype="<u4")
-    entropy = [int(seed), int(model), *(int(w) for w in words)]
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy)))
-    return rng.random(shape) < density
+    probability ``density``, where its :func:`random_draws` is ``< density``."""
+    return random_draws(name, model, shape, seed) < density
 
 
-def _elected_mean(
+def dare_drop(name: str, density: float, seed: int) -> Sparsifier:
+    """DARE's drop and rescale of tensor ``name``'s task vectors: entries kept as
+    :func:`dare_keep` says, divided by ``density`` (density 1: unchanged)."""
+
+    def drop(i: int, tau: NDArray[np.float64]) -> NDArray[np.float64]:
+        if density >= 1.0:
+            return tau
+        keep = dare_keep(name, i, tau.shape, density, seed)
+        tau = np.asarray(tau)  # in place below: ``tau`` is this merge's own array
+        tau /= density
+        np.copyto(tau, 0.0, where=~keep)
+        return tau
+
+    return drop
+
+
+def elected_mean(
     taus: Iterable[NDArray[np.float64]], coefficients: Sequence[float]
 ) -> NDArray[np.float64]:
     """TIES's sign election and disjoint mean (mergekit's ``sum`` consensus with
@@ -288,12 +314,11 @@ def _said(label: str, note: dict[str, Any], head_policy: str) -> str:
 
 
 class TaskVectorMethod(MergeMethod):
-    """A method merging task vectors against ``base``, tensor by tensor. ``sparsify``:
-    ``None``, ``"top_k"`` (TIES's trim) or ``"drop"`` (DARE's random drop and rescale);
-    ``elects``: the sign election and mean of the agreeing entries (TIES)."""
+    """A method merging task vectors against ``base``, tensor by tensor: each task vector
+    sparsified by :meth:`sparsifier` (none: task arithmetic), then summed or, with
+    ``elects``, the agreeing entries averaged after TIES's sign election."""
 
     needs_base: ClassVar[bool] = True
-    sparsify: ClassVar[str | None] = None
     elects: ClassVar[bool] = False
 
     def check(self, inputs: MergeInputs) -> None:
@@ -319,6 +344,10 @@ class TaskVectorMethod(MergeMethod):
         lacks = inputs.state.get("base", {}).get("averaged", [])
         return AVERAGE if name in lacks else self
 
+    def sparsifier(self, name: str, inputs: MergeInputs) -> Sparsifier | None:
+        """How tensor ``name``'s task vectors are sparsified (None: not at all)."""
+        return None
+
     def tensor(self, name: str, tensors: Sequence[Any], inputs: MergeInputs) -> NDArray[np.float64]:
         assert inputs.base is not None
         own: Any = inputs.options.method_options
@@ -328,9 +357,7 @@ class TaskVectorMethod(MergeMethod):
             tensors,
             inputs.options.coefficients,
             own.scaling,
-            sparsify=self.sparsify,
-            density=getattr(own, "density", 1.0),
-            seed=getattr(own, "seed", 0),
+            sparsify=self.sparsifier(name, inputs),
             elects=self.elects,
         )
 
@@ -357,8 +384,11 @@ class Ties(TaskVectorMethod):
     )
     options: ClassVar[type[NoOptions]] = TiesOptions
     headline: ClassVar[tuple[str, ...]] = ("density", "scaling")
-    sparsify: ClassVar[str | None] = "top_k"
     elects: ClassVar[bool] = True
+
+    def sparsifier(self, name: str, inputs: MergeInputs) -> Sparsifier | None:
+        density = inputs.options.own(TiesOptions).density
+        return lambda i, tau: top_k_magnitude(tau, density)
 
 
 class Dare(TaskVectorMethod):
@@ -369,7 +399,10 @@ class Dare(TaskVectorMethod):
     )
     options: ClassVar[type[NoOptions]] = DareOptions
     headline: ClassVar[tuple[str, ...]] = ("density", "scaling", "seed")
-    sparsify: ClassVar[str | None] = "drop"
+
+    def sparsifier(self, name: str, inputs: MergeInputs) -> Sparsifier | None:
+        own = inputs.options.own(DareOptions)
+        return dare_drop(name, own.density, own.seed)
 
 
 class DareTies(TaskVectorMethod):
@@ -380,5 +413,8 @@ class DareTies(TaskVectorMethod):
     )
     options: ClassVar[type[NoOptions]] = DareTiesOptions
     headline: ClassVar[tuple[str, ...]] = ("density", "scaling", "seed")
-    sparsify: ClassVar[str | None] = "drop"
     elects: ClassVar[bool] = True
+
+    def sparsifier(self, name: str, inputs: MergeInputs) -> Sparsifier | None:
+        own = inputs.options.own(DareTiesOptions)
+        return dare_drop(name, own.density, own.seed)

@@ -1,0 +1,193 @@
+"""What the methods on task matrices share (TSV-M, ISO-C, ISO-CTS, WUDI, and SVC's
+post-step): which tensors are task matrices, each model's task matrix read in the
+``[out, in]`` orientation, the polar factor, and the rule for every other tensor.
+
+A **task matrix** is ``c_i τ_i = c_i (θ_i − θ_0)`` of a two-dimensional floating-point
+tensor that the base has and that no ``exclude`` pattern names (the tensor's name or its
+module's, the name without its last part): linear layers' weights, and embedding tables
+(FusionBench's rule: every 2-D parameter). Models with ``c_i = 0`` take no part. A
+Hugging Face ``Conv1D`` weight (GPT-2) is stored ``[in, out]``; the methods whose result
+depends on the orientation (ISO-CTS, WUDI, SVC) read it transposed, as found from the
+models' class built without weights (:func:`conv1d_weights`); a model without a
+configuration (a state dict) has its 2-D tensors read as stored, ``[out, in]`` as
+``torch.nn.Linear`` stores them.
+
+Every other tensor of the body (biases, norms, any tensor of three or more dimensions) is
+``θ_0 + λ × Σ c_i τ_i / Σ c_i``: the coefficient-weighted mean of the task vectors, scaled
+as the matrices are (FusionBench's TSV-M and ISO: the mean, then ``× α``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+from numpy.typing import NDArray
+from pydantic import Field
+
+from ..._tensors import as_float64
+from ..._util import matches
+from ...stats.sites import find_linear_modules
+from ..method import MergeInputs, Step, StepSizes
+from ..skeleton import build_skeleton
+from ..source import TensorSource
+from .task_vectors import TaskVectorMethod
+
+__all__ = [
+    "MATRIX_SCALING",
+    "TaskMatrices",
+    "TaskMatrixMethod",
+    "conv1d_weights",
+    "is_task_matrix",
+    "polar",
+    "task_matrices",
+]
+
+
+#: The field of α, the scaling of a merged task matrix (and of the other tensors' mean task
+#: vector).
+MATRIX_SCALING = Field(
+    description="α: θ_base + α × (the merged task matrix; other tensors: the mean task vector)"
+)
+
+
+def conv1d_weights(source: TensorSource) -> frozenset[str]:
+    """The tensors of ``source`` stored ``[in, out]``: the weights of its Hugging Face
+    ``Conv1D`` layers, from its class built without weights; none for a model without a
+    configuration (a state dict)."""
+    config = getattr(source, "config", None) or {}
+    if not config.get("architectures"):
+        return frozenset()
+    model = build_skeleton(config, source.label)
+    return frozenset(
+        f"{name}.weight"
+        for name, (_, layout) in find_linear_modules(model).items()
+        if layout == "conv1d"
+    )
+
+
+def is_task_matrix(name: str, shape: Sequence[int], exclude: Sequence[str]) -> bool:
+    """Whether tensor ``name`` of ``shape`` is merged as a task matrix: two-dimensional and
+    named by no ``exclude`` pattern (its name or its module's)."""
+    module = name.rsplit(".", 1)[0]
+    return len(shape) == 2 and not matches(name, exclude) and not matches(module, exclude)
+
+
+def polar(a: NDArray[np.float64]) -> NDArray[np.float64]:
+    """The orthogonal polar factor ``U Vᵀ`` of ``a = U Σ Vᵀ`` (thin SVD): the orthonormal
+    matrix nearest to ``a`` (orthonormal columns if ``a`` is tall, rows if wide)."""
+    u, _, vt = np.linalg.svd(a, full_matrices=False)
+    out: NDArray[np.float64] = u @ vt
+    return out
+
+
+class TaskMatrices:
+    """One tensor's task matrices: ``taus`` (``c_i τ_i``, or ``τ_i`` if not ``scaled``;
+    ``[out, in]``, float64), of the models with ``c_i > 0``, whose ``coefficients`` these
+    are; the base ``theta0`` as stored and whether the tensor is stored ``transposed`` (a
+    ``Conv1D`` weight)."""
+
+    def __init__(
+        self,
+        theta0: NDArray[np.float64],
+        taus: list[NDArray[np.float64]],
+        transposed: bool,
+        coefficients: list[float],
+    ) -> None:
+        self.theta0, self.taus, self.transposed = theta0, taus, transposed
+        self.coefficients = coefficients
+
+    def merged(self, delta: NDArray[np.float64]) -> NDArray[np.float64]:
+        """``θ_0 + delta`` with ``delta`` (``[out, in]``) in the stored orientation."""
+        out: NDArray[np.float64] = self.theta0 + (delta.T if self.transposed else delta)
+        return out
+
+
+def task_matrices(
+    name: str,
+    base: Any,
+    tensors: Sequence[Any],
+    coefficients: Sequence[float] | None,
+    transposed: bool,
+    *,
+    scaled: bool = True,
+) -> TaskMatrices:
+    """Tensor ``name``'s task matrices from the base's and the models' values (see
+    :class:`TaskMatrices`)."""
+    theta0 = as_float64(base, f"base: {name}")
+    coef = [1.0] * len(tensors) if coefficients is None else [float(c) for c in coefficients]
+    taus, used = [], []
+    for c, t in zip(coef, tensors, strict=True):
+        if c > 0:
+            tau = as_float64(t, name) - theta0
+            if scaled:
+                tau *= c
+            taus.append(tau.T if transposed else tau)
+            used.append(c)
+    return TaskMatrices(theta0, taus, transposed, used)
+
+
+class TaskMatrixMethod(TaskVectorMethod):
+    """A method that merges each task matrix by :meth:`merge_matrices` (the ``[out, in]``
+    task matrices -> the merged update) and every other tensor by :meth:`other_tensor`
+    (default: ``θ_0 + λ ×`` the coefficient-weighted mean of the task vectors).
+    ``oriented``: whether its result depends on the orientation (then ``Conv1D`` weights
+    are read transposed); ``scaled``: whether its task matrices are ``c_i τ_i`` (else
+    ``τ_i``, the coefficients its own to apply). Its options have ``scaling`` (λ) unless it
+    overrides :meth:`scaling`."""
+
+    oriented: ClassVar[bool] = False
+    scaled: ClassVar[bool] = True
+
+    def check(self, inputs: MergeInputs) -> None:
+        super().check(inputs)
+        if self.oriented:
+            inputs.state["conv1d"] = conv1d_weights(inputs.sources[0])
+
+    def scaling(self, inputs: MergeInputs) -> float:
+        """λ, the scaling of the merged update (the options' ``scaling``)."""
+        own: Any = inputs.options.method_options
+        return float(own.scaling)
+
+    def merge_matrices(
+        self, name: str, matrices: TaskMatrices, inputs: MergeInputs
+    ) -> NDArray[np.float64]:
+        """The merged update of tensor ``name`` (``[out, in]``), before ``× λ``."""
+        raise NotImplementedError
+
+    def other_tensor(
+        self, name: str, base: Any, tensors: Sequence[Any], inputs: MergeInputs
+    ) -> NDArray[np.float64]:
+        """A tensor that is no task matrix: ``θ_0 + λ Σ c_i τ_i / Σ c_i``."""
+        coef = inputs.options.coefficients or (1.0,) * len(tensors)
+        theta0 = as_float64(base, f"base: {name}")
+        delta = np.zeros_like(theta0)
+        for c, t in zip(coef, tensors, strict=True):
+            if c > 0:
+                delta += c * (as_float64(t, name) - theta0)
+        merged: NDArray[np.float64] = theta0 + (self.scaling(inputs) / sum(coef)) * delta
+        return merged
+
+    def matrices(
+        self, name: str, base: Any, tensors: Sequence[Any], inputs: MergeInputs
+    ) -> TaskMatrices:
+        """Task matrix ``name``'s :class:`TaskMatrices` from the base's and models' values."""
+        transposed = name in inputs.state.get("conv1d", ())
+        coefficients = inputs.options.coefficients
+        return task_matrices(name, base, tensors, coefficients, transposed, scaled=self.scaled)
+
+    def tensor(self, name: str, tensors: Sequence[Any], inputs: MergeInputs) -> NDArray[np.float64]:
+        assert inputs.base is not None
+        base = inputs.base.read(name)
+        if not is_task_matrix(name, tuple(base.shape), inputs.options.exclude):
+            return self.other_tensor(name, base, tensors, inputs)
+        matrices = self.matrices(name, base, tensors, inputs)
+        delta = self.merge_matrices(name, matrices, inputs)
+        delta *= self.scaling(inputs)
+        return matrices.merged(delta)
+
+    def memory(self, step: Step, sizes: StepSizes, inputs: MergeInputs) -> int:
+        """The reads, ``θ_0``, the K task matrices and about six matrices of the same size
+        of SVD work (factors, products), all in float64."""
+        return (sizes.k + 1) * (sizes.read + sizes.widened) + 8 * sizes.n * (sizes.k + 7)
