@@ -326,11 +326,11 @@ def test_merge_ties_and_dare_match_numpy(
         ("method: dare\nbase: base\nseed: 1.5\nmodels: [m0, m1]\n", "seed must be a whole number"),
         (
             "method: ties\nbase: base\nseed: 3\nmodels: [m0, m1]\n",
-            "seed is only used by dare, dare_ties, not ties",
+            "seed is only used by dare, dare_ties, della, della_linear, not ties",
         ),
         (
             "method: average\ndensity: 0.5\nmodels: [m0, m1]\n",
-            "density is only used by ties, dare, dare_ties, not average",
+            "density is only used by ties, dare, dare_ties, breadcrumbs, .*, not average",
         ),
         (
             "method: average\nscaling: 0.5\nmodels: [m0, m1]\n",
@@ -339,7 +339,7 @@ def test_merge_ties_and_dare_match_numpy(
         (
             "method: average\nbase: base\nmodels: [m0, m1]\n",
             r"base: used by LoRA adapters .* and by task_arithmetic, ties, dare, dare_ties, "
-            "not by average",
+            r"breadcrumbs, .*, wudi, not by average",
         ),
         (
             "method: dare_ties\nbase: base\n"
