@@ -455,12 +455,13 @@ from lmdx._ray import start_ray
 
 real, install = ray.init, signal.signal
 sigterm = signal.getsignal(signal.SIGTERM)
-starting, returned = threading.Event(), []
+starting, sent, returned = threading.Event(), threading.Event(), []
 
 def init(*args, **kwargs):
-    # the signal comes while ray.init runs, which also sets its own SIGTERM handler
+    # the signal comes while ray.init runs, which also sets its own SIGTERM handler (waited
+    # for: on a loaded machine the signalling thread may run only after the real init)
     starting.set()
-    time.sleep(0.5)
+    sent.wait(60)
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(15))
     out = real(*args, **kwargs)
     returned.append(True)
@@ -483,7 +484,12 @@ if sys.argv[1] == "children":
     ray.shutdown()
     sys.exit(0)
 # a thread started before, as BLAS and OpenMP pools are: the kernel may hand it the signal
-threading.Thread(target=lambda: starting.wait() and os.kill(os.getpid(), signal.SIGINT)).start()
+def send():
+    starting.wait()
+    os.kill(os.getpid(), signal.SIGINT)
+    sent.set()
+
+threading.Thread(target=send).start()
 ray.init = init
 try:
     start_ray(None, 1)
