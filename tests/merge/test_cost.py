@@ -44,7 +44,10 @@ def reference_layer(merged, weights, grams, counts, coefficients=None):
         e = merged - w
         num = np.trace(e @ gh @ e.T)
         den = np.trace(w @ gh @ w.T)
-        costs.append(np.sqrt(num / den) if den > 0 else None)
+        if not np.any(e):
+            costs.append(0.0)  # the layer as model i had it
+        else:
+            costs.append(np.sqrt(num / den) if den > 0 else None)
         d = w - mean
         spread = np.sum(d * d)
         pulls.append(np.sum((merged - mean) * d) / spread if spread > 0 else 0.0)

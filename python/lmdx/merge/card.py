@@ -78,7 +78,6 @@ def model_card(record: Mapping[str, Any], config: Mapping[str, Any] | None = Non
             f"- {len(report['poorly_determined'])} RegMean system(s) poorly determined "
             f"(listed in `lmdx_merge.json`)"
         )
-    lines += _cost_section(report.get("cost"))
     lines += [
         "",
         "## Inputs",
@@ -98,6 +97,7 @@ def model_card(record: Mapping[str, Any], config: Mapping[str, Any] | None = Non
             f"{_short(entry.get('weights_sha256'))} | {_cell(entry.get('stats'))} | "
             f"{_short(entry.get('stats_sha256'))} |"
         )
+    lines += _cost_section(report.get("cost"))
     lines += ["", "## How it was made", ""]
     if record.get("command"):
         lines += ["```bash", str(record["command"]), "```", ""]

@@ -131,9 +131,13 @@ def layer_cost(
     cost: list[float | None] = []
     pull = []
     for w, g in zip(weights, grams, strict=True):
-        den = _frobenius_with(g, w)
-        num = _frobenius_with(g, merged - w)
-        cost.append(float(np.sqrt(max(num, 0.0) / den)) if den > 0 else None)
+        change = merged - w
+        if not change.any():  # the layer as model i had it (a frozen layer): nothing paid
+            cost.append(0.0)
+        else:
+            den = _frobenius_with(g, w)
+            num = _frobenius_with(g, change)
+            cost.append(float(np.sqrt(max(num, 0.0) / den)) if den > 0 else None)
         away = w - mean
         spread = float(np.vdot(away, away))
         # W_i the average up to rounding (one model, or all alike): nothing to pull toward
