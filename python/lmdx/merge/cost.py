@@ -32,8 +32,9 @@ the float64 RegMean solve of the layer (its ``K − 1`` products and two solves,
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +56,7 @@ __all__ = [
     "CostMeter",
     "LayerCost",
     "cost_lines",
+    "group_cost",
     "layer_cost",
     "measure_cost",
     "open_cost",
@@ -101,7 +103,7 @@ def _frobenius_with(gram: NDArray[np.float64], a: NDArray[np.float64]) -> float:
 def layer_cost(
     merged: NDArray[np.float64],
     weights: Sequence[NDArray[np.float64]],
-    grams: Sequence[NDArray[np.float64]],
+    grams: Sequence[NDArray[np.float64] | Callable[[], NDArray[np.float64]]],
     counts: Sequence[float],
     coefficients: Sequence[float] | None = None,
 ) -> LayerCost:
@@ -114,37 +116,59 @@ def layer_cost(
     weights
         The K models' weights ``W_i``, ``[out, in]``, float64.
     grams
-        The K full input Grams ``G_i`` (``in × in``, float64).
+        The K full input Grams ``G_i`` (``in × in``, float64), or callables that read
+        them (then one is held at a time).
     counts
         The K row counts ``n_i`` (> 0).
     coefficients
         The merge's per-model coefficients (the average ``W̄`` of ``pull``); default 1.
     """
-    k = len(weights)
+    return group_cost({"": merged}, {"": weights}, grams, counts, coefficients)[""]
+
+
+def group_cost(
+    merged: Mapping[str, NDArray[np.float64]],
+    weights: Mapping[str, Sequence[NDArray[np.float64]]],
+    grams: Sequence[NDArray[np.float64] | Callable[[], NDArray[np.float64]]],
+    counts: Sequence[float],
+    coefficients: Sequence[float] | None = None,
+) -> dict[str, LayerCost]:
+    """:func:`layer_cost` of the layers of one input group (modules that share an input
+    and so a Gram: q/k/v), by name: ``merged[name]``, ``weights[name]`` (K); each Gram is
+    read (if a callable) once and dropped before the next."""
+    k = len(grams)
     coef = np.ones(k) if coefficients is None else np.asarray(coefficients, dtype=np.float64)
-    mean = np.zeros_like(merged)
-    for c, w in zip(coef, weights, strict=True):
-        mean += (c / coef.sum()) * w
-    moved = merged - mean
-    traces = [float(np.trace(g)) / n for g, n in zip(grams, counts, strict=True)]
-    total = sum(traces)
-    cost: list[float | None] = []
-    pull = []
-    for w, g in zip(weights, grams, strict=True):
-        change = merged - w
-        if not change.any():  # the layer as model i had it (a frozen layer): nothing paid
-            cost.append(0.0)
-        else:
-            den = _frobenius_with(g, w)
+    costs: dict[str, list[float | None]] = {m: [] for m in merged}
+    traces = []
+    for i, (gram, n) in enumerate(zip(grams, counts, strict=True)):
+        changes = {m: merged[m] - weights[m][i] for m in merged}
+        g = gram() if callable(gram) else gram
+        traces.append(float(np.trace(g)) / n)
+        for m, change in changes.items():
+            if not change.any():  # the layer as model i had it (a frozen layer): nothing paid
+                costs[m].append(0.0)
+                continue
+            den = _frobenius_with(g, weights[m][i])
             num = _frobenius_with(g, change)
-            cost.append(float(np.sqrt(max(num, 0.0) / den)) if den > 0 else None)
-        away = w - mean
-        spread = float(np.vdot(away, away))
-        # W_i the average up to rounding (one model, or all alike): nothing to pull toward
-        alike = spread <= (_ALIKE**2) * float(np.vdot(w, w))
-        pull.append(0.0 if alike else float(np.vdot(moved, away)) / spread)
+            costs[m].append(float(np.sqrt(max(num, 0.0) / den)) if den > 0 else None)
+        del g, changes
+    total = sum(traces)
     share = [t / total if total > 0 else 1.0 / k for t in traces]
-    return LayerCost(cost, pull, share)
+    out = {}
+    for m, w_merged in merged.items():
+        mean = np.zeros_like(w_merged)
+        for c, w in zip(coef, weights[m], strict=True):
+            mean += (c / coef.sum()) * w
+        moved = w_merged - mean
+        pull = []
+        for w in weights[m]:
+            away = w - mean
+            spread = float(np.vdot(away, away))
+            # W_i the average up to rounding (one model, or all alike): nothing to pull toward
+            alike = spread <= (_ALIKE**2) * float(np.vdot(w, w))
+            pull.append(0.0 if alike else float(np.vdot(moved, away)) / spread)
+        out[m] = LayerCost(costs[m], pull, list(share))
+    return out
 
 
 @dataclass
@@ -164,7 +188,6 @@ class CostMeter:
     layers: dict[str, LayerCost] = field(default_factory=dict)
     seconds: float = 0.0
     _weights: dict[str, tuple[str, str]] = field(default_factory=dict)
-    _grams: tuple[str, list[NDArray[np.float64]]] | None = None
 
     def __post_init__(self) -> None:
         self._weights = {
@@ -175,33 +198,29 @@ class CostMeter:
         """The weights the statistics cover."""
         return list(self._weights)
 
-    def _group_grams(self, module: str) -> list[NDArray[np.float64]]:
-        """The K full Grams of ``module``'s input group, kept while its members come."""
-        group = self.stats[0].group_of(module)
-        if self._grams is None or self._grams[0] != group:
-            self._grams = (group, [s.gram(module) for s in self.stats])
-        return self._grams[1]
-
     def observe(self, tensors: Mapping[str, Any]) -> None:
-        """The cost of every merged weight in ``tensors`` the statistics cover."""
+        """The cost of every merged weight in ``tensors`` the statistics cover (those of
+        one input group together: each model's Gram read once, one at a time)."""
         t0 = time.process_time()
-        for name, value in tensors.items():
+        groups: dict[str, list[tuple[str, str, str]]] = {}
+        for name in tensors:
             found = self._weights.get(name)
-            if found is None:
-                continue
-            module, layout = found
+            if found is not None:
+                groups.setdefault(self.stats[0].group_of(found[0]), []).append((name, *found))
+        for members in groups.values():
+            first = members[0][1]
 
-            def linear(x: Any, name: str = name, layout: str = layout) -> NDArray[np.float64]:
+            def linear(x: Any, name: str, layout: str) -> NDArray[np.float64]:
                 arr = as_float64(x, name)
                 return np.ascontiguousarray(arr.T) if layout == "conv1d" else arr
 
-            self.layers[module] = layer_cost(
-                linear(value),
-                [linear(s.read(name)) for s in self.sources],
-                self._group_grams(module),
-                [s.count(module) for s in self.stats],
-                self.coefficients,
-            )
+            merged = {m: linear(tensors[w], w, lay) for w, m, lay in members}
+            weights = {
+                m: [linear(s.read(w), w, lay) for s in self.sources] for w, m, lay in members
+            }
+            loaders = [functools.partial(s.gram, first) for s in self.stats]
+            counts = [s.count(first) for s in self.stats]
+            self.layers.update(group_cost(merged, weights, loaders, counts, self.coefficients))
         self.seconds += time.process_time() - t0
 
     def report(self) -> dict[str, Any]:
