@@ -25,7 +25,7 @@ from lmdx import MergeError, merge_models
 from lmdx.cli.main import main as cli_main
 from lmdx.merge import merge_cost, stream_merge
 from lmdx.merge.card import model_card
-from lmdx.merge.cost import layer_cost
+from lmdx.merge.cost import layer_cost, measure_cost
 from lmdx.stats import Statistics
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -223,6 +223,10 @@ def test_a_method_without_statistics_is_unchanged_by_the_cost(family):
     for name, t in plain.state_dict.items():
         assert np.array_equal(_np(t), _np(measured.state_dict[name])), name
     assert "cost" not in plain.report
+    # the same numbers for the merged state dict measured afterwards
+    after = measure_cost(plain.state_dict, f["paths"], f["stats"], labels=plain.report["models"])
+    assert after["layers"] == measured.report["cost"]["layers"]
+    assert after["tasks"] == measured.report["cost"]["tasks"]
     with pytest.raises(MergeError, match=r"^stats: method average takes no statistics"):
         merge_models(f["paths"], "average", stats=f["stats"], heads=heads, progress=False)
     with pytest.raises(MergeError, match=r"^cost: what each task pays needs Gram statistics"):

@@ -32,6 +32,7 @@ the float64 RegMean solve of the layer (its ``K − 1`` products and two solves,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -171,6 +172,13 @@ def group_cost(
     return out
 
 
+def _linear(x: Any, name: str, layout: str) -> NDArray[np.float64]:
+    """Weight ``name`` in float64, ``[out, in]`` (a ``Conv1D`` weight, ``[in, out]``,
+    transposed)."""
+    arr = as_float64(x, name)
+    return np.ascontiguousarray(arr.T) if layout == "conv1d" else arr
+
+
 @dataclass
 class CostMeter:
     """Computes :func:`layer_cost` for every merged linear weight with statistics, as the
@@ -209,14 +217,9 @@ class CostMeter:
                 groups.setdefault(self.stats[0].group_of(found[0]), []).append((name, *found))
         for members in groups.values():
             first = members[0][1]
-
-            def linear(x: Any, name: str, layout: str) -> NDArray[np.float64]:
-                arr = as_float64(x, name)
-                return np.ascontiguousarray(arr.T) if layout == "conv1d" else arr
-
-            merged = {m: linear(tensors[w], w, lay) for w, m, lay in members}
+            merged = {m: _linear(tensors[w], w, lay) for w, m, lay in members}
             weights = {
-                m: [linear(s.read(w), w, lay) for s in self.sources] for w, m, lay in members
+                m: [_linear(s.read(w), w, lay) for s in self.sources] for w, m, lay in members
             }
             loaders = [functools.partial(s.gram, first) for s in self.stats]
             counts = [s.count(first) for s in self.stats]
@@ -263,7 +266,7 @@ class CostMeter:
             "statistics": "given for the cost only" if self.only_for_cost else "the merge's",
             "tasks": tasks,
             "flagged": flagged,
-            "layers": {m: vars(v) | {} for m, v in self.layers.items()},
+            "layers": {m: dataclasses.asdict(v) for m, v in self.layers.items()},
             "cpu_seconds": self.seconds,
         }
 
