@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -252,7 +253,8 @@ class CostMeter:
                 why.append(f"median pull {pull:.2f} toward it")
             worst = sorted(costs, key=lambda mc: -mc[1])[:WORST_LAYERS]
             tasks[lab] = {
-                "mean": float(np.mean([c for _, c in costs])) if costs else None,
+                # exactly rounded: the same whatever order the layers came in
+                "mean": math.fsum(c for _, c in costs) / len(costs) if costs else None,
                 "max": worst[0][1] if worst else None,
                 "worst_layers": [[m, c] for m, c in worst],
                 "pull_median": pull,
