@@ -83,7 +83,9 @@ def bert_base_shapes(layers: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def models(layers: int, seed: int = 0) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+def models(
+    layers: int, seed: int = 0
+) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
     rng = np.random.default_rng(seed)
     base, tuned = {}, [{} for _ in range(K)]
     for name, shape in bert_base_shapes(layers).items():

@@ -494,6 +494,56 @@ def write_atomically(target: Path, fill: Callable[[Path], None]) -> None:
 # ----------------------------------------------------------------------------- main
 
 
+def spearman(a: Sequence[float], b: Sequence[float]) -> float:
+    """Spearman's rank correlation (ties get their mean rank)."""
+
+    def ranks(x: Sequence[float]) -> np.ndarray:
+        x = np.asarray(x, dtype=np.float64)
+        order = np.argsort(x, kind="stable")
+        r = np.empty(len(x))
+        r[order] = np.arange(len(x), dtype=np.float64)
+        for v in np.unique(x):
+            r[x == v] = r[x == v].mean()
+        return r
+
+    return float(np.corrcoef(ranks(a), ranks(b))[0, 1])
+
+
+def report_costs(
+    costs: dict[str, dict[str, Any]],
+    accs: dict[str, list[float]],
+    own: Sequence[float],
+    tasks: Sequence[Task],
+    labels: Sequence[str],
+) -> None:
+    """What each task paid per merge (mean over the statistics' layers of the relative
+    change of its layer outputs on its own statistics) next to its accuracy loss (its
+    fine-tuned model's accuracy minus the merge's, points), and Spearman's rank
+    correlation of the two over merges x tasks and per task."""
+    print("\nWhat each task pays (mean relative output change over its layers, x1000) and "
+          "its accuracy loss against its own fine-tuned model (points):")  # fmt: skip
+    print(f"{'model':<24}" + "".join(f"{t.short:>14}" for t in tasks))
+    pooled_c, pooled_l = [], []
+    for row, per in costs.items():
+        cells = ""
+        for j, lab in enumerate(labels):
+            c, loss = per[lab]["mean"], 100 * (own[j] - accs[row][j])
+            pooled_c.append(c)
+            pooled_l.append(loss)
+            cells += f"{1000 * c:>7.1f}{loss:>+7.1f}"
+        print(f"{row:<24}{cells}")
+    n = len(costs)
+    per_task = [spearman(pooled_c[j::len(labels)], pooled_l[j::len(labels)])
+                for j in range(len(labels))]  # fmt: skip
+    pairs = zip(tasks, per_task, strict=True)
+    print(f"Spearman(cost, accuracy loss) over {n} merges x {len(labels)} tasks: "
+          f"{spearman(pooled_c, pooled_l):+.2f}; per task over the {n} merges: "
+          + ", ".join(f"{t.short} {r:+.2f}" for t, r in pairs))  # fmt: skip
+    flagged = [f"{row}: {lab}" for row, per in costs.items() for lab in labels
+               if per[lab]["flagged"]]  # fmt: skip
+    print(f"flagged statistics: {', '.join(flagged) if flagged else 'none'}")
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma list of {list(TASKS)}")
@@ -551,6 +601,7 @@ def main() -> None:
         merge_models,
         text_batches,
     )
+    from lmdx.merge.cost import measure_cost
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -810,9 +861,13 @@ def main() -> None:
         )
     )
     seconds: dict[str, float] = {}
+    costs: dict[str, dict[str, Any]] = {}
     for row, method, kw in runs:
         t = time.perf_counter()
-        res = merge_models(experts, method, heads=HEADS, labels=labels, progress=False, **kw)
+        # the merge's time alone: what each task pays is measured below, for every merge
+        res = merge_models(
+            experts, method, heads=HEADS, labels=labels, progress=False, cost=False, **kw
+        )
         seconds[row] = time.perf_counter() - t
         solved = res.report["layers"]
         ridges = [m for m, v in solved.items() if v.get("ridge")]
@@ -838,6 +893,8 @@ def main() -> None:
             + f"; frozen tensors {'unchanged' if not moved else f'CHANGED: {len(moved)}'}"
         )
         merged[row] = res
+        if "float64" not in row:  # what each task pays, from the Gram statistics alone
+            costs[row] = measure_cost(res.state_dict, experts, grams, labels=labels)["tasks"]
 
     if args.out is not None:
         row = f"regmean α={alphas[0]:g}"
@@ -953,6 +1010,7 @@ def main() -> None:
         "α: RegMean's scaling of the Grams' off-diagonal entries (0.9 is the paper's value "
         "for transformers; 1.0 is plain RegMean)."
     )
+    report_costs(costs, dict(table), own, tasks, labels)
     print(
         "\ntime: "
         + ", ".join(f"{k} {v:.0f} s" for k, v in stage.items())

@@ -402,7 +402,8 @@ def test_one_line_errors(folders, tmp_path):
         ({"method": "regmean_plusplus", "data": batches[:2]}, "data: 2 entries for 3 models"),
         (
             {"method": "regmean_plusplus", "data": batches, "stats": ["a", "b", "c"]},
-            "^stats: method regmean_plusplus takes no statistics$",
+            "^stats: method regmean_plusplus takes no statistics \\(Gram statistics given with "
+            "cost only",
         ),
         (
             {"method": "regmean_plusplus", "data": [["a text"]] * 3},

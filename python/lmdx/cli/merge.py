@@ -90,7 +90,14 @@ def add_merge_parser(sub: Any) -> None:
         formatter_class=HelpFormatter,
     )
     p.add_argument("config", metavar="CONFIG", help="YAML or JSON merge configuration")
-    p.add_argument("--out", required=True, metavar="DIR", help="output folder (must not exist)")
+    p.add_argument("--out", metavar="DIR", help="output folder (must not exist; not with --cost)")
+    p.add_argument(
+        "--cost",
+        action="store_true",
+        help="what each task would pay for this merge (needs Gram statistics per model, "
+        "models[].stats, for any method): the merge is run, measured and dropped; nothing "
+        "written",
+    )
     p.add_argument(
         "--dry-run",
         action="store_true",
@@ -162,28 +169,22 @@ def run_merge_cli(args: argparse.Namespace) -> int:
 def _merge(args: argparse.Namespace, claimed: Claimed) -> int:
     from .._util import peak_rss_bytes
     from ..files.atomic import existing_parent
-    from ..merge.config import load_merge_config, plan_merge, run_merge
+    from ..merge.config import plan_merge, run_merge
     from ..merge.door import check_new_folder
     from ..merge.lora import lora_errors
-    from ..merge.options import OptionError
     from ..merge.registry import method_named
     from ..merge.sink import HEADS_DIR, MERGE_RECORD, TASKS_DIR
 
+    if args.cost:
+        return _cost(args)
+    if args.out is None:
+        raise CliError("--out: the output folder is required (or --cost: nothing written)")
     out = check_new_folder(args.out)
     if args.ray_workers and args.in_memory:
         raise CliError("--ray-workers: only for the streaming merge; drop --in-memory")
     if args.ray_workers < 0:
         raise CliError(f"--ray-workers: expected N >= 0, got {args.ray_workers}")
-    cfg = load_merge_config(args.config)
-    for flag, _, key, _ in _option_flags():  # a flag's value replaces the config's
-        value = getattr(args, key)
-        if value is not None:
-            try:
-                cfg = cfg.with_option(key, value)
-            except OptionError as exc:
-                raise CliError(f"{flag}: {exc.what}, got {value!r}") from None
-            except MergeError as exc:
-                raise CliError(f"{flag}: {exc}") from None
+    cfg = _config(args)
     if args.dry_run:
         if args.in_memory:
             raise CliError("--dry-run plans the streaming merge; drop --in-memory")
@@ -226,6 +227,7 @@ def _merge(args: argparse.Namespace, claimed: Claimed) -> int:
     _report_precision(report)
     _report_poorly_determined(out / MERGE_RECORD, report)
     _report_not_solved(out / MERGE_RECORD, report)
+    _report_cost(report)
     if record.get("lora"):
         print(
             f"lmdx merge: LoRA of the merged update in {out / record['lora']['folder']}, "
@@ -242,6 +244,62 @@ def _merge(args: argparse.Namespace, claimed: Claimed) -> int:
             f"order): lmdx.load_merged({str(out)!r}, task=i)"
         )
     return 0
+
+
+def _config(args: argparse.Namespace) -> Any:
+    """The merge configuration file, with the options the flags give replacing its own."""
+    from ..merge.config import load_merge_config
+    from ..merge.options import OptionError
+
+    cfg = load_merge_config(args.config, cost=args.cost)
+    for flag, _, key, _ in _option_flags():  # a flag's value replaces the config's
+        value = getattr(args, key)
+        if value is not None:
+            try:
+                cfg = cfg.with_option(key, value)
+            except OptionError as exc:
+                raise CliError(f"{flag}: {exc.what}, got {value!r}") from None
+            except MergeError as exc:
+                raise CliError(f"{flag}: {exc}") from None
+    return cfg
+
+
+def _cost(args: argparse.Namespace) -> int:
+    """``lmdx merge CONFIG --cost``: what each task would pay, printed; nothing written."""
+    from ..merge.config import cost_merge
+
+    for flag, given in (
+        ("--out", args.out is not None),
+        ("--dry-run", args.dry_run),
+        ("--in-memory", args.in_memory),
+        ("--ray-workers", bool(args.ray_workers)),
+    ):
+        if given:
+            raise CliError(f"{flag}: --cost writes nothing and runs in this process; drop {flag}")
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RegularizationWarning)
+        report = cost_merge(_config(args), progress=not args.no_progress)
+    print(
+        f"lmdx merge: {report['method']} of {len(report['models'])} models measured in "
+        f"{time.perf_counter() - t0:.1f} s (the cost itself {report['cost']['cpu_seconds']:.1f} "
+        "CPU s); nothing written"
+    )
+    _report_cost(report)
+    return 0
+
+
+def _report_cost(report: dict[str, Any]) -> None:
+    """What each task pays (:func:`lmdx.merge.cost.cost_lines`), from the merge's
+    ``report``; a flag on standard error too."""
+    from ..merge.cost import cost_lines
+
+    if not report.get("cost"):
+        return
+    for line in cost_lines(report["cost"]):
+        print(f"lmdx merge: {line}")
+        if line.startswith("warning"):
+            print(f"lmdx merge: {line}", file=sys.stderr)
 
 
 def _report_precision(report: dict[str, Any]) -> None:

@@ -10,8 +10,9 @@ tensors come from), :mod:`~lmdx.merge.lora` (the LoRA of the merged update);
 :mod:`~lmdx.merge.inputs` (the inputs opened and checked); the mechanisms RegMean++ runs
 its blocks with (:mod:`~lmdx.merge.regmean_plusplus`, :mod:`~lmdx.merge.skeleton`,
 :mod:`~lmdx.merge.block_call`, :mod:`~lmdx.merge.block_data`);
-:mod:`~lmdx.merge.engine` (runs the steps), :mod:`~lmdx.merge.ray` (steps on Ray
-workers), :mod:`~lmdx.merge.door` (the setup both front doors share),
+:mod:`~lmdx.merge.engine` (runs the steps), :mod:`~lmdx.merge.cost` (what each
+task pays), :mod:`~lmdx.merge.ray` (steps on Ray workers), :mod:`~lmdx.merge.door`
+(the setup both front doors share),
 :mod:`~lmdx.merge.sink` (where tensors go), :mod:`~lmdx.merge.card` (the model card);
 :mod:`~lmdx.merge.builtin` (the built-in methods, one file each);
 :mod:`~lmdx.merge.registry` (the methods by name, installed ones included);
@@ -24,7 +25,7 @@ workers), :mod:`~lmdx.merge.door` (the setup both front doors share),
 
 from __future__ import annotations
 
-from .api import merge_models, stream_merge
+from .api import merge_cost, merge_models, stream_merge
 from .config import MergeConfig, load_merge_config, plan_merge, run_merge
 from .load import load_merged
 from .method import MergeMethod, NoOptions
@@ -54,6 +55,7 @@ __all__ = [
     "StreamMergeResult",
     "load_merge_config",
     "load_merged",
+    "merge_cost",
     "merge_models",
     "merge_state_dicts",
     "method_names",

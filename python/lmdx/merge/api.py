@@ -39,12 +39,13 @@ from .ray import RayGroupSolver
 from .registry import merge_options, method_named, methods
 from .result import MergeResult, StreamMergeResult
 from .save import check_task_folders, save_merged
-from .sink import FolderSink, MemorySink, merge_record, output_config
+from .sink import FolderSink, MemorySink, NullSink, merge_record, output_config
 from .source import AdapterSource, StateDictSource, TensorSource, model_source
 
 __all__ = [
     "MergeResult",
     "StreamMergeResult",
+    "merge_cost",
     "merge_in_memory",
     "merge_models",
     "save_merged",
@@ -64,6 +65,7 @@ def merge_models(
     progress: bool = True,
     data: Sequence[Any] | None = None,
     tokenizer: Any = None,
+    cost: bool | None = None,
     **options: Any,
 ) -> MergeResult:
     """Merge K models fine-tuned from one checkpoint, in memory.
@@ -102,6 +104,10 @@ def merge_models(
     tokenizer
         For texts: one tokenizer for every model or a list with one per model (default:
         each model folder's own).
+    cost
+        What each task pays (:mod:`lmdx.merge.cost`, ``report["cost"]``): None (default)
+        when the method's statistics are Grams, True (Gram ``stats`` needed; a method
+        that takes no statistics accepts them for this report alone), False: not.
     options
         The merge's options, each checked by the one model that defines it:
 
@@ -157,8 +163,9 @@ def merge_models(
         open_model=lambda m, lab: model_source(m, lab, progress=progress),
         data=data,
         tokenizer=tokenizer,
+        cost=bool(cost),
     )
-    prepared = prepare_merge(opened, folder=False)
+    prepared = prepare_merge(opened, folder=False, stats=stats, cost=cost)
     inputs, plan = prepared.inputs, prepared.plan
     report = prepared.report(streaming=False)
     sink = MemorySink(plan)
@@ -207,6 +214,7 @@ def stream_merge(
     ray_address: str | None = None,
     data: Sequence[Any] | None = None,
     tokenizer: Any = None,
+    cost: bool | None = None,
     **options: Any,
 ) -> StreamMergeResult:
     """Merge K checkpoints out of core into a ``save_pretrained`` folder.
@@ -247,6 +255,7 @@ def stream_merge(
     are finished (the output tensors are ordered block by block). ``data`` and the
     arguments after it are those of :func:`merge_models`, and the output is
     bit-identical to :func:`merge_models` followed by :func:`save_merged`.
+    ``cost`` is :func:`merge_models`'s (what each task pays, in ``lmdx_merge.json``).
     """
     t0 = time.perf_counter()
     models = list(models)
@@ -280,8 +289,9 @@ def stream_merge(
         data=data,
         tokenizer=tokenizer,
         running=not dry_run,
+        cost=bool(cost),
     )
-    prepared = prepare_merge(opened, folder=True, before_plan=door_checks)
+    prepared = prepare_merge(opened, folder=True, before_plan=door_checks, stats=stats, cost=cost)
     inputs, plan = prepared.inputs, prepared.plan
     if task_folders:
         check_task_folders(plan, head_policy, [src.config for src in inputs.sources])
@@ -329,6 +339,7 @@ def merge_in_memory(
     progress: bool = True,
     data: Sequence[Any] | None = None,
     tokenizer: Any = None,
+    cost: bool | None = None,
     **options: Any,
 ) -> Path:
     """Merge K model folders in memory and write the result as :func:`stream_merge` does
@@ -356,6 +367,7 @@ def merge_in_memory(
         progress=progress,
         data=data,
         tokenizer=tokenizer,
+        cost=cost,
         **merging,
     )
     first = models[0]
@@ -371,3 +383,53 @@ def merge_in_memory(
         progress=progress,
         **writing,
     )
+
+
+def merge_cost(
+    models: Sequence[Any],
+    method: str = DEFAULT_METHOD,
+    *,
+    stats: StatsArg = None,
+    base: Any = None,
+    labels: Sequence[str] | None = None,
+    progress: bool = True,
+    data: Sequence[Any] | None = None,
+    tokenizer: Any = None,
+    **options: Any,
+) -> dict[str, Any]:
+    """What each task would pay for a candidate merge (``lmdx merge --cost``): the merge
+    run as :func:`stream_merge` runs it (model folders read tensor by tensor; models in
+    memory as :func:`merge_models` takes them), every merged tensor measured and dropped,
+    nothing written. Returns the merge's report, with ``cost``
+    (:mod:`lmdx.merge.cost`); ``stats`` are Gram statistics, one per model (a method that
+    takes none uses them for this report alone). Parameters are :func:`merge_models`'s;
+    the options of writing a folder are accepted and have no effect (the merged tensors
+    are measured in the models' dtype)."""
+    t0 = time.perf_counter()
+    models = list(models)
+    checked = merge_options(len(models), method, options, writes=True)
+    names = model_labels(models, labels)
+
+    def open_model(m: Any, label: str) -> TensorSource:
+        if isinstance(m, (str, os.PathLike)) and not is_adapter_folder(m):
+            return Checkpoint(model_folder(m), label)
+        return model_source(m, label, progress=progress)
+
+    opened = open_inputs(
+        models,
+        method_named(method),
+        checked,
+        registered=methods(),
+        labels=names,
+        stats=stats,
+        base=base,
+        open_model=open_model,
+        data=data,
+        tokenizer=tokenizer,
+        cost=True,
+    )
+    prepared = prepare_merge(opened, folder=False, stats=stats, cost=True)
+    report = prepared.report(streaming=True)
+    prepared.run(report, NullSink(), progress, streaming=True)
+    report["seconds"] = time.perf_counter() - t0
+    return report

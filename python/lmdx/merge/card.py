@@ -97,6 +97,7 @@ def model_card(record: Mapping[str, Any], config: Mapping[str, Any] | None = Non
             f"{_short(entry.get('weights_sha256'))} | {_cell(entry.get('stats'))} | "
             f"{_short(entry.get('stats_sha256'))} |"
         )
+    lines += _cost_section(report.get("cost"))
     lines += ["", "## How it was made", ""]
     if record.get("command"):
         lines += ["```bash", str(record["command"]), "```", ""]
@@ -114,6 +115,35 @@ def model_card(record: Mapping[str, Any], config: Mapping[str, Any] | None = Non
         lines += [f"From Python ({front} with the options above).", ""]
     lines += _usage(record, _class_name(config or {}), len(inputs))
     return "\n".join(lines) + "\n"
+
+
+def _cost_section(cost: Mapping[str, Any] | None) -> list[str]:
+    """What each task pays (:mod:`lmdx.merge.cost`): per task its mean and worst layers,
+    median pull and share, and the flags."""
+    if not cost:
+        return []
+    lines = [
+        "",
+        "## What each task pays",
+        "",
+        "Per layer, the relative change of each model's layer outputs on its own statistics, "
+        "‖W − W_i‖_Ĝi / ‖W_i‖_Ĝi (per layer in `lmdx_merge.json`, `cost`); pull: how far the "
+        "merge moved from the average toward the model; share: its share of the statistics' "
+        "scale (medians over layers).",
+        "",
+        "| model | mean | worst layers | pull | share | flagged |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, t in cost.get("tasks", {}).items():
+        mean = "—" if t.get("mean") is None else f"{t['mean']:.4f}"
+        worst = ", ".join(f"{m} {c:.4f}" for m, c in t.get("worst_layers", []))
+        lines.append(
+            f"| {_cell(label)} | {mean} | {_cell(worst)} | {t['pull_median']:.2f} | "
+            f"{t['share_median']:.2f} | {'**yes**' if t.get('flagged') else 'no'} |"
+        )
+    for f in cost.get("flagged", []):
+        lines += ["", f"**Flagged:** the statistics of {_cell(f['model'])}: {_cell(f['why'])}."]
+    return lines
 
 
 def _usage(record: Mapping[str, Any], cls: str, k: int) -> list[str]:

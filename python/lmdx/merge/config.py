@@ -81,7 +81,7 @@ from ..data import corpora
 from ..data.files import read_data
 from ..files.parse import STRICT, parse_json, read_text, read_yaml, schema_message
 from ..files.peft import is_adapter_folder
-from .api import merge_in_memory, stream_merge
+from .api import merge_cost, merge_in_memory, stream_merge
 from .block_data import MODEL_DATA_OPTIONS
 from .inputs import check_needs
 from .options import (
@@ -103,7 +103,14 @@ from .registry import (
     unloaded_methods,
 )
 
-__all__ = ["MergeConfig", "ModelEntry", "load_merge_config", "plan_merge", "run_merge"]
+__all__ = [
+    "MergeConfig",
+    "ModelEntry",
+    "cost_merge",
+    "load_merge_config",
+    "plan_merge",
+    "run_merge",
+]
 
 
 @dataclass
@@ -168,7 +175,11 @@ class MergeConfig:
         return {
             "models": [m.path for m in self.models],
             "method": self.method,
-            "stats": [m.stats for m in self.models] if method.stats else None,
+            "stats": (
+                [m.stats for m in self.models]
+                if any(m.stats is not None for m in self.models)
+                else None
+            ),
             "base": self.base,
             "labels": [m.name or m.path for m in self.models],
             "data": _texts(self) if data and method.takes_data else None,
@@ -255,9 +266,10 @@ def _schema_error(exc: ValidationError, where: str) -> MergeError:
     return MergeError(f"{where}: {schema_message(exc, _labels())}")
 
 
-def load_merge_config(path: str | os.PathLike[str]) -> MergeConfig:
+def load_merge_config(path: str | os.PathLike[str], *, cost: bool = False) -> MergeConfig:
     """Read and validate a merge configuration (YAML or JSON); relative paths are taken
-    relative to the file's folder. Errors name the key and say what is expected.
+    relative to the file's folder. Errors name the key and say what is expected. With
+    ``cost`` (for :func:`merge_cost`), ``models[].stats`` are accepted whatever the method.
 
     The file is checked by a typed schema: numbers must be numbers of the right kind and
     range (no ``true`` for 1, no ``1.5`` threads, nothing infinite), keys must be known;
@@ -287,7 +299,7 @@ def load_merge_config(path: str | os.PathLike[str]) -> MergeConfig:
         checked = _config_schema().model_validate(raw)
     except ValidationError as exc:
         raise _schema_error(exc, where) from None
-    return _resolved(checked, path.parent, where)
+    return _resolved(checked, path.parent, where, cost)
 
 
 def _known(method: Any) -> bool:
@@ -301,7 +313,7 @@ def _known(method: Any) -> bool:
     return True
 
 
-def _resolved(checked: Any, root: Path, where: str) -> MergeConfig:
+def _resolved(checked: Any, root: Path, where: str, cost: bool) -> MergeConfig:
     """The configuration with paths resolved and checked, and the rules across keys."""
 
     def resolve(p: str) -> str:
@@ -363,7 +375,7 @@ def _resolved(checked: Any, root: Path, where: str) -> MergeConfig:
             entry.text_field = e.text_field
         entry.max_texts, entry.max_length = e.max_texts, e.max_length
         models.append(entry)
-    _check_needs(method, models, checked, where)
+    _check_needs(method, models, checked, where, cost)
     values = {k: getattr(checked, k) for k in all_options()}
     try:
         own = method_options(method, values)
@@ -386,7 +398,9 @@ def _resolved(checked: Any, root: Path, where: str) -> MergeConfig:
     return MergeConfig(models=models, options=options, base=base)
 
 
-def _check_needs(method: str, models: list[ModelEntry], checked: Any, where: str) -> None:
+def _check_needs(
+    method: str, models: list[ModelEntry], checked: Any, where: str, cost: bool
+) -> None:
     """What the method needs, checked as the front doors check it
     (:func:`lmdx.merge.inputs.check_needs`) with the keys named as in the file; a model's
     own data options (``text_field``, ``max_texts``, ``max_length``) count as data given."""
@@ -416,6 +430,7 @@ def _check_needs(method: str, models: list[ModelEntry], checked: Any, where: str
                 for i, m in enumerate(models)
             ],
             key=key,
+            cost=cost,
         )
     except MergeError as exc:
         raise MergeError(f"{where}: {exc}") from None
@@ -526,3 +541,13 @@ def run_merge(
     )
     assert result.out_dir is not None
     return result.out_dir
+
+
+@_file_door
+def cost_merge(cfg: MergeConfig, *, progress: bool = True) -> dict[str, Any]:
+    """What each task would pay for the merge ``cfg`` describes (``lmdx merge --cost``,
+    :func:`lmdx.merge.api.merge_cost`): the merge's report with ``cost``; nothing
+    written. Load ``cfg`` with ``cost=True`` to give statistics to a method that takes
+    none."""
+    args = cfg.arguments(data=True)
+    return merge_cost(args.pop("models"), progress=progress, **args)

@@ -6,12 +6,13 @@ and go to."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .._errors import MergeError
+from .cost import CostMeter, open_cost
 from .engine import Executor, RemoteSolver, Sink, run
 from .method import MergeInputs
 from .plan import MergePlan, make_plan
@@ -34,6 +35,7 @@ class PreparedMerge:
 
     inputs: MergeInputs
     plan: MergePlan
+    cost: CostMeter | None = None
 
     def report(self, streaming: bool) -> dict[str, Any]:
         """The merge report as it starts: method, models, the shared options, the method's
@@ -67,13 +69,17 @@ class PreparedMerge:
         streaming: bool = False,
     ) -> None:
         """Every output of the plan into ``sink``; ``report`` gets the steps' entries and
-        the method's last ones (:meth:`~lmdx.merge.method.MergeMethod.finish`)."""
+        the method's last ones (:meth:`~lmdx.merge.method.MergeMethod.finish`) and, with a
+        cost meter, ``cost`` (:mod:`lmdx.merge.cost`)."""
         method = self.inputs.method
         method.start(self.inputs, progress)
-        executor = Executor(self.inputs, self.plan, report, remote)
+        observe = None if self.cost is None else self.cost.observe
+        executor = Executor(self.inputs, self.plan, report, remote, observe)
         desc = f"merge ({method.name}{', streaming' if streaming else ''})"
         run(self.plan, executor.result, sink, desc, progress and not method.shows_progress)
         executor.record(method.finish(self.inputs))
+        if self.cost is not None:
+            report["cost"] = self.cost.report()
 
 
 def prepare_merge(
@@ -81,9 +87,15 @@ def prepare_merge(
     *,
     folder: bool,
     before_plan: Callable[[MergeInputs], None] | None = None,
+    stats: Sequence[Any] | None = None,
+    cost: bool | None = None,
 ) -> PreparedMerge:
     """The plan of the opened ``inputs`` (:func:`lmdx.merge.inputs.open_inputs`, the input
-    step both doors share), after ``before_plan``: the door's own checks on them."""
+    step both doors share), after ``before_plan``: the door's own checks on them; with
+    the meter of what each task pays (:func:`lmdx.merge.cost.open_cost`: ``stats`` the
+    door's argument, ``cost`` True, False or None: when the method's statistics are
+    Grams)."""
     if before_plan is not None:
         before_plan(inputs)
-    return PreparedMerge(inputs, make_plan(inputs, folder=folder))
+    plan = make_plan(inputs, folder=folder)
+    return PreparedMerge(inputs, plan, open_cost(inputs, stats, cost))

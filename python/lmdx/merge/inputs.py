@@ -48,6 +48,7 @@ def check_needs(
     data: Sequence[bool] | None,
     key: Callable[[str, int | None], str] = _door_key,
     running: bool = True,
+    cost: bool = False,
 ) -> None:
     """That ``method`` gets the statistics, base and data it takes, and nothing else: the
     one check of what a method needs, for the front doors and the configuration files.
@@ -56,7 +57,9 @@ def check_needs(
     the base); ``key(what, i)`` names argument ``what`` (``"stats"``, ``"data"``,
     ``"base"``, ``"models"``) of model ``i`` in the messages (registered: every method, for
     naming the ones that take what was given). Data is needed only to run the merge, not
-    to plan it (``running``)."""
+    to plan it (``running``). With ``cost``, a method that takes no statistics accepts
+    them: they are used for what each task pays (:mod:`lmdx.merge.cost`), never by the
+    method."""
     name = method.name
     given = list(stats) if stats is not None else [False] * k
     for i, has in enumerate(given):
@@ -64,8 +67,11 @@ def check_needs(
             raise MergeError(
                 f"{key('stats', i)}: method {name} needs {method.stats} statistics, one per model"
             )
-        if method.stats is None and has:
-            raise MergeError(f"{key('stats', i)}: method {name} takes no statistics")
+        if method.stats is None and has and not cost:
+            raise MergeError(
+                f"{key('stats', i)}: method {name} takes no statistics (Gram statistics "
+                "given with cost only report what each task pays)"
+            )
     if adapters and not base:
         raise MergeError(
             f"{key('models', adapters[0])}: a LoRA adapter folder needs base (the model "
@@ -142,11 +148,13 @@ def open_inputs(
     data: Sequence[Any] | None = None,
     tokenizer: Any = None,
     running: bool = True,
+    cost: bool = False,
 ) -> MergeInputs:
     """The input step: check that ``method`` gets the statistics, base and data it takes,
     and nothing else (:func:`check_needs`; ``registered``: every registered method), then
     open ``models`` (and ``base``) with ``open_model`` and the statistics (``running``:
-    the merge will run, not only be planned)."""
+    the merge will run, not only be planned; ``cost``: statistics a method does not take
+    are accepted for :mod:`lmdx.merge.cost`, which opens them)."""
     k = len(models)
     if stats is not None and len(stats) != k:
         raise MergeError(f"stats: {len(stats)} statistics for {k} models")
@@ -161,6 +169,7 @@ def open_inputs(
         adapters=[i for i, m in enumerate(models) if _is_adapter(m)],
         data=None if data is None else [d is not None for d in data],
         running=running,
+        cost=cost,
     )
     base_source = None if base is None else open_model(base, "base")
     sources = _open_models(models, labels, base_source, open_model)

@@ -41,6 +41,7 @@ __all__ = [
     "TASKS_DIR",
     "FolderSink",
     "MemorySink",
+    "NullSink",
     "head_files",
     "head_record",
     "merge_record",
@@ -102,6 +103,14 @@ def task_config(config: Mapping[str, Any], labels: Mapping[str, Any]) -> dict[st
         else:
             out[key] = value
     return out
+
+
+class NullSink:
+    """Drops every merged tensor (a merge run for its report alone: ``lmdx merge
+    --cost``)."""
+
+    def write(self, index: int, tensor: Any) -> None:
+        del index, tensor
 
 
 class MemorySink:

@@ -1,0 +1,350 @@
+"""What each task pays for a merge, from the statistics alone, for any method's merged
+weights.
+
+For model i and a linear layer with Gram statistics ``G_i`` over ``n_i`` rows, with
+``Ĝ_i = G_i / n_i`` (the mean Gram: model i's own inputs, not reduced by α, so that every
+method and every α is measured on one yardstick) and the merged weight ``W`` (``[out,
+in]``)::
+
+    cost_i  = ‖W − W_i‖_{Ĝ_i} / ‖W_i‖_{Ĝ_i},      ‖A‖²_Ĝ = tr(A Ĝ Aᵀ)
+
+the relative RMS change of model i's layer outputs on its own statistics' rows (0: the
+layer answers task i exactly as model i did). Two numbers say how hard each model pulls:
+
+* ``pull_i = ⟨W − W̄, W_i − W̄⟩_F / ‖W_i − W̄‖²_F`` (``W̄`` the coefficient-weighted
+  average): how far the merge moved from the average toward ``W_i`` (0: not at all, 1: all
+  the way; 0 where ``W_i`` is the average to within 1e-12 relative);
+* ``share_i = tr(Ĝ_i) / Σ_j tr(Ĝ_j)``: model i's share of the statistics' scale, the
+  weight its Gram gets in a RegMean system.
+
+A contributor whose statistics pull far harder than the others' is **flagged**: its
+median share over layers at least :data:`SHARE_RATIO_LIMIT` times the median of the
+others' medians (scaled or forged Grams: an honest ``Ĝ_i`` is a mean over rows and has
+the activations' scale, whatever the number of rows), or, for a method whose merge the
+statistics steer, its median pull at least :data:`PULL_LIMIT`.
+
+**What it costs.** ``‖E‖²_Ĝ = ⟨Ĝ, EᵀE⟩_F``: one symmetric rank-k product ``EᵀE``
+(``out·in²`` flops, half a general product) per model for the cost's numerator and one
+``W_iᵀW_i`` for its denominator, in float64, then ``in²`` per model; about as much as
+the float64 RegMean solve of the layer (its ``K − 1`` products and two solves, ``2(K +
+1)·out·in²`` flops). Measured in docs/guide/merging.md ("What each task pays").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from .._errors import MergeError
+from .._tensors import as_float64
+from ..stats.file import Statistics
+from .inputs import open_stats
+from .method import MergeInputs
+from .plan import check_same_entries, check_stats_model
+from .source import TensorSource, model_source
+
+__all__ = [
+    "PULL_LIMIT",
+    "SHARE_RATIO_LIMIT",
+    "WORST_LAYERS",
+    "CostMeter",
+    "LayerCost",
+    "cost_lines",
+    "group_cost",
+    "layer_cost",
+    "measure_cost",
+    "open_cost",
+]
+
+#: A model is flagged when its median share of the statistics' scale is this many times
+#: the median of the other models' medians.
+SHARE_RATIO_LIMIT = 4.0
+#: ... or, for a method that uses the statistics, when its median pull reaches this.
+PULL_LIMIT = 0.5
+#: How many of a task's most costly layers the report names.
+WORST_LAYERS = 3
+#: ``W_i`` within this relative distance of the average counts as the average (pull 0).
+_ALIKE = 1e-12
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer's numbers, one entry per model: ``cost`` (None where model i's outputs
+    on its statistics are all zero, ``‖W_i‖_Ĝ = 0``), ``pull`` and ``share``."""
+
+    cost: list[float | None]
+    pull: list[float]
+    share: list[float]
+
+
+def _opened_gram_stats(
+    stats: Sequence[Any], sources: Sequence[TensorSource], labels: Sequence[str]
+) -> list[Statistics]:
+    """Gram statistics given for the cost alone, opened and checked against the models."""
+    objs = open_stats(stats, "regmean-gram", labels)
+    assert objs is not None
+    for source, s in zip(sources, objs, strict=True):
+        check_stats_model(source, s)
+    check_same_entries(objs, labels)
+    return objs
+
+
+def _frobenius_with(gram: NDArray[np.float64], a: NDArray[np.float64]) -> float:
+    """``‖a‖²_G = ⟨G, aᵀa⟩_F`` (``aᵀa`` by a symmetric rank-k product)."""
+    return float(np.vdot(gram, a.T @ a))
+
+
+def layer_cost(
+    merged: NDArray[np.float64],
+    weights: Sequence[NDArray[np.float64]],
+    grams: Sequence[NDArray[np.float64] | Callable[[], NDArray[np.float64]]],
+    counts: Sequence[float],
+    coefficients: Sequence[float] | None = None,
+) -> LayerCost:
+    """What each of K models pays in one linear layer (see the module's description).
+
+    Parameters
+    ----------
+    merged
+        The merged weight ``W``, ``[out, in]``, float64.
+    weights
+        The K models' weights ``W_i``, ``[out, in]``, float64.
+    grams
+        The K full input Grams ``G_i`` (``in × in``, float64), or callables that read
+        them (then one is held at a time).
+    counts
+        The K row counts ``n_i`` (> 0).
+    coefficients
+        The merge's per-model coefficients (the average ``W̄`` of ``pull``); default 1.
+    """
+    return group_cost({"": merged}, {"": weights}, grams, counts, coefficients)[""]
+
+
+def group_cost(
+    merged: Mapping[str, NDArray[np.float64]],
+    weights: Mapping[str, Sequence[NDArray[np.float64]]],
+    grams: Sequence[NDArray[np.float64] | Callable[[], NDArray[np.float64]]],
+    counts: Sequence[float],
+    coefficients: Sequence[float] | None = None,
+) -> dict[str, LayerCost]:
+    """:func:`layer_cost` of the layers of one input group (modules that share an input
+    and so a Gram: q/k/v), by name: ``merged[name]``, ``weights[name]`` (K); each Gram is
+    read (if a callable) once and dropped before the next."""
+    k = len(grams)
+    coef = np.ones(k) if coefficients is None else np.asarray(coefficients, dtype=np.float64)
+    costs: dict[str, list[float | None]] = {m: [] for m in merged}
+    traces = []
+    for i, (gram, n) in enumerate(zip(grams, counts, strict=True)):
+        changes = {m: merged[m] - weights[m][i] for m in merged}
+        g = gram() if callable(gram) else gram
+        traces.append(float(np.trace(g)) / n)
+        for m, change in changes.items():
+            if not change.any():  # the layer as model i had it (a frozen layer): nothing paid
+                costs[m].append(0.0)
+                continue
+            den = _frobenius_with(g, weights[m][i])
+            num = _frobenius_with(g, change)
+            costs[m].append(float(np.sqrt(max(num, 0.0) / den)) if den > 0 else None)
+        del g, changes
+    total = sum(traces)
+    share = [t / total if total > 0 else 1.0 / k for t in traces]
+    out = {}
+    for m, w_merged in merged.items():
+        mean = np.zeros_like(w_merged)
+        for c, w in zip(coef, weights[m], strict=True):
+            mean += (c / coef.sum()) * w
+        moved = w_merged - mean
+        pull = []
+        for w in weights[m]:
+            away = w - mean
+            spread = float(np.vdot(away, away))
+            # W_i the average up to rounding (one model, or all alike): nothing to pull toward
+            alike = spread <= (_ALIKE**2) * float(np.vdot(w, w))
+            pull.append(0.0 if alike else float(np.vdot(moved, away)) / spread)
+        out[m] = LayerCost(costs[m], pull, list(share))
+    return out
+
+
+def _linear(x: Any, name: str, layout: str) -> NDArray[np.float64]:
+    """Weight ``name`` in float64, ``[out, in]`` (a ``Conv1D`` weight, ``[in, out]``,
+    transposed)."""
+    arr = as_float64(x, name)
+    return np.ascontiguousarray(arr.T) if layout == "conv1d" else arr
+
+
+@dataclass
+class CostMeter:
+    """Computes :func:`layer_cost` for every merged linear weight with statistics, as the
+    merge produces it (:meth:`observe`, called by the engine with each step's tensors),
+    and the report (:meth:`report`). ``stats``: one Gram statistics per model;
+    ``steered``: whether the method's merge uses these statistics (then a pull is
+    flagged too); ``only_for_cost``: they were given for this report alone."""
+
+    stats: Sequence[Statistics]
+    sources: Sequence[TensorSource]
+    labels: Sequence[str]
+    coefficients: Sequence[float] | None
+    steered: bool
+    only_for_cost: bool = False
+    layers: dict[str, LayerCost] = field(default_factory=dict)
+    seconds: float = 0.0
+    _weights: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._weights = {
+            info["weight"]: (m, str(info["layout"])) for m, info in self.stats[0].modules.items()
+        }
+
+    def weights(self) -> list[str]:
+        """The weights the statistics cover."""
+        return list(self._weights)
+
+    def observe(self, tensors: Mapping[str, Any]) -> None:
+        """The cost of every merged weight in ``tensors`` the statistics cover (those of
+        one input group together: each model's Gram read once, one at a time)."""
+        t0 = time.process_time()
+        groups: dict[str, list[tuple[str, str, str]]] = {}
+        for name in tensors:
+            found = self._weights.get(name)
+            if found is not None:
+                groups.setdefault(self.stats[0].group_of(found[0]), []).append((name, *found))
+        for members in groups.values():
+            first = members[0][1]
+            merged = {m: _linear(tensors[w], w, lay) for w, m, lay in members}
+            weights = {
+                m: [_linear(s.read(w), w, lay) for s in self.sources] for w, m, lay in members
+            }
+            loaders = [functools.partial(s.gram, first) for s in self.stats]
+            counts = [s.count(first) for s in self.stats]
+            self.layers.update(group_cost(merged, weights, loaders, counts, self.coefficients))
+        self.seconds += time.process_time() - t0
+
+    def report(self) -> dict[str, Any]:
+        """``report["cost"]``: per task its mean and largest cost over layers, its worst
+        layers, median pull and share, the share's ratio to the others' and whether it is
+        flagged (with why); per layer every model's numbers; the CPU seconds spent."""
+        labels = list(self.labels)
+        k = len(labels)
+        mods = list(self.layers)
+        shares = np.array([self.layers[m].share for m in mods]).reshape(len(mods), k)
+        pulls = np.array([self.layers[m].pull for m in mods]).reshape(len(mods), k)
+        medians = np.median(shares, axis=0) if mods else np.zeros(k)
+        tasks: dict[str, Any] = {}
+        flagged = []
+        for i, lab in enumerate(labels):
+            costs = [(m, c) for m in mods if (c := self.layers[m].cost[i]) is not None]
+            others = np.delete(medians, i)
+            ratio = (
+                float(medians[i] / np.median(others)) if k > 1 and np.median(others) > 0 else 1.0
+            )
+            pull = float(np.median(pulls[:, i])) if mods else 0.0
+            why = []
+            if k > 1 and ratio >= SHARE_RATIO_LIMIT:
+                why.append(f"median share of the statistics' scale {ratio:.1f}x the others'")
+            if k > 1 and self.steered and pull >= PULL_LIMIT:
+                why.append(f"median pull {pull:.2f} toward it")
+            worst = sorted(costs, key=lambda mc: -mc[1])[:WORST_LAYERS]
+            tasks[lab] = {
+                # exactly rounded: the same whatever order the layers came in
+                "mean": math.fsum(c for _, c in costs) / len(costs) if costs else None,
+                "max": worst[0][1] if worst else None,
+                "worst_layers": [[m, c] for m, c in worst],
+                "pull_median": pull,
+                "share_median": float(medians[i]),
+                "share_ratio": ratio,
+                "flagged": bool(why),
+            }
+            if why:
+                flagged.append({"model": lab, "why": "; ".join(why)})
+        return {
+            "statistics": "given for the cost only" if self.only_for_cost else "the merge's",
+            "tasks": tasks,
+            "flagged": flagged,
+            "layers": {m: dataclasses.asdict(v) for m, v in self.layers.items()},
+            "cpu_seconds": self.seconds,
+        }
+
+
+def cost_lines(cost: Mapping[str, Any]) -> list[str]:
+    """What a report's ``cost`` entry says, one line per task and one per flag (the merge
+    summary of ``lmdx merge``)."""
+    lines = [
+        f"what each task pays ({len(cost['layers'])} layers; relative change of its layer "
+        "outputs on its own statistics): mean, worst layer"
+    ]
+    for lab, t in cost["tasks"].items():
+        if t["mean"] is None:
+            lines.append(f"  {lab}: no layer with nonzero outputs on its statistics")
+            continue
+        worst = t["worst_layers"][0]
+        lines.append(
+            f"  {lab}: {t['mean']:.4f}, {worst[1]:.4f} ({worst[0]}); pull {t['pull_median']:.2f}, "
+            f"share {t['share_median']:.2f}"
+        )
+    for f in cost["flagged"]:
+        lines.append(
+            f"warning: the statistics of {f['model']} pull far harder than the others' "
+            f"({f['why']}): scaled or forged Grams? check where they came from"
+        )
+    return lines
+
+
+def open_cost(
+    inputs: MergeInputs, stats: Sequence[Any] | None, cost: bool | None
+) -> CostMeter | None:
+    """The meter of what each task pays for the merge of ``inputs`` (None: not measured).
+    ``cost``: True (measured; Gram statistics needed), False (not), None (measured when
+    the method's statistics are Grams). ``stats``: the front door's statistics argument;
+    those of a method that takes none (accepted with ``cost``) are opened and checked
+    against the models here."""
+    if cost is False:
+        return None
+    method = inputs.method
+    if method.stats == "regmean-gram" and inputs.stats is not None:
+        return CostMeter(
+            inputs.stats, inputs.sources, inputs.labels, inputs.options.coefficients, True
+        )
+    if cost and method.stats is None and stats is not None:
+        objs = _opened_gram_stats(stats, inputs.sources, inputs.labels)
+        return CostMeter(
+            objs, inputs.sources, inputs.labels, inputs.options.coefficients, False, True
+        )
+    if cost:
+        kind = f"its {method.stats} statistics" if method.stats else "no statistics"
+        raise MergeError(
+            f"cost: what each task pays needs Gram statistics (regmean-gram, lmdx stats) "
+            f"for every model; method {method.name} was given {kind}"
+        )
+    return None
+
+
+def measure_cost(
+    merged: Mapping[str, Any],
+    models: Sequence[Any],
+    stats: Sequence[Any],
+    *,
+    labels: Sequence[str] | None = None,
+    coefficients: Sequence[float] | None = None,
+) -> dict[str, Any]:
+    """What each task pays for a merged model made anyhow: ``merged`` a state dict (e.g.
+    :attr:`lmdx.merge.MergeResult.state_dict`), ``models`` the K models merged (modules,
+    state dicts or folders), ``stats`` their Gram statistics (checked to belong to them),
+    ``coefficients`` the merge's (the average a pull is measured from). Returns what a
+    merge's ``report["cost"]`` holds (no pull is flagged: the method is not known)."""
+    if len(stats) != len(models):
+        raise MergeError(f"stats: {len(stats)} statistics for {len(models)} models")
+    names = [f"model{i}" for i in range(len(models))] if labels is None else list(labels)
+    sources = [model_source(m, lab, progress=False) for m, lab in zip(models, names, strict=True)]
+    meter = CostMeter(
+        _opened_gram_stats(stats, sources, names), sources, names, coefficients, False, True
+    )
+    meter.observe({w: merged[w] for w in meter.weights() if w in merged})
+    return meter.report()

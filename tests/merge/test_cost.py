@@ -1,0 +1,320 @@
+"""What each task pays (lmdx.merge.cost) against float64 NumPy references written here.
+
+For model i and a linear layer with statistics (G_i over n_i rows), Ĝ_i = G_i/n_i and the
+merged weight W ([out, in]):
+
+    cost_i  = sqrt(tr((W − W_i) Ĝ_i (W − W_i)ᵀ) / tr(W_i Ĝ_i W_iᵀ))
+    pull_i  = ⟨W − W̄, W_i − W̄⟩ / ‖W_i − W̄‖²      (W̄: the coefficient-weighted average)
+    share_i = tr(Ĝ_i) / Σ_j tr(Ĝ_j)
+
+computed here with explicit products (E Ĝ Eᵀ), not lmdx's ⟨Ĝ, EᵀE⟩. A forged statistics
+file (a contributor's Gram and sum ×100, row count unchanged, re-hashed so every file
+check passes) must be flagged in every case; honest ones never.
+"""
+
+from __future__ import annotations
+
+import json
+
+import hf_models as H
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from lmdx import MergeError, merge_models
+from lmdx.cli.main import main as cli_main
+from lmdx.merge import merge_cost, stream_merge
+from lmdx.merge.card import model_card
+from lmdx.merge.cost import layer_cost, measure_cost
+from lmdx.stats import Statistics
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+RTOL = 1e-9
+
+
+def reference_layer(merged, weights, grams, counts, coefficients=None):
+    """(cost, pull, share) per model, float64, by explicit products."""
+    k = len(weights)
+    c = np.ones(k) if coefficients is None else np.asarray(coefficients, dtype=np.float64)
+    mean = sum(ci * w for ci, w in zip(c, weights, strict=True)) / c.sum()
+    costs, pulls = [], []
+    for w, g, n in zip(weights, grams, counts, strict=True):
+        gh = g / n
+        e = merged - w
+        num = np.trace(e @ gh @ e.T)
+        den = np.trace(w @ gh @ w.T)
+        if not np.any(e):
+            costs.append(0.0)  # the layer as model i had it
+        else:
+            costs.append(np.sqrt(num / den) if den > 0 else None)
+        d = w - mean
+        spread = np.sum(d * d)
+        pulls.append(np.sum((merged - mean) * d) / spread if spread > 0 else 0.0)
+    traces = np.array([np.trace(g) / n for g, n in zip(grams, counts, strict=True)])
+    return costs, pulls, list(traces / traces.sum())
+
+
+def assert_close(got, expected, what, scale=0.0):
+    """Each value within 1e-9 of the reference, relative to itself or ``scale`` (the
+    pull is a fraction of the way, of scale 1: where the merge barely moved from the
+    average, as an average does up to rounding, it is a ratio of rounding errors)."""
+    for i, (a, b) in enumerate(zip(got, expected, strict=True)):
+        if b is None:
+            assert a is None, (what, i)
+            continue
+        assert abs(a - b) <= RTOL * max(abs(b), scale, 1e-300), (what, i, a, b)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    out=st.integers(1, 7),
+    dim=st.integers(1, 7),
+    k=st.integers(2, 4),
+    rows=st.integers(1, 12),
+    seed=st.integers(0, 2**31 - 1),
+    weighted=st.booleans(),
+)
+def test_layer_cost_equals_the_reference(out, dim, k, rows, seed, weighted):
+    rng = np.random.default_rng(seed)
+    weights = [rng.standard_normal((out, dim)) * rng.uniform(0.1, 10) for _ in range(k)]
+    xs = [rng.standard_normal((rows, dim)) * rng.uniform(0.1, 10) for _ in range(k)]
+    grams = [x.T @ x for x in xs]
+    counts = [float(rows + i) for i in range(k)]
+    merged = rng.standard_normal((out, dim))
+    coef = list(rng.uniform(0.2, 3.0, k)) if weighted else None
+    got = layer_cost(merged, weights, grams, counts, coef)
+    costs, pulls, shares = reference_layer(merged, weights, grams, counts, coef)
+    assert_close(got.cost, costs, "cost")
+    assert_close(got.pull, pulls, "pull", scale=1.0)
+    assert_close(got.share, shares, "share")
+
+
+def test_layer_cost_of_a_model_merged_with_itself_is_zero():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((5, 4))
+    x = rng.standard_normal((9, 4))
+    got = layer_cost(w.copy(), [w, w], [x.T @ x, x.T @ x], [9.0, 9.0])
+    assert got.cost == [0.0, 0.0]
+    assert got.pull == [0.0, 0.0]
+    zero = layer_cost(w, [np.zeros_like(w)], [x.T @ x], [9.0])
+    assert zero.cost == [None]
+    one = layer_cost(w + 1.0, [w], [x.T @ x], [9.0], [0.3])  # W_i is the average
+    assert one.pull == [0.0] and one.share == [1.0]
+
+
+# --------------------------------------------------------------------------- merges
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    """Per architecture: model folders, the models, honest statistics files."""
+    root = tmp_path_factory.mktemp("cost")
+    out = {}
+    for arch in ("bert", "gpt2"):
+        base, models, batches = H.cached_family(arch)
+        paths, stats = [], []
+        for i, (m, b) in enumerate(zip(models, batches, strict=True)):
+            p = root / f"{arch}{i}"
+            m.save_pretrained(p)
+            paths.append(p)
+            stats.append(H.collect(m, b).save(root / f"{arch}{i}.safetensors"))
+        base_path = root / f"{arch}-base"
+        base.save_pretrained(base_path)
+        out[arch] = {"models": models, "paths": paths, "stats": stats, "base": base_path}
+    return out
+
+
+def forged(path, out):
+    """The statistics file ``path`` with every Gram and sum ×100, the row counts kept,
+    written anew (its content hashes recomputed: every file check passes)."""
+    s = Statistics.load(path)
+    tensors = {
+        t.name: s.packed(t.name) * (100.0 if t.name.startswith(("gram/", "sum/")) else 1.0)
+        for t in s.specs()
+    }
+    return s.rebuilt(tensors).save(out)
+
+
+def check_against_reference(report, state, models, stats_files, arch, coefficients=None):
+    """Every layer of ``report["cost"]`` against :func:`reference_layer` on the merged
+    ``state`` (as returned), the models' weights and the statistics' Grams."""
+    stats = [Statistics.load(p) for p in stats_files]
+    arrays = [H.state_arrays(m) for m in models]
+    layers = report["cost"]["layers"]
+    assert layers and set(layers) == {
+        m for m in stats[0].modules if not H.is_head(stats[0].modules[m]["weight"], arch)
+    }
+    for module, got in layers.items():
+        info = stats[0].modules[module]
+        w = info["weight"]
+
+        def lin(a, layout=info["layout"]):
+            a = np.asarray(a, dtype=np.float64)
+            return a.T if layout == "conv1d" else a
+
+        merged = lin(_np(state[w]))
+        costs, pulls, shares = reference_layer(
+            merged,
+            [lin(a[w]) for a in arrays],
+            [s.gram(module) for s in stats],
+            [s.count(module) for s in stats],
+            coefficients,
+        )
+        assert_close(got["cost"], costs, module)
+        assert_close(got["pull"], pulls, module, scale=1.0)
+        assert_close(got["share"], shares, module)
+
+
+def _np(t):
+    return t.detach().double().numpy() if hasattr(t, "detach") else np.asarray(t, np.float64)
+
+
+@pytest.mark.parametrize(
+    "arch,method,options",
+    [
+        ("bert", "regmean", {"alpha": 0.9}),
+        ("gpt2", "regmean", {}),
+        ("bert", "average", {"coefficients": [0.5, 2.0, 1.0]}),
+        ("gpt2", "ties", {"density": 0.5}),
+    ],
+)
+def test_merge_reports_the_cost_equal_to_the_reference(family, arch, method, options):
+    f = family[arch]
+    base = f["base"] if method == "ties" else None
+    result = merge_models(
+        f["paths"],
+        method,
+        stats=f["stats"],
+        base=base,
+        heads=list(H.HEADS[arch]),
+        progress=False,
+        cost=True,
+        **options,
+    )
+    check_against_reference(
+        result.report,
+        result.state_dict,
+        f["models"],
+        f["stats"],
+        arch,
+        options.get("coefficients"),
+    )
+    cost = result.report["cost"]
+    assert cost["flagged"] == []
+    assert cost["statistics"] == (
+        "the merge's" if method == "regmean" else "given for the cost only"
+    )
+    for i, t in enumerate(cost["tasks"].values()):
+        per_layer = {m: layer["cost"][i] for m, layer in cost["layers"].items()}
+        assert t["max"] == max(per_layer.values())
+        assert t["mean"] == pytest.approx(np.mean(list(per_layer.values())), rel=1e-12)
+        worst = sorted(per_layer.items(), key=lambda mc: -mc[1])[:3]
+        assert [tuple(x) for x in t["worst_layers"]] == worst
+
+
+def test_a_method_without_statistics_is_unchanged_by_the_cost(family):
+    f = family["bert"]
+    heads = list(H.HEADS["bert"])
+    plain = merge_models(f["paths"], "average", heads=heads, progress=False)
+    measured = merge_models(
+        f["paths"], "average", stats=f["stats"], heads=heads, progress=False, cost=True
+    )
+    for name, t in plain.state_dict.items():
+        assert np.array_equal(_np(t), _np(measured.state_dict[name])), name
+    assert "cost" not in plain.report
+    # the same numbers for the merged state dict measured afterwards
+    after = measure_cost(plain.state_dict, f["paths"], f["stats"], labels=plain.report["models"])
+    assert after["layers"] == measured.report["cost"]["layers"]
+    assert after["tasks"] == measured.report["cost"]["tasks"]
+    with pytest.raises(MergeError, match=r"^stats: method average takes no statistics"):
+        merge_models(f["paths"], "average", stats=f["stats"], heads=heads, progress=False)
+    with pytest.raises(MergeError, match=r"^cost: what each task pays needs Gram statistics"):
+        merge_models(f["paths"], "average", heads=heads, progress=False, cost=True)
+
+
+@pytest.mark.parametrize("arch", ["bert", "gpt2"])
+@pytest.mark.parametrize("method", ["regmean", "average", "task_arithmetic"])
+@pytest.mark.parametrize("victim", [0, 1, 2])
+def test_forged_statistics_are_flagged(family, tmp_path, arch, method, victim):
+    f = family[arch]
+    stats = list(f["stats"])
+    stats[victim] = forged(stats[victim], tmp_path / "forged.safetensors")
+    base = f["base"] if method == "task_arithmetic" else None
+    report = merge_cost(
+        f["paths"], method, stats=stats, base=base, heads=list(H.HEADS[arch]), progress=False
+    )
+    flagged = report["cost"]["flagged"]
+    labels = report["models"]
+    assert [x["model"] for x in flagged] == [labels[victim]]
+    task = report["cost"]["tasks"][labels[victim]]
+    assert task["flagged"] and task["share_ratio"] > 50
+    if method == "regmean":  # the forged Gram pulls the merge toward its model
+        assert task["pull_median"] > 0.5
+        assert "median pull" in flagged[0]["why"]
+
+
+def test_streaming_merge_records_the_cost_in_its_record_and_card(family, tmp_path):
+    f = family["bert"]
+    heads = list(H.HEADS["bert"])
+    out = tmp_path / "merged"
+    res = stream_merge(f["paths"], out, "regmean", stats=f["stats"], heads=heads, progress=False)
+    record = json.loads((out / "lmdx_merge.json").read_text())
+    assert record["report"]["cost"] == json.loads(json.dumps(res.report["cost"]))
+    in_memory = merge_models(f["paths"], "regmean", stats=f["stats"], heads=heads, progress=False)
+    assert record["report"]["cost"]["layers"] == json.loads(
+        json.dumps(in_memory.report["cost"]["layers"])
+    )
+    card = (out / "README.md").read_text()
+    assert "## What each task pays" in card
+    assert card == model_card(record, json.loads((out / "config.json").read_text()))
+    for label in record["report"]["models"]:
+        assert f"| {label} |" in card
+    none = stream_merge(
+        f["paths"],
+        tmp_path / "off",
+        "regmean",
+        stats=f["stats"],
+        heads=heads,
+        progress=False,
+        cost=False,
+    )
+    assert "cost" not in none.report
+
+
+def _config(tmp_path, f, method, stats):
+    lines = [f"method: {method}", "heads: {patterns: ['classifier.*']}", "models:"]
+    for p, s in zip(f["paths"], stats, strict=True):
+        lines.append(f"  - {{path: {p}, stats: {s}}}")
+    cfg = tmp_path / "merge.yaml"
+    cfg.write_text("\n".join(lines) + "\n")
+    return cfg
+
+
+def test_cli_cost_prints_the_cost_and_writes_nothing(family, tmp_path, capsys):
+    f = family["bert"]
+    stats = list(f["stats"])
+    stats[1] = forged(stats[1], tmp_path / "forged.safetensors")
+    cfg = _config(tmp_path, f, "average", stats)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert cli_main(["merge", str(cfg), "--cost", "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    assert "what each task pays" in captured.out
+    assert "nothing written" in captured.out
+    assert f"the statistics of {f['paths'][1]} pull far harder" in captured.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    # without --cost, a method that takes no statistics refuses them in the file
+    assert cli_main(["merge", str(cfg), "--out", str(tmp_path / "o")]) == 2
+    assert "takes no statistics" in capsys.readouterr().err
+    assert cli_main(["merge", str(cfg), "--cost", "--out", str(tmp_path / "o")]) == 2
+    assert "--out: --cost writes nothing" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_merge_summary_shows_the_cost(family, tmp_path, capsys):
+    f = family["bert"]
+    cfg = _config(tmp_path, f, "regmean", f["stats"])
+    assert cli_main(["merge", str(cfg), "--out", str(tmp_path / "m"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "lmdx merge: what each task pays" in out
+    assert "pull far harder" not in out
