@@ -318,3 +318,16 @@ def test_cli_merge_summary_shows_the_cost(family, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "lmdx merge: what each task pays" in out
     assert "pull far harder" not in out
+    # --no-cost: the same merge, bit for bit, with no cost measured or shown
+    assert (
+        cli_main(["merge", str(cfg), "--out", str(tmp_path / "n"), "--no-progress", "--no-cost"])
+        == 0
+    )
+    assert "what each task pays" not in capsys.readouterr().out
+    assert "cost" not in json.loads((tmp_path / "n" / "lmdx_merge.json").read_text())["report"]
+    shards = sorted(p.name for p in (tmp_path / "m").glob("*.safetensors"))
+    assert shards == sorted(p.name for p in (tmp_path / "n").glob("*.safetensors")) != []
+    for name in shards:
+        assert (tmp_path / "n" / name).read_bytes() == (tmp_path / "m" / name).read_bytes()
+    assert cli_main(["merge", str(cfg), "--cost", "--no-cost"]) == 2
+    assert "--no-cost: not with --cost" in capsys.readouterr().err

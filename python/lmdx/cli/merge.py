@@ -99,6 +99,13 @@ def add_merge_parser(sub: Any) -> None:
         "written",
     )
     p.add_argument(
+        "--no-cost",
+        action="store_true",
+        help="skip measuring what each task pays (by default measured when the method's "
+        "statistics are Gram statistics; it costs about one float64 product per model and "
+        "layer)",
+    )
+    p.add_argument(
         "--dry-run",
         action="store_true",
         help="print the plan (steps, output shards, memory and disk estimates) and stop",
@@ -176,6 +183,8 @@ def _merge(args: argparse.Namespace, claimed: Claimed) -> int:
     from ..merge.sink import HEADS_DIR, MERGE_RECORD, TASKS_DIR
 
     if args.cost:
+        if args.no_cost:
+            raise CliError("--no-cost: not with --cost; drop one")
         return _cost(args)
     if args.out is None:
         raise CliError("--out: the output folder is required (or --cost: nothing written)")
@@ -210,6 +219,7 @@ def _merge(args: argparse.Namespace, claimed: Claimed) -> int:
             ray_workers=args.ray_workers,
             ray_address=args.ray_address,
             command=shlex.join(["lmdx", *args.argv]),
+            cost=False if args.no_cost else None,
         )
     size = size_of(out)
     record = json.loads((out / MERGE_RECORD).read_text())

@@ -508,6 +508,7 @@ def run_merge(
     ray_workers: int = 0,
     ray_address: str | None = None,
     command: str | None = None,
+    cost: bool | None = None,
 ) -> Path:
     """Merge as ``cfg`` says and write the result to ``out_dir`` (atomically).
 
@@ -517,7 +518,8 @@ def run_merge(
     also reads pickle ``.bin`` checkpoints that transformers accepts). ``ray_workers > 0``
     solves the RegMean groups on Ray workers (streaming only). Both write the same
     folder. ``command`` (the command line) is recorded in ``lmdx_merge.json`` and the
-    model card.
+    model card. ``cost`` is :func:`lmdx.merge_models`'s (None: what each task pays is
+    measured when the method's statistics are Grams; False: not measured).
     """
     record: dict[str, Any] = {"config": cfg.to_dict()}
     if command is not None:
@@ -527,7 +529,7 @@ def run_merge(
             raise MergeError("ray_workers: only for the streaming merge")
         args = cfg.arguments(data=True)
         return merge_in_memory(
-            args.pop("models"), out_dir, record=record, progress=progress, **args
+            args.pop("models"), out_dir, record=record, progress=progress, cost=cost, **args
         )
     args = cfg.arguments(data=True)
     result = stream_merge(
@@ -537,6 +539,7 @@ def run_merge(
         progress=progress,
         ray_workers=ray_workers,
         ray_address=ray_address,
+        cost=cost,
         **args,
     )
     assert result.out_dir is not None
