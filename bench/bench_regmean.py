@@ -329,6 +329,7 @@ def merge_worker(args: argparse.Namespace) -> None:
                 precision=precision,
                 progress=False,
                 n_threads=args.threads,
+                cost=False,  # the peer measures no per-task cost: time the same work
             )
             layers = res.report.get("layers", {})
             solver["regularized"] = sorted(
