@@ -1,7 +1,8 @@
-"""``lmdx stats`` and ``lmdx merge`` end to end on tiny BERT classifiers saved to disk.
+"""``lmdx merge`` end to end on tiny BERT classifiers saved to disk (the workspace:
+cli_workspace.py; ``lmdx stats`` itself: test_cli_stats.py).
 
-References are computed here: Grams from this module's own forward hooks in float64,
-the RegMean solve with ``numpy.linalg.solve``, averages with NumPy.
+References are computed here: the RegMean solve with ``numpy.linalg.solve``, averages
+with NumPy.
 """
 
 from __future__ import annotations
@@ -12,163 +13,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from cli_workspace import MODULE, K, build_workspace, leftovers, rel, write_config
 from lmdx.cli import main
 from lmdx.stats import Statistics
 from safetensors.numpy import load_file
 from task_vectors import ref_merge
-from tiny_bert import random_texts, save_classifiers
-from transformers import AutoTokenizer, BertForSequenceClassification
-
-K = 3
-MODULE = "bert.encoder.layer.1.intermediate.dense"
+from transformers import BertForSequenceClassification
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("merge-cli")
-    save_classifiers(root, [f"m{i}" for i in range(K)])
-    rng = np.random.default_rng(3)
-    texts = random_texts(rng, 64)
-    (root / "all.txt").write_text("\n".join(texts) + "\n")
-    (root / "part1.txt").write_text("\n".join(texts[:32]) + "\n")
-    (root / "part2.txt").write_text("\n".join(texts[32:]) + "\n")
-    with open(root / "labeled.jsonl", "w") as f:
-        for j, t in enumerate(texts):
-            f.write(json.dumps({"text": t, "label": j % 2}) + "\n")
-    for i in range(K):
-        rc = main(
-            [
-                "stats",
-                str(root / f"m{i}"),
-                str(root / "all.txt"),
-                "--batch-size",
-                "8",
-                "--out",
-                str(root / f"s{i}.safetensors"),
-                "--no-progress",
-            ]
-        )
-        assert rc == 0
-    return root
-
-
-def _reference_gram(folder: Path, texts: list[str], module: str) -> tuple[np.ndarray, float]:
-    """Σ x xᵀ of ``module``'s input over real tokens, float64, one text at a time."""
-    model = BertForSequenceClassification.from_pretrained(str(folder)).eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    rows: list[np.ndarray] = []
-    handle = model.get_submodule(module).register_forward_pre_hook(
-        lambda m, args: rows.append(
-            args[0].detach().double().reshape(-1, args[0].shape[-1]).numpy()
-        )
-    )
-    with torch.no_grad():
-        for t in texts:  # no padding at all
-            model(**tokenizer([t], truncation=True, max_length=128, return_tensors="pt"))
-    handle.remove()
-    x = np.concatenate(rows)
-    return x.T @ x, float(x.shape[0])
-
-
-def _rel(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
-def _leftovers(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
-
-
-def test_stats_file_holds_reference_gram(workspace: Path) -> None:
-    texts = (workspace / "all.txt").read_text().splitlines()
-    ref, n = _reference_gram(workspace / "m0", texts, MODULE)
-    stats = Statistics.load(workspace / "s0.safetensors")
-    assert stats.kind == "regmean-gram" and stats.padding == "excluded"
-    assert stats.count(MODULE) == n
-    assert _rel(stats.gram(MODULE), ref) < 1e-6
-    assert "64 texts" in stats.data
-
-
-def test_stats_add_equals_whole(workspace: Path) -> None:
-    parts = []
-    for name in ("part1", "part2"):
-        out = workspace / f"m0-{name}.safetensors"
-        rc = main(
-            [
-                "stats",
-                str(workspace / "m0"),
-                str(workspace / f"{name}.txt"),
-                "--batch-size",
-                "8",
-                "--out",
-                str(out),
-                "--no-progress",
-            ]
-        )
-        assert rc == 0
-        parts.append(str(out))
-    total = workspace / "m0-added.safetensors"
-    assert main(["stats", "add", *parts, "--out", str(total)]) == 0
-    added, whole = Statistics.load(total), Statistics.load(workspace / "s0.safetensors")
-    for module in whole.modules:
-        assert added.count(module) == whole.count(module)
-        assert _rel(added.gram(module), whole.gram(module)) < 1e-12
-        assert _rel(added.sum(module), whole.sum(module)) < 1e-12
-
-
-def test_stats_show(workspace: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["stats", "show", str(workspace / "s0.safetensors")]) == 0
-    out = capsys.readouterr().out
-    assert "regmean-gram" in out and "padding:     excluded" in out
-    assert "bert.encoder.layer.0.attention.self.query: dim 32" in out
-    assert main(["stats", "show", "--json", str(workspace / "s0.safetensors")]) == 0
-    meta = json.loads(capsys.readouterr().out)
-    assert meta["format"] == "lmdx-stats" and meta["model"]["architecture"] == (
-        "BertForSequenceClassification"
-    )
-
-
-def test_fisher_stats_gold_labels(workspace: Path) -> None:
-    out = workspace / "f0.safetensors"
-    rc = main(
-        [
-            "stats",
-            str(workspace / "m0"),
-            str(workspace / "labeled.jsonl"),
-            "--kind",
-            "fisher",
-            "--labels",
-            "gold",
-            "--max-texts",
-            "6",
-            "--out",
-            str(out),
-            "--no-progress",
-        ]
-    )
-    assert rc == 0
-    stats = Statistics.load(out)
-    model = BertForSequenceClassification.from_pretrained(str(workspace / "m0")).eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(workspace / "m0"))
-    lines = [json.loads(s) for s in (workspace / "labeled.jsonl").read_text().splitlines()[:6]]
-    name = "classifier.weight"
-    ref = np.zeros(tuple(model.get_parameter(name).shape))
-    for row in lines:
-        model.zero_grad()
-        logits = model(**tokenizer([row["text"]], return_tensors="pt")).logits
-        torch.log_softmax(logits, -1)[0, row["label"]].backward()
-        ref += model.get_parameter(name).grad.double().numpy() ** 2
-    assert stats.count() == 6
-    assert _rel(stats.fisher(name), ref) < 1e-5
-
-
-def _write_config(path: Path, text: str) -> Path:
-    path.write_text(text)
-    return path
+    return build_workspace(tmp_path_factory.mktemp("merge-cli"))
 
 
 def _regmean_config(workspace: Path, name: str, alpha: float = 0.9) -> Path:
     models = "\n".join(f"  - {{path: m{i}, stats: s{i}.safetensors}}" for i in range(K))
-    return _write_config(
+    return write_config(
         workspace / name,
         f"method: regmean\nmodels:\n{models}\nalpha: {alpha}\n"
         "heads: {patterns: ['classifier.*'], policy: keep}\n",
@@ -192,7 +52,7 @@ def test_merge_regmean_matches_numpy(workspace: Path, capsys: pytest.CaptureFixt
         weights.append(w.astype(np.float64))
     ref = np.linalg.solve(sum(grams), sum(g @ w.T for g, w in zip(grams, weights, strict=True))).T
     got = merged.get_parameter(f"{MODULE}.weight").detach().double().numpy()
-    assert _rel(got, ref) < 1e-6
+    assert rel(got, ref) < 1e-6
     bias = np.mean(
         [
             load_file(str(workspace / f"m{i}" / "model.safetensors"))[f"{MODULE}.bias"]
@@ -201,7 +61,7 @@ def test_merge_regmean_matches_numpy(workspace: Path, capsys: pytest.CaptureFixt
         axis=0,
         dtype=np.float64,
     )
-    assert _rel(merged.get_parameter(f"{MODULE}.bias").detach().double().numpy(), bias) < 1e-6
+    assert rel(merged.get_parameter(f"{MODULE}.bias").detach().double().numpy(), bias) < 1e-6
     heads = [load_file(str(out / "heads" / f"{i}.safetensors")) for i in range(K)]
     for i, head in enumerate(heads):
         own = load_file(str(workspace / f"m{i}" / "model.safetensors"))
@@ -216,7 +76,7 @@ def test_merge_regmean_matches_numpy(workspace: Path, capsys: pytest.CaptureFixt
 
 def test_merge_task_arithmetic_and_average(workspace: Path) -> None:
     models = "\n".join(f"  - m{i}" for i in range(K))
-    cfg = _write_config(
+    cfg = write_config(
         workspace / "ta.yaml",
         f"method: task_arithmetic\nbase: base\nscaling: 0.5\nmodels:\n{models}\n",
     )
@@ -230,9 +90,9 @@ def test_merge_task_arithmetic_and_average(workspace: Path) -> None:
     ]
     ref = base + 0.5 * sum(t - base for t in thetas)
     got = load_file(str(out / "model.safetensors"))[name]
-    assert _rel(got.astype(np.float64), ref) < 1e-6
+    assert rel(got.astype(np.float64), ref) < 1e-6
 
-    cfg = _write_config(
+    cfg = write_config(
         workspace / "avg.yaml",
         "method: average\nmodels:\n"
         + "\n".join(f"  - {{path: m{i}, coefficient: {i + 1}}}" for i in range(K)),
@@ -240,7 +100,7 @@ def test_merge_task_arithmetic_and_average(workspace: Path) -> None:
     out = workspace / "merged-avg"
     assert main(["merge", str(cfg), "--out", str(out), "--no-progress"]) == 0
     ref = sum((i + 1) * t for i, t in enumerate(thetas)) / 6.0
-    assert _rel(load_file(str(out / "model.safetensors"))[name].astype(np.float64), ref) < 1e-6
+    assert rel(load_file(str(out / "model.safetensors"))[name].astype(np.float64), ref) < 1e-6
 
 
 def test_merge_ties_and_dare_match_numpy(
@@ -254,7 +114,7 @@ def test_merge_ties_and_dare_match_numpy(
         ("ties", "density: 0.3\n", {"density": 0.3, "scaling": 1.0}),
         ("dare", "seed: 4\nscaling: 0.5\n", {"density": 0.5, "scaling": 0.5, "seed": 4}),
     ):
-        cfg = _write_config(
+        cfg = write_config(
             workspace / f"{method}.yaml",
             f"method: {method}\nbase: base\n{keys}{heads}models:\n{models}\n",
         )
@@ -274,7 +134,7 @@ def test_merge_ties_and_dare_match_numpy(
                 settings["scaling"],
                 settings.get("seed", 0),
             )
-            assert _rel(merged[name].astype(np.float64), ref) < 1e-6, (method, name)
+            assert rel(merged[name].astype(np.float64), ref) < 1e-6, (method, name)
         record = json.loads((out / "lmdx_merge.json").read_text())
         assert {k: record["report"][k] for k in settings} == settings
         assert record["config"]["base"] == str(workspace / "base")
@@ -353,9 +213,9 @@ def test_merge_ties_and_dare_match_numpy(
 def test_merge_config_errors(
     workspace: Path, body: str, match: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    cfg = _write_config(workspace / "bad.yaml", body)
+    cfg = write_config(workspace / "bad.yaml", body)
     out = workspace / "never-written"
-    before = _leftovers(workspace)
+    before = leftovers(workspace)
     assert main(["merge", str(cfg), "--out", str(out), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("lmdx merge: error:")
@@ -363,7 +223,7 @@ def test_merge_config_errors(
 
     assert re.search(match, err), err
     assert not out.exists()
-    assert _leftovers(workspace) == before
+    assert leftovers(workspace) == before
 
 
 @pytest.mark.parametrize("flags", [[], ["--dry-run"], ["--in-memory"]])
@@ -378,7 +238,7 @@ def test_differing_heads_are_advised_in_the_files_words(
             str(workspace / "m0"), num_labels=3, ignore_mismatched_sizes=True
         )
         model.save_pretrained(three)
-    cfg = _write_config(
+    cfg = write_config(
         tmp_path / "heads.yaml", f"method: average\nmodels: [{workspace / 'm0'}, {three}]\n"
     )
     out = tmp_path / "merged"
@@ -400,120 +260,6 @@ def test_merge_refuses_existing_output(workspace: Path, capsys: pytest.CaptureFi
     assert main(["merge", str(cfg), "--out", str(out), "--no-progress"]) == 2
     assert "already exists" in capsys.readouterr().err
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
-
-
-def test_stats_errors(workspace: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    out = workspace / "x.safetensors"
-    assert (
-        main(["stats", str(workspace / "m0"), str(workspace / "nope.txt"), "--out", str(out)]) == 2
-    )
-    assert "no such file" in capsys.readouterr().err
-    assert main(["stats", str(workspace), str(workspace / "all.txt"), "--out", str(out)]) == 2
-    assert "not a save_pretrained folder" in capsys.readouterr().err
-    assert (
-        main(
-            [
-                "stats",
-                str(workspace / "m0"),
-                str(workspace / "all.txt"),
-                "--out",
-                str(workspace / "s0.safetensors"),
-            ]
-        )
-        == 2
-    )
-    assert "already exists" in capsys.readouterr().err
-    assert (
-        main(
-            [
-                "stats",
-                str(workspace / "m0"),
-                str(workspace / "all.txt"),
-                "--kind",
-                "fisher",
-                "--labels",
-                "gold",
-                "--out",
-                str(out),
-            ]
-        )
-        == 2
-    )
-    assert "has no labels" in capsys.readouterr().err
-    truncated = workspace / "truncated.safetensors"
-    truncated.write_bytes((workspace / "s0.safetensors").read_bytes()[:-100])
-    assert main(["stats", "show", str(truncated)]) == 1
-    assert "truncated" in capsys.readouterr().err
-    assert not out.exists()
-
-
-# --------------------------------------------------------------------------- out of core
-
-
-def _same_tensors(a: Statistics, b: Statistics) -> None:
-    assert a.modules == b.modules
-    for m in a.modules:
-        assert a.count(m) == b.count(m)
-        assert np.array_equal(a.gram(m), b.gram(m)), m
-        assert np.array_equal(a.sum(m), b.sum(m)), m
-
-
-def test_stats_disk_backed_and_sharded(workspace: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    out = workspace / "s0-sharded"
-    rc = main(
-        [
-            "stats",
-            str(workspace / "m0"),
-            str(workspace / "all.txt"),
-            "--batch-size",
-            "8",
-            "--max-memory",
-            "30KB",
-            "--max-shard-size",
-            "20KB",
-            "--out",
-            str(out),
-            "--no-progress",
-        ]
-    )
-    assert rc == 0, capsys.readouterr().err
-    assert out.is_dir() and len(list(out.glob("stats-*.safetensors"))) > 1
-    got = Statistics.load(out)
-    assert got.extra["passes"] > 1
-    _same_tensors(got, Statistics.load(workspace / "s0.safetensors"))
-    # shards add like files, into a sharded folder
-    added = workspace / "added-sharded"
-    files = [str(out), str(workspace / "s0.safetensors")]
-    assert main(["stats", "add", *files, "--out", str(added), "--max-shard-size", "20KB"]) == 0
-    total = Statistics.load(added)
-    ref = Statistics.load(workspace / "s0.safetensors")
-    assert np.array_equal(total.gram(MODULE), 2 * ref.gram(MODULE))
-    assert main(["stats", "show", str(added)]) == 0
-    assert "regmean-gram" in capsys.readouterr().out
-    fisher = ["--kind", "fisher", "--max-memory", "1GB", "--out", str(workspace / "f.st")]
-    assert main(["stats", str(workspace / "m0"), str(workspace / "all.txt"), *fisher]) == 2
-    assert "--max-memory: only for --kind regmean" in capsys.readouterr().err
-
-
-def test_stats_on_a_device_the_model_cannot_use_is_one_line_and_nothing_written(
-    workspace: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    model, data = str(workspace / "m0"), str(workspace / "all.txt")
-    out = workspace / "on-device.safetensors"
-    rc = main(["stats", model, data, "--device", "cuda:64", "--out", str(out), "--no-progress"])
-    err = capsys.readouterr().err
-    assert rc != 0 and not out.exists()
-    assert err.count("\n") == 1 and "device cuda:64: cannot run the model there" in err, err
-    fisher = ["--kind", "fisher", "--device", "cpu", "--out", str(out)]
-    assert main(["stats", model, data, *fisher]) == 2
-    assert "--device: only for --kind regmean without --ray" in capsys.readouterr().err
-    # on the CPU the native kernels collect, as without --device
-    rc = main(["stats", model, data, "--device", "cpu", "--out", str(out), "--no-progress"])
-    assert rc == 0, capsys.readouterr().err
-    got, ref = Statistics.load(out), Statistics.load(workspace / "s0.safetensors")
-    assert got.accumulation == "mixed" and got.modules == ref.modules
-    for m in ref.modules:
-        assert got.count(m) == ref.count(m) and _rel(got.gram(m), ref.gram(m)) < 1e-6, m
 
 
 def test_merge_dry_run_and_in_memory_equal_streaming(
@@ -552,9 +298,9 @@ def test_sigterm_during_merge_leaves_nothing(workspace: Path, tmp_path: Path) ->
     proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 60
-        while time.time() < deadline and not _leftovers(tmp_path) and proc.poll() is None:
+        while time.time() < deadline and not leftovers(tmp_path) and proc.poll() is None:
             time.sleep(0.05)
-        assert _leftovers(tmp_path), "the merge did not start writing (or finished before SIGTERM)"
+        assert leftovers(tmp_path), "the merge did not start writing (or finished before SIGTERM)"
         proc.terminate()
         _, err = proc.communicate(timeout=60)
     finally:
@@ -571,7 +317,7 @@ def test_errors_are_one_escaped_line_and_debug_shows_them_raised(
 ) -> None:
     from lmdx import MergeError
 
-    cfg = _write_config(workspace / "odd.yaml", 'method: average\nmodels: [m0, "m\\e[2J1"]\n')
+    cfg = write_config(workspace / "odd.yaml", 'method: average\nmodels: [m0, "m\\e[2J1"]\n')
     out = workspace / "never"
     assert main(["merge", str(cfg), "--out", str(out), "--no-progress"]) == 2
     err = capsys.readouterr().err
@@ -592,7 +338,7 @@ def test_merge_summary_names_poorly_determined_systems(
             args = ["stats", str(workspace / f"m{i}"), str(workspace / "three.txt")]
             assert main([*args, "--out", str(stats), "--no-progress"]) == 0
     models = "\n".join(f"  - {{path: m{i}, stats: few{i}.safetensors}}" for i in range(K))
-    cfg = _write_config(
+    cfg = write_config(
         workspace / "few.yaml",
         f"method: regmean\nmodels:\n{models}\nheads: {{patterns: ['classifier.*']}}\n",
     )
