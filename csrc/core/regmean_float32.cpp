@@ -31,11 +31,15 @@ constexpr double kMaxContraction = 0.5;
 //   kPredictorFactor x 2^-24 x relative spread x (largest / smallest float32 pivot)
 //     x min(1, delta / kPredictorDelta),
 // delta = max_{j, r} |D_j[r, r]| / A[r, r] (the Gram differences' diagonal relative to the
-// system's), exceeds kOutputErrorTolerance goes to float64 right after the float32
-// factorization, before the deviations, the Gram differences and the pre-check (most of
-// what an uncertifiable layer costs). Any rejection is safe (the float64 path is exact);
-// acceptance still needs the certificate. The certificate's estimate scales with the
-// deviations' spread and vanishes with the Gram differences (the right-hand side does). On
+// system's), exceeds kOutputErrorTolerance goes to float64 before the deviations, the
+// Gram differences and the pre-check (most of what an uncertifiable layer costs), and
+// before the rest of the float32 factorization: everything but the pivot ratio is known
+// beforehand, and the factorization stops as soon as the pivots of its diagonal blocks so
+// far exceed the ratio the tolerance allows (the ratio over all pivots can only be larger,
+// so it refuses exactly the layers the whole factor would). Any rejection is safe (the
+// float64 path is exact); acceptance still needs the certificate. The certificate's
+// estimate scales with the deviations' spread and vanishes with the Gram differences (the
+// right-hand side does). On
 // BERT-base-sized layers (48 systems, alpha 0.9, deviations 1 % and 10 %, delta 0.15-0.93)
 // it was 25-130 times u32 x spread x pivot ratio (the same at both deviations): the factor
 // 24 stays below all of them, so there the predictor rejected nothing the certificate
@@ -92,7 +96,7 @@ double Float32Merge::factor_error_estimate(const Eigen::MatrixXf& l32, const Mat
                             : std::numeric_limits<double>::max();
 }
 
-double Float32Merge::predicted_error(double spread, double pivot_ratio) const {
+double Float32Merge::predictor_scale(double spread) const {
   double delta = 0.0;
   const double t = 1.0 / models[pivot].count;
   for (Index r = 0; r < d_in; ++r) {
@@ -103,8 +107,7 @@ double Float32Merge::predicted_error(double spread, double pivot_ratio) const {
       delta = std::max(delta, std::abs(diff) / lhs(r, r));
     }
   }
-  return kPredictorFactor * kFloat32Roundoff * spread * pivot_ratio *
-         std::min(1.0, delta / kPredictorDelta);
+  return kPredictorFactor * kFloat32Roundoff * spread * std::min(1.0, delta / kPredictorDelta);
 }
 
 bool Float32Merge::run(const SolveOptions& opt, bool forced, RegMeanInfo& info,
@@ -130,18 +133,22 @@ bool Float32Merge::run(const SolveOptions& opt, bool forced, RegMeanInfo& info,
       l32.col(j).tail(d_in - j) = c.cast<float>();
     }
   }
+  // The predictor's bound on the pivot ratio, known before the factorization: the
+  // factorization stops as soon as the pivots so far exceed it.
+  const double scale = forced ? 0.0 : predictor_scale(info.relative_spread);
+  const double max_ratio = scale > 0.0 ? kOutputErrorTolerance / scale : INFINITY;
   phases.lap("convert32");
-  if (blocked_cholesky(l32, mean_diagonal, threads) >= 0) return false;
+  const Index factored = blocked_cholesky(l32, mean_diagonal, threads, nullptr, max_ratio);
+  if (factored >= 0) return false;
   phases.lap("factor32");
+  if (factored == kPivotRatioExceeded) {
+    phases.lap("predictor");
+    return false;  // predicted above the tolerance: float64 before the expensive phases
+  }
   // Directions near the noise floor: the float64 path decides which are unseen.
   const double smallest = l32.diagonal().minCoeff();
   const double floor = noise_floor * std::sqrt(static_cast<double>(d_in)) * mean_diagonal;
   if (floor > 0.0 && smallest * smallest <= kNoiseFloorTrigger * floor) return false;
-  if (!forced && predicted_error(info.relative_spread, l32.diagonal().maxCoeff() / smallest) >
-                     kOutputErrorTolerance) {
-    phases.lap("predictor");
-    return false;  // predicted above the tolerance: float64 before the expensive phases
-  }
   mirror_lower(lhs, threads);
   phases.lap("convert32");
 

@@ -69,10 +69,10 @@ struct Float32Merge {
   double factor_error_estimate(const Eigen::MatrixXf& l32, const MatrixXd& bz, const MatrixXd& z,
                                double alpha, double ridge, int threads);
 
-  // The a-priori predictor of the output error (before any right-hand side): see
-  // kPredictorFactor. spread: the relative spread of the weights; pivot_ratio: largest /
-  // smallest pivot of the float32 factor.
-  double predicted_error(double spread, double pivot_ratio) const;
+  // The a-priori predictor of the output error (before any right-hand side, see
+  // kPredictorFactor) without its pivot ratio: the predicted error is this times the float32
+  // factor's largest / smallest pivot. spread: the relative spread of the weights.
+  double predictor_scale(double spread) const;
 
   // Merge into merged_t and fill info (precision "float32", output_error_estimate). Returns
   // false, leaving lhs's lower triangle as it was, when the float32 factorization fails or

@@ -34,9 +34,10 @@ using Matrix = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>;
 
 template <typename Scalar>
 Index blocked_cholesky_impl(Eigen::Ref<Matrix<Scalar>> m, double tiny, int n_threads,
-                            double* bad_pivot) {
+                            double* bad_pivot, double max_pivot_ratio) {
   const Index d = m.rows();
   const int threads = resolve_threads(n_threads);
+  double largest = 0.0, smallest = INFINITY;  // the pivots so far
   for (Index k = 0; k < d; k += kFactorBlock) {
     const Index kb = std::min(kFactorBlock, d - k);
     // Diagonal block (serial, kb^3/3 flops): Eigen's in-place blocked LLT; if that fails
@@ -73,6 +74,11 @@ Index blocked_cholesky_impl(Eigen::Ref<Matrix<Scalar>> m, double tiny, int n_thr
       }
       // The unblocked pass found every pivot above the threshold after all.
     }
+    // The pivots are final once their diagonal block is factored: the ratio over all of
+    // them can only grow from here.
+    largest = std::max(largest, static_cast<double>(a11.diagonal().maxCoeff()));
+    smallest = std::min(smallest, static_cast<double>(a11.diagonal().minCoeff()));
+    if (largest > max_pivot_ratio * smallest) return kPivotRatioExceeded;
     const Index rest = d - k - kb;
     if (rest == 0) break;
     const Index n_row_blocks = (rest + kPanelRowBlock - 1) / kPanelRowBlock;
@@ -104,13 +110,16 @@ Index blocked_cholesky_impl(Eigen::Ref<Matrix<Scalar>> m, double tiny, int n_thr
 
 }  // namespace
 
-Index blocked_cholesky(Eigen::Ref<MatrixXd> m, double scale, int n_threads, double* bad_pivot) {
-  return blocked_cholesky_impl<double>(m, kSingularPivot * scale, n_threads, bad_pivot);
+Index blocked_cholesky(Eigen::Ref<MatrixXd> m, double scale, int n_threads, double* bad_pivot,
+                       double max_pivot_ratio) {
+  return blocked_cholesky_impl<double>(m, kSingularPivot * scale, n_threads, bad_pivot,
+                                       max_pivot_ratio);
 }
 
 Index blocked_cholesky(Eigen::Ref<Eigen::MatrixXf> m, double scale, int n_threads,
-                       double* bad_pivot) {
-  return blocked_cholesky_impl<float>(m, kSingularPivot32 * scale, n_threads, bad_pivot);
+                       double* bad_pivot, double max_pivot_ratio) {
+  return blocked_cholesky_impl<float>(m, kSingularPivot32 * scale, n_threads, bad_pivot,
+                                      max_pivot_ratio);
 }
 
 Index column_block_width(Index k) {

@@ -8,6 +8,7 @@
 // relative ridge is escalated (x10 from 1e-10) until the factorization succeeds.
 #pragma once
 
+#include <cmath>
 #include <stdexcept>
 #include <string>
 
@@ -90,14 +91,20 @@ SolveInfo spd_solve_transposed(const Eigen::Ref<const MatrixXd>& a, Eigen::Ref<M
                                const SolveOptions& opt);
 void cholesky_solve_transposed_in_place(const MatrixXd& l, Eigen::Ref<MatrixXd> bt, int n_threads);
 
+/// What blocked_cholesky returns when it stopped because the pivots factored so far
+/// already exceed max_pivot_ratio (largest / smallest).
+constexpr Index kPivotRatioExceeded = -2;
+
 /// Blocked, threaded in-place Cholesky of the lower triangle of m. Returns -1 on success,
 /// else the index of the first pivot that is not positive (or below kSingularPivot
-/// relative to `scale`; its value is stored in *bad_pivot). The block partition does not
-/// depend on n_threads.
+/// relative to `scale`; its value is stored in *bad_pivot), or kPivotRatioExceeded as soon
+/// as the largest pivot of the diagonal blocks factored so far exceeds max_pivot_ratio
+/// times their smallest (the ratio over all pivots can only be larger; m is then partly
+/// factored). The block partition does not depend on n_threads.
 Index blocked_cholesky(Eigen::Ref<MatrixXd> m, double scale, int n_threads,
-                       double* bad_pivot = nullptr);
+                       double* bad_pivot = nullptr, double max_pivot_ratio = INFINITY);
 /// The same in float32, with the threshold kSingularPivot32.
 Index blocked_cholesky(Eigen::Ref<Eigen::MatrixXf> m, double scale, int n_threads,
-                       double* bad_pivot = nullptr);
+                       double* bad_pivot = nullptr, double max_pivot_ratio = INFINITY);
 
 LMDX_NAMESPACE_END

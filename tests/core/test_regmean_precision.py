@@ -340,3 +340,68 @@ def test_condition_estimate_at_every_input_size(rng, precision, d_in):
     exact = np.linalg.cond(sum(reduced_grams(grams, counts, 0.9)), 1)
     assert exact > 1e3
     assert exact / 3 <= res.info.condition_estimate <= exact * 1.01
+
+
+def predictor(grams, counts, weights, alpha):
+    """The a-priori predictor of "auto", computed here: 24 × 2⁻²⁴ × the weights' relative
+    spread × the largest / smallest pivot of the system's float32 Cholesky factor ×
+    min(1, δ / 0.1), δ = max |diag(Ĝ_i − Ĝ_0)| / diag(Σ Ĝ_i) (model 0 the pivot)."""
+    w = [np.asarray(x, np.float64) for x in weights]
+    mean = sum(w) / len(w)
+    spread = max(np.abs(x - mean).max() for x in w) / np.abs(mean).max()
+    lhs = sum(reduced_grams(grams, counts, alpha))
+    diag = [np.diag(g) / n for g, n in zip(grams, counts, strict=True)]
+    delta = max(np.max(np.abs(d - diag[0]) / np.diag(lhs)) for d in diag[1:])
+    pivots = np.diag(np.linalg.cholesky(lhs.astype(np.float32))).astype(np.float64)
+    return 24 * 2.0**-24 * spread * pivots.max() / pivots.min() * min(1.0, delta / 0.1)
+
+
+def grams_with_a_small_input(rng, k, d, column, scale):
+    """K Grams XᵀX of 2d rows where input ``column`` is ``scale`` times smaller than the
+    others (the float32 factor's pivot ratio ≈ 1 / scale, its smallest pivot in that
+    column's diagonal block); each model's rows differ by 30 %."""
+    x = rng.standard_normal((2 * d, d))
+    out = []
+    for _ in range(k):
+        xi = x + 0.3 * rng.standard_normal(x.shape)
+        xi[:, column] *= scale
+        out.append(xi.T @ xi)
+    return out
+
+
+@pytest.mark.parametrize("column", [40, 590], ids=["first-block", "last-block"])
+@pytest.mark.parametrize("target", [1e-8, 3e-6, 3e-5])
+def test_auto_predictor_routes_by_the_pivot_ratio_and_keeps_the_certificate(rng, column, target):
+    """"auto"'s a-priori predictor against the same predictor computed here in NumPy, on
+    600-input systems (three diagonal blocks of the factorization, which stops as soon as
+    the pivots so far exceed the ratio the tolerance allows): a layer it predicts above 1e-6
+    goes to float64 (the same bits as precision "float64", within 1e-6 of the formula),
+    whether its smallest pivot comes in the first block or the last; one predicted well
+    below it is merged in float32 and certified, its output error against the formula at
+    most the certified estimate (≤ 1e-6)."""
+    d_in, d_out = 600, 16
+    counts = [N] * K
+    grams = grams_with_a_small_input(rng, K, d_in, column, 1e-3)
+    w0 = rng.standard_normal((d_out, d_in))
+    devs = [rng.standard_normal((d_out, d_in)) for _ in range(K)]
+
+    def weights_of(scale):
+        return [(w0 + scale * dv).astype(np.float32) for dv in devs]
+
+    # The deviations scaled so that the predictor lands at the target (it is linear in them).
+    scale = target / predictor(grams, counts, weights_of(1e-2), 0.9) * 1e-2
+    weights = weights_of(scale)
+    predicted = predictor(grams, counts, weights, 0.9)
+    assert 0.8 * target <= predicted <= 1.25 * target
+    auto = lmdx.regmean_merge_layer(grams, weights, counts, alpha=0.9)
+    exact, s = formula(grams, counts, weights, 0.9)
+    if predicted > 1e-6:
+        full = lmdx.regmean_merge_layer(grams, weights, counts, alpha=0.9, precision="float64")
+        assert auto.info.precision == "float64" and "predictor" in auto.info.phases
+        assert auto.info.phases[-4:] == ["predictor", "factor64", "products64", "solve64"]
+        assert np.array_equal(auto.weight, full.weight)
+        assert weight_error(auto.weight, exact) <= 1e-6
+    else:
+        assert auto.info.precision == "float32" and "predictor" not in auto.info.phases
+        assert auto.info.output_error_estimate <= 1e-6
+        assert output_error(auto.weight, exact, s) <= auto.info.output_error_estimate + 1e-15
