@@ -119,6 +119,7 @@ class OwnFolders:
         ]
         self.tokenizers = [AutoTokenizer.from_pretrained(d) for d in args.folders]
         self.templates = [copy.deepcopy(m) for m in self.experts]
+        self.limit: dict[str, int] = {}  # split -> score its first n texts
         self.pretrained = args.base
         self.pretrained_heads: list[Any] = []
         self.grams = [Statistics.load(f) for f in args.stats_files] if args.stats_files else None
@@ -142,6 +143,8 @@ class OwnFolders:
         model, tokenizer = self.templates[i], self.tokenizers[i]
         model.load_state_dict(state, strict=True)
         texts, labels = self.data[split][i]
+        n = self.limit.get(split, len(texts))
+        texts, labels = texts[:n], labels[:n]
         correct = 0
         for start in range(0, len(texts), 32):
             batch = tokenizer(
@@ -227,8 +230,9 @@ def _label(point: dict[str, Any]) -> str:
     return ", ".join(f"{k} {v:g}" for k, v in point.items()) or "defaults"
 
 
-def leaderboard(prep: Any, methods: list[str]) -> dict[str, Any]:
-    """Every method's grid on validation, its best point on test (see the module)."""
+def leaderboard(prep: Any, methods: list[str], points: int | None = None) -> dict[str, Any]:
+    """Every method's grid (its first ``points``) on validation, its best point on test (see
+    the module)."""
     tasks = prep.tasks
     expert_states = [m.state_dict() for m in prep.experts]
     heads = [{n: v for n, v in s.items() if n.startswith("classifier.")} for s in expert_states]
@@ -253,7 +257,7 @@ def leaderboard(prep: Any, methods: list[str]) -> dict[str, Any]:
             continue
         tried = []
         best: tuple[float, dict[str, Any], Any, float, float] | None = None
-        for point in GRIDS[method]:
+        for point in GRIDS[method][:points]:
             states, wall, cpu = merged_states(prep, method, point)
             val = float(np.mean(prep.score(states, "val")))
             entry: dict[str, Any] = {"point": point, "val": val, "wall_s": wall, "cpu_s": cpu}
@@ -330,6 +334,18 @@ def main(argv: list[str] | None = None) -> None:
         "--methods", nargs="+", default=list(GRIDS), choices=list(GRIDS), metavar="METHOD"
     )
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument(
+        "--points", type=int, default=None, help="only the first N points of each grid"
+    )
+    parser.add_argument(
+        "--score-limit",
+        nargs=2,
+        type=int,
+        default=None,
+        metavar=("VAL", "TEST"),
+        help="score the first VAL validation and TEST test texts per task (the splits are "
+        "shuffled) instead of all: a smaller, faster, noisier leaderboard",
+    )
     own = parser.add_argument_group("your own folders (instead of the example's tasks)")
     own.add_argument("--folders", nargs="+", default=None, metavar="DIR")
     own.add_argument("--base", default=None, metavar="DIR", help="the pre-trained folder")
@@ -352,11 +368,14 @@ def main(argv: list[str] | None = None) -> None:
             f"{args.epochs} epochs, lr {args.lr:g}; statistics {args.stats} texts per task; "
             f"validation {args.val}, test {args.test} texts per task."
         )
+    if args.score_limit:
+        prep.limit.update(val=args.score_limit[0], test=args.score_limit[1])
+        title += f" Scored on the first {args.score_limit[0]} / {args.score_limit[1]} of them."
     example.log(
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch and lmdx "
         f"threads {torch.get_num_threads()}; load {os.getloadavg()}"
     )
-    result = leaderboard(prep, args.methods)
+    result = leaderboard(prep, args.methods, args.points)
     example.log(f"load {os.getloadavg()}")
     print_table(prep, result, title)
     if args.json:

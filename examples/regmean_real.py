@@ -563,6 +563,7 @@ class Prepared:
     stage: dict[str, float] = field(default_factory=dict)  # seconds per stage so far
     bottom_cache: dict[tuple[str, str], list[torch.Tensor]] = field(default_factory=dict)
     templates: list[Any] = field(default_factory=list)  # one model per task, to score with
+    limit: dict[str, int] = field(default_factory=dict)  # split -> score its first n texts
 
     def bottom(self, task: Task, split: str) -> list[torch.Tensor]:
         """The frozen layers' output on a split's texts (computed once)."""
@@ -609,7 +610,8 @@ class Prepared:
             )
             pad = self.tokenizer.pad_token_id
             hs = bottom_states(model, task.ids[split], self.n_bottom, pad)
-        return accuracy(model, hs, task.labels[split], self.n_bottom)
+        n = self.limit.get(split, len(hs))
+        return accuracy(model, hs[:n], task.labels[split][:n], self.n_bottom)
 
 
 def prepare(args: argparse.Namespace) -> Prepared:
