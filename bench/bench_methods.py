@@ -375,7 +375,10 @@ def main(argv: list[str] | None = None) -> None:
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch and lmdx "
         f"threads {torch.get_num_threads()}; load {os.getloadavg()}"
     )
-    result = leaderboard(prep, args.methods, args.points)
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=torch.get_num_threads()):  # NumPy's BLAS too (the SVDs)
+        result = leaderboard(prep, args.methods, args.points)
     example.log(f"load {os.getloadavg()}")
     print_table(prep, result, title)
     if args.json:
