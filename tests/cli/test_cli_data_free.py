@@ -47,6 +47,21 @@ METHODS = {
     "tsv_m+svc": {"svc_alpha": 0.5},
 }
 NO_BASE = {"slerp", "karcher"}
+#: method -> what its model card must say of it (the paper, or the construction)
+DESCRIBED = {
+    "tsv_m": "TSV-M (Gargiulo et al., CVPR 2025)",
+    "iso_c": "ISO-C (Marczak et al., ICML 2025)",
+    "iso_cts": "ISO-CTS (Marczak et al., ICML 2025)",
+    "wudi": "WUDI (Cheng et al., ICML 2025)",
+    "breadcrumbs": "Model Breadcrumbs (Davari & Belilovsky, 2024)",
+    "breadcrumbs_ties": "Model Breadcrumbs' masks, then TIES",
+    "della": "DELLA-Merging (Deep et al., 2024)",
+    "della_linear": "DELLA's magnitude-ranked drops",
+    "model_stock": "Model Stock (Jang et al., 2024)",
+    "slerp": "SLERP (Shoemake, 1985",
+    "karcher": "the Karcher mean",
+    "tsv_m+svc": "TSV-M (Gargiulo et al., CVPR 2025)",
+}
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +155,8 @@ def test_every_method_through_the_cli_equals_the_in_memory_door(workspace, metho
     assert all(record["report"][key] == value for key, value in options.items())
     card = (out / "README.md").read_text()
     assert f"**{method}**" in card
+    assert DESCRIBED[method] in card
+    assert ("then SVC (singular value calibration)" in card) == method.endswith("+svc")
     assert all(f"- `{key}`: {value}" in card for key, value in options.items())
     loaded = BertForSequenceClassification.from_pretrained(str(out))
     assert torch.isfinite(loaded(input_ids=torch.tensor([[2, 7, 9, 3]])).logits).all()

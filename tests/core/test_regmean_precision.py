@@ -372,7 +372,7 @@ def grams_with_a_small_input(rng, k, d, column, scale):
 @pytest.mark.parametrize("column", [40, 590], ids=["first-block", "last-block"])
 @pytest.mark.parametrize("target", [1e-8, 3e-6, 3e-5])
 def test_auto_predictor_routes_by_the_pivot_ratio_and_keeps_the_certificate(rng, column, target):
-    """"auto"'s a-priori predictor against the same predictor computed here in NumPy, on
+    """ "auto"'s a-priori predictor against the same predictor computed here in NumPy, on
     600-input systems (three diagonal blocks of the factorization, which stops as soon as
     the pivots so far exceed the ratio the tolerance allows): a layer it predicts above 1e-6
     goes to float64 (the same bits as precision "float64", within 1e-6 of the formula),

@@ -18,6 +18,8 @@ and SVC, whose results depend on the orientation).
 
 from __future__ import annotations
 
+import copy
+
 import hf_models as H
 import numpy as np
 import pytest
@@ -183,6 +185,24 @@ def test_models_equal_the_reference(arch, method, options):
         assert H.rel_err(result.state_dict[name], ref) <= 1e-9, name
     own = {k: v for k, v in options.items() if k != "coefficients"}
     assert {k: result.report[k] for k in own} == own
+
+
+@pytest.mark.parametrize("method", ["tsv_m", "iso_c", "iso_cts", "wudi", "ties+svc"])
+def test_a_tensor_no_model_changed_stays_at_the_base(method):
+    """A frozen layer (every model's tensor equal to the base's) is the base's, bit for bit,
+    and the tensors beside it are merged as without it."""
+    base, models, _ = H.cached_family("bert", "float64")
+    frozen = "bert.encoder.layer.0.attention.self.query.weight"
+    kw = {"base": base, "heads": H.HEADS["bert"], "progress": False}
+    moved = merge_models(models, method, **kw).state_dict
+    still = [copy.deepcopy(m) for m in models]
+    for m in still:
+        m.state_dict()[frozen].copy_(base.state_dict()[frozen])
+    result = merge_models(still, method, **kw).state_dict
+    assert torch.equal(result[frozen], base.state_dict()[frozen])
+    other = "bert.encoder.layer.1.attention.self.query.weight"
+    assert torch.equal(result[other], moved[other])
+    assert not torch.equal(moved[frozen], base.state_dict()[frozen])
 
 
 def test_streaming_equals_in_memory(tmp_path):

@@ -134,7 +134,7 @@ def test_models_equal_the_reference(arch):
 
 
 def test_slerp_and_model_stock_errors():
-    base, models, _ = H.cached_family("bert")
+    _, models, _ = H.cached_family("bert")
     heads = H.HEADS["bert"]
     with pytest.raises(MergeError, match=r"models: slerp interpolates two models, got 3"):
         merge_models(models, "slerp", heads=heads, progress=False)

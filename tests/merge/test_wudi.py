@@ -72,7 +72,10 @@ def test_exact_solve_where_the_system_is_singular():
     grams = [c * t.T @ t / np.sum(t * t) for c, t in zip(coef, taus, strict=True)]
     # the interference's gradient vanishes: Σ c_i (τ − τ_i) G_i/n_i = 0
     gradient = sum((got - t) @ g for t, g in zip(taus, grams, strict=True))
-    assert np.abs(gradient).max() <= 1e-10 * np.abs(sum(t @ g for t, g in zip(taus, grams))).max()
+    assert (
+        np.abs(gradient).max()
+        <= 1e-10 * np.abs(sum(t @ g for t, g in zip(taus, grams, strict=True))).max()
+    )
     # directions no task vector reaches keep the coefficient-weighted average
     w, v = np.linalg.eigh(sum(grams))
     null = v[:, w < 1e-10 * w.max()]

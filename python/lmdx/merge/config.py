@@ -2,7 +2,7 @@
 
 Example::
 
-    method: regmean     # regmean | average | fisher | task_arithmetic | ties | dare | dare_ties
+    method: regmean     # regmean | average | fisher | ties | tsv_m | wudi | ... (all: below)
     models:
       - path: finetuned/bbc    # a save_pretrained (or sentence-transformers) folder,
                                # relative to this file

@@ -17,12 +17,14 @@ merged model (a 2-D tensor the base has, not named by ``exclude``, read ``[out, 
 3. ``γ_r = Σ c_i / Σ c_i max(α, s_ri)`` (α: ``svc_alpha``; ``K / Σ_i max(α, s_ri)`` for
    equal coefficients) and the calibrated ``W_0 + U diag(γ Σ) Vᵀ``.
 
-Every other tensor is as the method merged it. This is the algorithm as FusionBench
-implements it ("Algorithm 1 of the paper", its SVC in ``singular_value_calibration``; the
-paper itself could not be read here), with two differences that only matter in degenerate
-cases: a zero response gives ``s = 0`` exactly (FusionBench clamps ``‖a‖²`` at 1e-12),
-and the coefficients weigh the tasks. α defaults to 0.1 (FusionBench's documented
-default; its configurations use 1.0 after TSV-M and WUDI).
+Every other tensor is as the method merged it, and so is a task matrix the merge left at
+the base (``Δ = 0``: its calibration is 0, found without an SVD). This is the algorithm
+as FusionBench implements it ("Algorithm 1 of the paper", its SVC in
+``singular_value_calibration``; the paper itself could not be read here), with two
+differences that only matter in degenerate cases: a zero response gives ``s = 0``
+exactly (FusionBench clamps ``‖a‖²`` at 1e-12), and the coefficients weigh the tasks. α
+defaults to 0.1 (FusionBench's documented default; its configurations use 1.0 after TSV-M
+and WUDI).
 
 The method runs as it would without SVC (the steps, the report, RegMean++'s blocks on its
 own uncalibrated results); each step's merged tensors are then calibrated before they are
@@ -142,6 +144,8 @@ def _calibrated(name: str, value: Any, inputs: MergeInputs) -> Any:
         return x.T if transposed else x
 
     delta = oriented(as_float64(value, name) - theta0)
+    if not delta.any():  # the merge left it at the base (a frozen layer): nothing to scale
+        return cast_merged(name, theta0, source.dtype(name))
     used = [c for c in coef if c > 0]
     tasks = [
         oriented(as_float64(s.read(name), name) - theta0)

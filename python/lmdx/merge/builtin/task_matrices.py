@@ -15,6 +15,10 @@ configuration (a state dict) has its 2-D tensors read as stored, ``[out, in]`` a
 Every other tensor of the body (biases, norms, any tensor of three or more dimensions) is
 ``θ_0 + λ × Σ c_i τ_i / Σ c_i``: the coefficient-weighted mean of the task vectors, scaled
 as the matrices are (FusionBench's TSV-M and ISO: the mean, then ``× α``).
+
+A task matrix that no model changed (every ``τ_i`` zero: a layer frozen in fine-tuning,
+such as the embeddings) stays at the base without an SVD: every method's update of zero
+task matrices is zero.
 """
 
 from __future__ import annotations
@@ -183,6 +187,8 @@ class TaskMatrixMethod(TaskVectorMethod):
         if not is_task_matrix(name, tuple(base.shape), inputs.options.exclude):
             return self.other_tensor(name, base, tensors, inputs)
         matrices = self.matrices(name, base, tensors, inputs)
+        if not any(tau.any() for tau in matrices.taus):  # no model moved it (a frozen layer):
+            return matrices.theta0  # the base, as every method's zero update leaves it
         delta = self.merge_matrices(name, matrices, inputs)
         delta *= self.scaling(inputs)
         return matrices.merged(delta)
