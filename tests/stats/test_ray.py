@@ -450,6 +450,8 @@ def test_waiting_ends_when_no_live_node_can_take_the_task(
 
 HELD_SCRIPT = """
 import os, signal, sys, threading, time
+# Ctrl-C handled as in a terminal (a shell's background job inherits SIGINT ignored)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import ray
 from lmdx._ray import start_ray
 
@@ -458,8 +460,7 @@ sigterm = signal.getsignal(signal.SIGTERM)
 starting, sent, returned = threading.Event(), threading.Event(), []
 
 def init(*args, **kwargs):
-    # the signal comes while ray.init runs, which also sets its own SIGTERM handler (waited
-    # for: on a loaded machine the signalling thread may run only after the real init)
+    # the signal comes while ray.init runs, which also sets its own SIGTERM handler
     starting.set()
     sent.wait(60)
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(15))
