@@ -53,6 +53,7 @@ __all__ = [
     "solve_group",
     "solve_in_output_blocks",
     "solve_precision",
+    "solve_report",
 ]
 
 _IGNORED = "ignored"  # given to a method that solves nothing: accepted, no effect
@@ -162,16 +163,9 @@ def solve_group(
     )
     dim = int(weights_k[0].shape[1 - axis])  # the layer's input dimension
     del weights_k
-    info = res.info
     solved = {
-        "ridge": float(info.ridge),
-        "attempts": int(info.attempts),
-        "precision": str(info.precision),
-        "rcond_estimate": float(info.rcond_estimate),
-        "condition_estimate": float(info.condition_estimate),
-        "output_error_estimate": float(info.output_error_estimate),
-        "unseen_directions": int(info.unseen_directions),
-        "relative_spread": float(info.relative_spread),
+        **solve_report(res.info),
+        "relative_spread": float(res.info.relative_spread),
         "rows": min(counts),
         "dim": dim,
     }
@@ -349,3 +343,17 @@ def solve_in_output_blocks(
             parts[m].append(info)
         n_blocks += 1
     return merged, {m: _combined(infos, n_blocks) for m, infos in parts.items()}
+
+
+def solve_report(info: Any) -> dict[str, Any]:
+    """A RegMean solve's report entries from the core's ``info``: the ridge it ended with,
+    its attempts, the precision chosen and the certificate's estimates."""
+    return {
+        "ridge": float(info.ridge),
+        "attempts": int(info.attempts),
+        "precision": str(info.precision),
+        "rcond_estimate": float(info.rcond_estimate),
+        "condition_estimate": float(info.condition_estimate),
+        "output_error_estimate": float(info.output_error_estimate),
+        "unseen_directions": int(info.unseen_directions),
+    }

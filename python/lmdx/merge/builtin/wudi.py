@@ -42,7 +42,7 @@ from pydantic import Field
 
 from ...regmean import regmean_merge_layer
 from ..method import Merged, MergeInputs, NoOptions, Step, StepSizes, cast_merged
-from .regmean_solve import GRAM_ROUNDOFF
+from .regmean_solve import GRAM_ROUNDOFF, solve_report
 from .task_matrices import TaskMatrices, TaskMatrixMethod, is_task_matrix
 
 __all__ = ["DEFAULT_RIDGE", "Wudi", "WudiOptions", "surrogate_gram", "wudi_solve"]
@@ -128,17 +128,7 @@ def wudi_solve(
         name=name,
         n_threads=n_threads,
     )
-    info = res.info
-    report = {
-        "ridge": float(info.ridge),
-        "attempts": int(info.attempts),
-        "precision": str(info.precision),
-        "rcond_estimate": float(info.rcond_estimate),
-        "condition_estimate": float(info.condition_estimate),
-        "output_error_estimate": float(info.output_error_estimate),
-        "unseen_directions": int(info.unseen_directions),
-        "shared_with": None,
-    }
+    report = {**solve_report(res.info), "shared_with": None}
     return np.asarray(res.weight), report
 
 
