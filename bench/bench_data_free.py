@@ -28,6 +28,7 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from lmdx import merge_models  # noqa: E402
+from lmdx.merge.builtin.wudi import DEFAULT_RIDGE, wudi_solve  # noqa: E402
 
 K = 3
 #: method -> its options for this run (defaults otherwise) and the SVDs per 2-D tensor it
@@ -108,16 +109,63 @@ def svd_floor(base: dict[str, torch.Tensor], tuned: list[dict[str, torch.Tensor]
     return spent
 
 
+def wudi_precision(base: dict[str, torch.Tensor], tuned: list[dict[str, torch.Tensor]]) -> None:
+    """WUDI's solves (the RegMean solver on surrogate Grams) per linear weight: the precision
+    ``auto`` took, and its weight and output errors against an independent float64 NumPy
+    solve of the same system (S the sum of the reduced surrogate Grams plus the ridge)."""
+    taken: dict[str, int] = {}
+    worst_w = worst_o = 0.0
+    spent = {"auto": 0.0, "float64": 0.0}
+    for name, b in base.items():
+        if b.ndim != 2 or "embeddings" in name:  # WUDI solves the linear layers only
+            continue
+        taus = [m[name].double().numpy() - b.double().numpy() for m in tuned]
+        got = {}
+        for precision in spent:
+            start = time.process_time()
+            got[precision], info = wudi_solve(
+                name, taus, [1.0] * K, ridge=DEFAULT_RIDGE, precision=precision, n_threads=1
+            )
+            spent[precision] += time.process_time() - start
+            if precision == "auto":
+                taken[info["precision"]] = taken.get(info["precision"], 0) + 1
+        reduced = [t.T @ t / float(np.sum(t * t)) for t in taus]
+        dim = taus[0].shape[1]
+        strength = DEFAULT_RIDGE * K / dim
+        s = sum(reduced) + strength * np.eye(dim)
+        rhs = sum(g @ t.T for g, t in zip(reduced, taus, strict=True))
+        rhs = rhs + strength * sum(taus).T
+        ref = np.linalg.solve(s, rhs).T
+        e = got["auto"] - ref
+        worst_w = max(worst_w, float(np.abs(e).max() / np.abs(ref).max()))
+        out_err = np.sqrt(np.einsum("oi,ij,oj->", e, s, e) / np.einsum("oi,ij,oj->", ref, s, ref))
+        worst_o = max(worst_o, float(out_err))
+    print(
+        f"wudi solves: precision taken {taken}; auto {spent['auto']:.2f} s, float64 "
+        f"{spent['float64']:.2f} s CPU; against a float64 NumPy solve: weight error "
+        f"{worst_w:.1e}, output error {worst_o:.1e} (largest over layers)",
+        flush=True,
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument(
+        "--wudi-precision",
+        action="store_true",
+        help="only WUDI's solves: the precision each took, weight and output errors",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     base, tuned = models(args.layers)
     n = sum(int(np.prod(t.shape)) for t in base.values())
     print(f"{platform.processor() or platform.machine()}; load {os.getloadavg()}")
     print(f"BERT-base shapes, {args.layers} layers, {n / 1e6:.1f} M parameters, K = {K}, float32")
+    if args.wudi_precision:
+        wudi_precision(base, tuned)
+        return
     one_svd = svd_floor(base, tuned)
     print(f"one float64 SVD of every 2-D tensor: {one_svd:.2f} s CPU")
     print(f"{'method':<18} {'CPU s':>8} {'wall s':>8}   SVD floor (s)")
