@@ -2,7 +2,7 @@
 statistics folders, checkpoints, checkpoint indexes and merge configs (the cases of
 tests/fuzz/fuzz_cases.py), each under a time limit, the whole run under a memory limit.
 
-    PYTHONPATH=python .venv/bin/python scripts/fuzz.py --cases 10000
+    .venv/bin/python scripts/fuzz.py --cases 10000      # lmdx installed in .venv (pip install .)
 
 Prints the outcomes per target (merged, or the lmdx error raised) and every bad outcome
 (another exception, a partial output, a modified input, a merge different from the clean
