@@ -7,8 +7,11 @@ cli/test_cli_merge.py.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 import numpy as np
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 
 def ref_top_k(tau, density):
@@ -59,3 +62,25 @@ def ref_merge(method, name, theta0, thetas, coefficients, density, scaling, seed
     else:
         delta = sum(ci * t for ci, t in zip(c, taus, strict=True))
     return theta0 + scaling * delta
+
+
+@st.composite
+def task_tensors(
+    draw: st.DrawFn, max_dims: int, max_side: int, weights: Sequence[float]
+) -> tuple[np.ndarray, list[np.ndarray], list[float] | None]:
+    """A base tensor, K = 2..4 fine-tunes of it and coefficients (None, or K drawn from
+    ``weights`` with a positive sum) for the task-vector methods' references. The models
+    differ from the base by small integers × 0.25: sign sums that are exactly 0, equal
+    magnitudes, zero task entries."""
+    shape = draw(hnp.array_shapes(min_dims=0, max_dims=max_dims, max_side=max_side))
+    k = draw(st.integers(2, 4))
+    ints = hnp.arrays(np.float64, shape, elements=st.integers(-3, 3).map(float))
+    base = draw(hnp.arrays(np.float64, shape, elements=st.floats(-2, 2, width=32)))
+    thetas = [np.asarray(base + draw(ints) * 0.25) for _ in range(k)]
+    coef = draw(
+        st.none()
+        | st.lists(st.sampled_from(list(weights)), min_size=k, max_size=k).filter(
+            lambda c: sum(c) > 0
+        )
+    )
+    return base, thetas, coef

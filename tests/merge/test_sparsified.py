@@ -26,6 +26,7 @@ from lmdx.merge.builtin.della import magprune
 from lmdx.merge.method import MergeInputs
 from lmdx.merge.registry import merge_options, method_named
 from lmdx.merge.source import StateDictSource
+from task_vectors import task_tensors
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -101,24 +102,8 @@ def test_magprune_keeps_large_entries_more_often_and_the_expected_value():
     assert np.abs(runs - tau).mean() < 0.1 * np.abs(tau).mean()  # unbiased
 
 
-@st.composite
-def _tensors(draw):
-    shape = draw(hnp.array_shapes(min_dims=0, max_dims=2, max_side=6))
-    k = draw(st.integers(2, 4))
-    ints = hnp.arrays(np.float64, shape, elements=st.integers(-3, 3).map(float))
-    base = draw(hnp.arrays(np.float64, shape, elements=st.floats(-2, 2, width=32)))
-    thetas = [np.asarray(base + draw(ints) * 0.25) for _ in range(k)]
-    coef = draw(
-        st.none()
-        | st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.0]), min_size=k, max_size=k).filter(
-            lambda c: sum(c) > 0
-        )
-    )
-    return base, thetas, coef
-
-
 @given(
-    data=_tensors(),
+    data=task_tensors(max_dims=2, max_side=6, weights=[0.0, 0.5, 1.0, 2.0]),
     method=st.sampled_from(list(DEFAULTS)),
     density=st.sampled_from([0.3, 0.5, 0.7]),
     knob=st.sampled_from([0.0, 0.1, 0.2]),

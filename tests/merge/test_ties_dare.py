@@ -33,7 +33,7 @@ from lmdx.merge.builtin.task_vectors import dare_keep, top_k_magnitude
 from lmdx.merge.method import MergeInputs
 from lmdx.merge.registry import merge_options, method_named
 from lmdx.merge.source import StateDictSource
-from task_vectors import ref_merge, ref_top_k
+from task_vectors import ref_merge, ref_top_k, task_tensors
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -76,25 +76,8 @@ def test_top_k_counts_int_density_times_numel_as_mergekit():
     assert top_k_magnitude(tau, 1.0) is tau
 
 
-@st.composite
-def _tensors(draw):
-    shape = draw(hnp.array_shapes(min_dims=0, max_dims=3, max_side=7))
-    k = draw(st.integers(2, 4))
-    # Small integers: sign sums that are exactly 0, equal magnitudes, zero task entries.
-    ints = hnp.arrays(np.float64, shape, elements=st.integers(-3, 3).map(float))
-    base = draw(hnp.arrays(np.float64, shape, elements=st.floats(-2, 2, width=32)))
-    thetas = [np.asarray(base + draw(ints) * 0.25) for _ in range(k)]
-    coef = draw(
-        st.none()
-        | st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.0, 3.0]), min_size=k, max_size=k).filter(
-            lambda c: sum(c) > 0
-        )
-    )
-    return base, thetas, coef
-
-
 @given(
-    data=_tensors(),
+    data=task_tensors(max_dims=3, max_side=7, weights=[0.0, 0.5, 1.0, 2.0, 3.0]),
     method=st.sampled_from(["ties", "dare", "dare_ties", "task_arithmetic"]),
     density=st.sampled_from([0.1, 0.3, 0.5, 0.77, 1.0]),
     scaling=st.sampled_from([0.3, 1.0, -0.5]),
