@@ -1,6 +1,6 @@
 """The workspace of the ``lmdx stats`` / ``lmdx merge`` command-line tests: K tiny BERT
 classifiers saved to disk, texts (whole, in two parts, labelled) and each model's
-statistics written by ``lmdx stats``; and the small helpers those tests share."""
+statistics written by ``lmdx stats``; and a helper they share (the others: hf_models.py)."""
 
 from __future__ import annotations
 
@@ -41,14 +41,6 @@ def build_workspace(root: Path) -> Path:
         )
         assert rc == 0
     return root
-
-
-def rel(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
-def leftovers(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
 
 
 def write_config(path: Path, text: str) -> Path:

@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cli_workspace import MODULE, K, build_workspace, leftovers, rel, write_config
+from cli_workspace import MODULE, K, build_workspace, write_config
+from hf_models import leftovers, rel_err
 from lmdx.cli import main
 from lmdx.stats import Statistics
 from safetensors.numpy import load_file
@@ -52,7 +53,7 @@ def test_merge_regmean_matches_numpy(workspace: Path, capsys: pytest.CaptureFixt
         weights.append(w.astype(np.float64))
     ref = np.linalg.solve(sum(grams), sum(g @ w.T for g, w in zip(grams, weights, strict=True))).T
     got = merged.get_parameter(f"{MODULE}.weight").detach().double().numpy()
-    assert rel(got, ref) < 1e-6
+    assert rel_err(got, ref) < 1e-6
     bias = np.mean(
         [
             load_file(str(workspace / f"m{i}" / "model.safetensors"))[f"{MODULE}.bias"]
@@ -61,7 +62,7 @@ def test_merge_regmean_matches_numpy(workspace: Path, capsys: pytest.CaptureFixt
         axis=0,
         dtype=np.float64,
     )
-    assert rel(merged.get_parameter(f"{MODULE}.bias").detach().double().numpy(), bias) < 1e-6
+    assert rel_err(merged.get_parameter(f"{MODULE}.bias").detach().double().numpy(), bias) < 1e-6
     heads = [load_file(str(out / "heads" / f"{i}.safetensors")) for i in range(K)]
     for i, head in enumerate(heads):
         own = load_file(str(workspace / f"m{i}" / "model.safetensors"))
@@ -90,7 +91,7 @@ def test_merge_task_arithmetic_and_average(workspace: Path) -> None:
     ]
     ref = base + 0.5 * sum(t - base for t in thetas)
     got = load_file(str(out / "model.safetensors"))[name]
-    assert rel(got.astype(np.float64), ref) < 1e-6
+    assert rel_err(got.astype(np.float64), ref) < 1e-6
 
     cfg = write_config(
         workspace / "avg.yaml",
@@ -100,7 +101,7 @@ def test_merge_task_arithmetic_and_average(workspace: Path) -> None:
     out = workspace / "merged-avg"
     assert main(["merge", str(cfg), "--out", str(out), "--no-progress"]) == 0
     ref = sum((i + 1) * t for i, t in enumerate(thetas)) / 6.0
-    assert rel(load_file(str(out / "model.safetensors"))[name].astype(np.float64), ref) < 1e-6
+    assert rel_err(load_file(str(out / "model.safetensors"))[name].astype(np.float64), ref) < 1e-6
 
 
 def test_merge_ties_and_dare_match_numpy(
@@ -134,7 +135,7 @@ def test_merge_ties_and_dare_match_numpy(
                 settings["scaling"],
                 settings.get("seed", 0),
             )
-            assert rel(merged[name].astype(np.float64), ref) < 1e-6, (method, name)
+            assert rel_err(merged[name].astype(np.float64), ref) < 1e-6, (method, name)
         record = json.loads((out / "lmdx_merge.json").read_text())
         assert {k: record["report"][k] for k in settings} == settings
         assert record["config"]["base"] == str(workspace / "base")

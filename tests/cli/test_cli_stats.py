@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cli_workspace import MODULE, build_workspace, rel
+from cli_workspace import MODULE, build_workspace
+from hf_models import rel_err
 from lmdx.cli import main
 from lmdx.stats import Statistics
 from transformers import AutoTokenizer, BertForSequenceClassification
@@ -47,7 +48,7 @@ def test_stats_file_holds_reference_gram(workspace: Path) -> None:
     stats = Statistics.load(workspace / "s0.safetensors")
     assert stats.kind == "regmean-gram" and stats.padding == "excluded"
     assert stats.count(MODULE) == n
-    assert rel(stats.gram(MODULE), ref) < 1e-6
+    assert rel_err(stats.gram(MODULE), ref) < 1e-6
     assert "64 texts" in stats.data
 
 
@@ -74,8 +75,8 @@ def test_stats_add_equals_whole(workspace: Path) -> None:
     added, whole = Statistics.load(total), Statistics.load(workspace / "s0.safetensors")
     for module in whole.modules:
         assert added.count(module) == whole.count(module)
-        assert rel(added.gram(module), whole.gram(module)) < 1e-12
-        assert rel(added.sum(module), whole.sum(module)) < 1e-12
+        assert rel_err(added.gram(module), whole.gram(module)) < 1e-12
+        assert rel_err(added.sum(module), whole.sum(module)) < 1e-12
 
 
 def test_stats_show(workspace: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -121,7 +122,7 @@ def test_fisher_stats_gold_labels(workspace: Path) -> None:
         torch.log_softmax(logits, -1)[0, row["label"]].backward()
         ref += model.get_parameter(name).grad.double().numpy() ** 2
     assert stats.count() == 6
-    assert rel(stats.fisher(name), ref) < 1e-5
+    assert rel_err(stats.fisher(name), ref) < 1e-5
 
 
 def test_stats_errors(workspace: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -235,4 +236,4 @@ def test_stats_on_a_device_the_model_cannot_use_is_one_line_and_nothing_written(
     got, ref = Statistics.load(out), Statistics.load(workspace / "s0.safetensors")
     assert got.accumulation == "mixed" and got.modules == ref.modules
     for m in ref.modules:
-        assert got.count(m) == ref.count(m) and rel(got.gram(m), ref.gram(m)) < 1e-6, m
+        assert got.count(m) == ref.count(m) and rel_err(got.gram(m), ref.gram(m)) < 1e-6, m
