@@ -24,6 +24,7 @@ import fnmatch
 import functools
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -180,6 +181,23 @@ def cached_family(arch: str, dtype: str = "float32", k: int = 3) -> tuple[Any, t
         models = [m.double() for m in models]
     batches = tuple(random_batches(arch, 10 + i) for i in range(k))
     return base, tuple(models), batches
+
+
+def saved_family(root: Path, arch: str) -> dict[str, Any]:
+    """:func:`cached_family` written under ``root``: model folders ``{arch}{i}``, each
+    model's statistics on its own batches (``{arch}{i}.safetensors``) and the base's folder
+    ``{arch}-base``. Returns ``base`` and ``models`` (the modules), ``paths``, ``stats``
+    and ``base_path``."""
+    base, models, batches = cached_family(arch)
+    paths, stats = [], []
+    for i, (m, b) in enumerate(zip(models, batches, strict=True)):
+        p = root / f"{arch}{i}"
+        m.save_pretrained(p)
+        paths.append(p)
+        stats.append(collect(m, b).save(root / f"{arch}{i}.safetensors"))
+    base_path = root / f"{arch}-base"
+    base.save_pretrained(base_path)
+    return {"base": base, "models": models, "paths": paths, "stats": stats, "base_path": base_path}
 
 
 def random_batches(

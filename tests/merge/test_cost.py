@@ -112,16 +112,8 @@ def family(tmp_path_factory):
     root = tmp_path_factory.mktemp("cost")
     out = {}
     for arch in ("bert", "gpt2"):
-        base, models, batches = H.cached_family(arch)
-        paths, stats = [], []
-        for i, (m, b) in enumerate(zip(models, batches, strict=True)):
-            p = root / f"{arch}{i}"
-            m.save_pretrained(p)
-            paths.append(p)
-            stats.append(H.collect(m, b).save(root / f"{arch}{i}.safetensors"))
-        base_path = root / f"{arch}-base"
-        base.save_pretrained(base_path)
-        out[arch] = {"models": models, "paths": paths, "stats": stats, "base": base_path}
+        saved = H.saved_family(root, arch)
+        out[arch] = {**saved, "base": saved["base_path"]}
     return out
 
 

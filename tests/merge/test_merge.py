@@ -364,7 +364,9 @@ def test_wrong_statistics_kind_count_or_padding_are_refused():
     with pytest.raises(MergeError, match=r"^stats: 2 statistics for 3 models$"):
         _merge(models, stats=stats[:2])
     with pytest.raises(
-        MergeError, match=r"^stats: method regmean needs regmean-gram statistics, one per model$"
+        MergeError,
+        match=r"^stats: method regmean needs regmean-gram statistics, one per model \(or "
+        r"surrogate: true with base, for a surrogate from its task vector\)$",
     ):
         _merge(models)
     with pytest.raises(

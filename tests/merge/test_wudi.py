@@ -18,7 +18,8 @@ from data_free_refs import ref_wudi
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from lmdx import MergeError, merge_models
-from lmdx.merge.builtin.wudi import surrogate_gram, wudi_solve
+from lmdx.merge.builtin.wudi import wudi_solve
+from lmdx.merge.surrogate import surrogate_gram
 from transformers.pytorch_utils import Conv1D
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -327,6 +327,12 @@ def _report_precision(report: dict[str, Any]) -> None:
     worst = max((float(i.get("output_error_estimate", 0.0)) for i in layers), default=0.0)
     bound = f"; float32 output error <= {worst:.1e} (certified)" if counts.get("float32") else ""
     print(f"lmdx merge: RegMean systems by precision: {parts}{bound}")
+    made = report.get("surrogate_stats")
+    if made:
+        print(
+            f"lmdx merge: statistics of {', '.join(made)}: surrogates from their task vectors "
+            "against base (surrogate: true)"
+        )
 
 
 def _report_poorly_determined(record: Path, report: dict[str, Any]) -> None:

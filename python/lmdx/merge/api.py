@@ -52,7 +52,7 @@ __all__ = [
     "stream_merge",
 ]
 
-StatsArg = Sequence[Statistics | str | os.PathLike[str]] | None
+StatsArg = Sequence[Statistics | str | os.PathLike[str] | None] | None
 
 
 def merge_models(
@@ -86,7 +86,9 @@ def merge_models(
     stats
         ``regmean``: K Gram statistics (objects, files or sharded folders), one per model,
         in order; ``fisher``: K Fisher statistics. Each is verified to belong to its model
-        (per-tensor SHA-256 of its weights).
+        (per-tensor SHA-256 of its weights). ``regmean`` with ``surrogate=True`` and
+        ``base``: a None entry gives that model a surrogate Gram from its task vector
+        (:mod:`lmdx.merge.surrogate`; at least one model needs its statistics).
     base
         The pre-trained model (a module or folder): the model LoRA adapters in ``models``
         adapt (their statistics must be collected on base + adapter), and the θ_base the

@@ -73,6 +73,11 @@ def model_card(record: Mapping[str, Any], config: Mapping[str, Any] | None = Non
         value = options.get(key)
         if value not in (None, [], ()):
             lines.append(f"- `{key}`: {_cell(value)}")
+    if report.get("surrogate_stats"):
+        lines.append(
+            f"- statistics of {_cell(', '.join(report['surrogate_stats']))}: surrogates from "
+            "their task vectors against the base (`surrogate: true`), not collected on data"
+        )
     if report.get("poorly_determined"):
         lines.append(
             f"- {len(report['poorly_determined'])} RegMean system(s) poorly determined "

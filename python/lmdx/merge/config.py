@@ -375,12 +375,16 @@ def _resolved(checked: Any, root: Path, where: str, cost: bool) -> MergeConfig:
             entry.text_field = e.text_field
         entry.max_texts, entry.max_length = e.max_texts, e.max_length
         models.append(entry)
-    _check_needs(method, models, checked, where, cost)
     values = {k: getattr(checked, k) for k in all_options()}
     try:
-        own = method_options(method, values)
+        own, refused = method_options(method, values), None
     except OptionError as exc:
-        raise MergeError(f"{where}: {exc.in_file()}") from None
+        own, refused = None, exc
+    surrogate = own is not None and method_named(method).surrogates(own)
+    _check_needs(method, models, checked, where, cost, surrogate)  # first: what is missing
+    if own is None:
+        assert refused is not None
+        raise MergeError(f"{where}: {refused.in_file()}") from None
     coefs = [m.coefficient for m in models]
     if any(c is not None for c in coefs) and any(c is None for c in coefs):
         raise MergeError(f"{where}: give a coefficient for every model or for none")
@@ -399,7 +403,7 @@ def _resolved(checked: Any, root: Path, where: str, cost: bool) -> MergeConfig:
 
 
 def _check_needs(
-    method: str, models: list[ModelEntry], checked: Any, where: str, cost: bool
+    method: str, models: list[ModelEntry], checked: Any, where: str, cost: bool, surrogate: bool
 ) -> None:
     """What the method needs, checked as the front doors check it
     (:func:`lmdx.merge.inputs.check_needs`) with the keys named as in the file; a model's
@@ -431,6 +435,7 @@ def _check_needs(
             ],
             key=key,
             cost=cost,
+            surrogate=surrogate,
         )
     except MergeError as exc:
         raise MergeError(f"{where}: {exc}") from None

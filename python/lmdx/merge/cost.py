@@ -89,10 +89,17 @@ def _opened_gram_stats(
     stats: Sequence[Any], sources: Sequence[TensorSource], labels: Sequence[str]
 ) -> list[Statistics]:
     """Gram statistics given for the cost alone, opened and checked against the models."""
-    objs = open_stats(stats, "regmean-gram", labels)
-    assert objs is not None
-    for source, s in zip(sources, objs, strict=True):
+    opened = open_stats(stats, "regmean-gram", labels)
+    assert opened is not None
+    objs = []
+    for i, (source, s) in enumerate(zip(sources, opened, strict=True)):
+        if s is None:
+            raise MergeError(
+                f"stats[{i}]: what each task pays needs every model's Gram statistics "
+                f"({labels[i]} has none; lmdx stats)"
+            )
         check_stats_model(source, s)
+        objs.append(s)
     check_same_entries(objs, labels)
     return objs
 

@@ -20,7 +20,8 @@ from .lora import LoraExport, check_lora_export
 from .method import MergeInputs, MergeMethod
 from .options import MergeOptions
 from .plan import content_sha256
-from .source import AdapterSource, TensorSource
+from .source import AdapterSource, TensorSource, base_as_named
+from .surrogate import SURROGATE_SOURCE, SurrogateStatistics, with_surrogates
 
 __all__ = [
     "check_needs",
@@ -49,6 +50,7 @@ def check_needs(
     key: Callable[[str, int | None], str] = _door_key,
     running: bool = True,
     cost: bool = False,
+    surrogate: bool = False,
 ) -> None:
     """That ``method`` gets the statistics, base and data it takes, and nothing else: the
     one check of what a method needs, for the front doors and the configuration files.
@@ -59,13 +61,34 @@ def check_needs(
     naming the ones that take what was given). Data is needed only to run the merge, not
     to plan it (``running``). With ``cost``, a method that takes no statistics accepts
     them: they are used for what each task pays (:mod:`lmdx.merge.cost`), never by the
-    method."""
+    method. With ``surrogate`` (the method's options ask for surrogate statistics,
+    :meth:`~lmdx.merge.method.MergeMethod.surrogates`), models without statistics are
+    accepted when the base is given and at least one model has them."""
     name = method.name
     given = list(stats) if stats is not None else [False] * k
-    for i, has in enumerate(given):
-        if method.stats is not None and not has:
+    missing = [i for i, has in enumerate(given) if not has]
+    if surrogate and missing:
+        if len(missing) == k:
             raise MergeError(
-                f"{key('stats', i)}: method {name} needs {method.stats} statistics, one per model"
+                f"{key('stats', 0)}: surrogate statistics need at least one model's own "
+                f"{method.stats} statistics (lmdx stats): they set the surrogates' scale"
+            )
+        if not base:
+            raise MergeError(
+                f"{key('base', None)}: surrogate statistics of models without their own "
+                "(surrogate: true) come from their task vectors: give the pre-trained model "
+                "they were fine-tuned from (base)"
+            )
+    for i, has in enumerate(given):
+        if method.stats is not None and not has and not surrogate:
+            hint = (
+                " (or surrogate: true with base, for a surrogate from its task vector)"
+                if "surrogate" in method.options.model_fields
+                else ""
+            )
+            raise MergeError(
+                f"{key('stats', i)}: method {name} needs {method.stats} statistics, one per "
+                f"model{hint}"
             )
         if method.stats is None and has and not cost:
             raise MergeError(
@@ -82,7 +105,7 @@ def check_needs(
             f"{key('base', None)}: method {name} needs the pre-trained model the models were "
             "fine-tuned from (base)"
         )
-    if base and not method.needs_base and not adapters:
+    if base and not method.needs_base and not adapters and not surrogate:
         users = ", ".join(m.name for m in registered.values() if m.needs_base)
         raise MergeError(
             f"{key('base', None)}: used by LoRA adapters (models that are adapter folders) and "
@@ -160,6 +183,7 @@ def open_inputs(
         raise MergeError(f"stats: {len(stats)} statistics for {k} models")
     if data is not None and len(data) != k:
         raise MergeError(f"data: {len(data)} entries for {k} models")
+    surrogate = method.surrogates(options.method_options)
     check_needs(
         method,
         registered,
@@ -170,19 +194,28 @@ def open_inputs(
         data=None if data is None else [d is not None for d in data],
         running=running,
         cost=cost,
+        surrogate=surrogate,
     )
     base_source = None if base is None else open_model(base, "base")
     sources = _open_models(models, labels, base_source, open_model)
     rank = options.output.lora_rank
     lora = None if rank is None else LoraExport(check_lora_export(sources, rank), rank)
-    stat_objs = open_stats(stats, method.stats, labels)
+    if surrogate and base_source is not None:  # the surrogates' task vectors' base
+        base_source, _ = base_as_named(base_source, sources[0])
+    opened = open_stats(stats, method.stats, labels)
+    stat_objs = None
+    if opened is not None and any(s is None for s in opened):
+        assert base_source is not None  # checked: check_needs (surrogate, base)
+        stat_objs = with_surrogates(opened, sources, base_source)
+    elif opened is not None:
+        stat_objs = [s for s in opened if s is not None]
     inputs = MergeInputs(
         method,
         options,
         sources,
         list(labels),
         stat_objs,
-        base_source if method.needs_base else None,
+        base_source if method.needs_base or surrogate else None,
         data,
         tokenizer,
         lora,
@@ -203,17 +236,18 @@ def _opened(stats: Any) -> Statistics:
 
 def open_stats(
     stats: Sequence[Any] | None, kind: str | None, labels: Sequence[str]
-) -> list[Statistics] | None:
-    """The statistics of ``kind`` a method needs, one per model (None for methods without:
-    :func:`check_needs` has checked which were given), loaded and checked for kind and a
-    common padding policy; not yet checked against the models."""
+) -> list[Statistics | None] | None:
+    """The statistics of ``kind`` a method needs, one per model (None for methods without;
+    a None entry for a model given none: :func:`check_needs` has checked which were
+    given), loaded and checked for kind and a common padding policy; not yet checked
+    against the models."""
     if kind is None or stats is None:
         return None
-    objs = [_opened(s) for s in stats]
+    objs = [None if s is None else _opened(s) for s in stats]
     for i, (s, lab) in enumerate(zip(objs, labels, strict=True)):
-        if s.kind != kind:
+        if s is not None and s.kind != kind:
             raise MergeError(f"stats[{i}] ({s.source or lab}): kind {s.kind!r}, expected {kind!r}")
-    if kind == "regmean-gram" and len({s.padding for s in objs}) > 1:
+    if kind == "regmean-gram" and len({s.padding for s in objs if s is not None}) > 1:
         raise MergeError(
             "statistics mix padding policies (excluded and included); collect them all the same way"
         )
@@ -243,9 +277,12 @@ def _stats_sha256(stats: Statistics | None) -> str | None:
 
 
 def _stats_record(stats: Statistics | None) -> str | list[str] | None:
-    """Where a model's statistics came from: a file or folder, or the parts joined."""
+    """Where a model's statistics came from: a file or folder, the parts joined, or its
+    task vector (:data:`~lmdx.merge.surrogate.SURROGATE_SOURCE`)."""
     if stats is None:
         return None
+    if isinstance(stats, SurrogateStatistics):
+        return SURROGATE_SOURCE
     files = stats.files
     return list(files) if files is not None and len(files) > 1 else stats.source
 

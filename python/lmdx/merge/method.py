@@ -21,7 +21,9 @@ defaults, checks; each field's description is its help text, and a field's
 ``json_schema_extra={"label": ...}`` the words of its error message); ``stats``, the kind
 of statistics it needs one of per model (``"regmean-gram"``, ``"fisher"`` or None);
 ``needs_base`` (the pre-trained model, for task vectors), ``takes_data`` (each model's
-texts at merge time) and ``ray`` (whether its group steps may run on Ray workers).
+texts at merge time) and ``ray`` (whether its group steps may run on Ray workers); and,
+by :meth:`~MergeMethod.surrogates`, whether its options let models without statistics
+use surrogate ones.
 
 What it does (methods, all with defaults), in the order a merge asks:
 :meth:`~MergeMethod.check` (the inputs, before any work), :meth:`~MergeMethod.order` (of
@@ -239,6 +241,12 @@ class MergeMethod:
     headline: ClassVar[tuple[str, ...]] = ()
     #: Whether the method shows its own progress (then the engine's bar is off).
     shows_progress: ClassVar[bool] = False
+
+    def surrogates(self, own: BaseModel) -> bool:
+        """Whether, with its own options ``own``, models without statistics get surrogate
+        ones from their task vectors against the base (:mod:`lmdx.merge.surrogate`;
+        default: never, every model needs its own)."""
+        return False
 
     def check(self, inputs: MergeInputs) -> None:
         """Refuse inputs this method cannot merge, before any work (:class:`MergeError`);

@@ -29,6 +29,7 @@ from ..stats.file import Statistics
 from .method import MergeInputs, Step, StepSizes, tensor_step
 from .options import HeadsError
 from .source import AdapterSource, TensorSource
+from .surrogate import SurrogateStatistics
 
 __all__ = [
     "MergePlan",
@@ -277,6 +278,8 @@ def make_plan(inputs: MergeInputs, *, folder: bool) -> MergePlan:
     tied = ref.aliases()
     if inputs.stats is not None:
         for source, s in zip(sources, inputs.stats, strict=True):
+            if isinstance(s, SurrogateStatistics):  # made from the source's own weights
+                continue
             tied = {**source.aliases(), **check_stats_model(source, s)}
         check_same_entries(inputs.stats, labels)
     if inputs.base is not None:  # the tensors the base lacks: the method's to say

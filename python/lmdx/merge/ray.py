@@ -123,7 +123,10 @@ class RayGroupSolver:
         assert stats is not None
         paths = [s.files for s in stats]
         if any(p is None for p in paths):
-            raise MergeError("ray_workers: the statistics must be files or folders (paths)")
+            raise MergeError(
+                "ray_workers: the statistics must be files or folders (paths); surrogate "
+                "statistics (surrogate: true) are formed in this process: merge without Ray"
+            )
         return cls(
             [str(Path(str(c.path)).absolute()) for c in inputs.sources],
             [[str(Path(p).absolute()) for p in parts or ()] for parts in paths],

@@ -19,7 +19,7 @@ import numpy as np
 from .._errors import MergeError
 from .._tensors import FLOAT_DTYPES, as_float64, dtype_name
 from ..files.checkpoint import Checkpoint
-from ..files.hf import load_model
+from ..files.hf import base_model_info, load_model
 from ..files.identity import tensor_sha256
 from ..files.peft import LoraAdapter, is_peft_model
 from ..files.saved import saved_state
@@ -29,6 +29,7 @@ __all__ = [
     "PrefixedSource",
     "StateDictSource",
     "TensorSource",
+    "base_as_named",
     "model_source",
     "read_rows",
 ]
@@ -295,6 +296,21 @@ class AdapterSource:
 
     def total_bytes(self) -> int:
         return self.base.total_bytes() + self.adapter.total_bytes()
+
+
+def base_as_named(base: TensorSource, ref: TensorSource) -> tuple[TensorSource, str | None]:
+    """``base`` under the names the models (``ref``) give its tensors, and the prefix
+    added (None: none). A bare encoder (``BertModel``: ``embeddings.*``) is the base of
+    task classes (``BertForSequenceClassification``: ``bert.embeddings.*``): it is read
+    with the models' ``base_model_prefix`` (:class:`PrefixedSource`), as transformers loads
+    one into the other, when none of the models' names is the base's and some are so."""
+    prefix, _ = base_model_info(ref.config)
+    names = ref.names()
+    if prefix and not any(n in base for n in names):
+        mapped = PrefixedSource(base, prefix)
+        if any(n in mapped for n in names):
+            return mapped, prefix
+    return base, None
 
 
 class PrefixedSource:

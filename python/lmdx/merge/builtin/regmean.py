@@ -9,7 +9,9 @@ inside RegMean++: whole or in blocks of output rows
 (:mod:`lmdx.merge.builtin.regmean_solve`), or, for LoRA adapters over one base, on their
 low-rank factors (:func:`regmean_low_rank`). Its report entries are the solver's
 information per module and, where the system is poorly determined
-(:func:`poorly_determined`), why and what to do.
+(:func:`poorly_determined`), why and what to do. With ``surrogate: true``
+(:class:`RegMeanOptions`) and the base, a model given no statistics takes surrogate ones
+from its task vector (:mod:`lmdx.merge.surrogate`; the report's ``surrogate_stats``).
 
 **RegMean of K adapters over one base** ``W_i = W₀ + B_i A_i`` (``B_i`` with PEFT's
 scaling, ``[out, in]`` orientation). lmdx solves RegMean for the deviation from the
@@ -38,10 +40,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import numpy as np
 from numpy.typing import NDArray
+from pydantic import BaseModel, Field
 
 from ..._errors import MergeError
 from ..._tensors import as_float64
@@ -53,6 +56,7 @@ from ..lora import Factors
 from ..method import Merged, MergeInputs, MergeMethod, NoOptions, Step, StepSizes, cast_merged
 from ..options import MergeOptions
 from ..source import AdapterSource, TensorSource
+from ..surrogate import SurrogateStatistics
 from .average import AVERAGE
 from .regmean_solve import (
     SolveOptions,
@@ -67,6 +71,7 @@ __all__ = [
     "CONDITION_LIMIT",
     "ROWS_PER_INPUT",
     "RegMean",
+    "RegMeanOptions",
     "group_report",
     "low_rank_inputs",
     "poorly_determined",
@@ -404,6 +409,20 @@ def solve_step(step: Step, inputs: MergeInputs) -> Merged:
     return Merged(tensors, group_report(step.modules[0], layers, alpha))
 
 
+class RegMeanOptions(SolveOptions):
+    """RegMean's solve options, and whether models without statistics take surrogate ones."""
+
+    surrogate: Annotated[
+        bool,
+        Field(
+            description="models given no statistics use a Gram from their task vector against "
+            "base, scaled to the real statistics' trace (lmdx.merge.surrogate); needs base "
+            "and at least one model's statistics",
+            json_schema_extra={"label": "must be true or false"},
+        ),
+    ] = False
+
+
 class RegMean(MergeMethod):
     """Linear weights with statistics in every file solved (``W_Mᵀ = (Σ c_i G̃_i)⁻¹ Σ c_i
     G̃_i W_iᵀ``, :func:`solve_step`), everything else averaged."""
@@ -413,9 +432,12 @@ class RegMean(MergeMethod):
         "RegMean (Jin et al., ICLR 2023, arXiv 2212.09849): every linear layer solved in "
         "closed form from the Gram matrices of its inputs"
     )
-    options: ClassVar[type[NoOptions]] = SolveOptions
+    options: ClassVar[type[NoOptions]] = RegMeanOptions
     stats: ClassVar[str | None] = "regmean-gram"
     ray: ClassVar[str] = "groups"
+
+    def surrogates(self, own: BaseModel) -> bool:
+        return isinstance(own, RegMeanOptions) and own.surrogate
 
     def group_steps(self, inputs: MergeInputs, body: Sequence[str], tied: set[str]) -> list[Step]:
         stats = inputs.stats
@@ -463,6 +485,9 @@ class RegMean(MergeMethod):
         with why."""
         out = super().report(inputs)
         stats = inputs.stats or []
+        made = [inputs.labels[i] for i, s in enumerate(stats) if isinstance(s, SurrogateStatistics)]
+        if made:
+            out["surrogate_stats"] = made
         missing = {n: why for s in stats for n, why in s.not_solved.items()}
         heads = inputs.options.heads.patterns
         missing = {n: why for n, why in sorted(missing.items()) if not matches(n, heads)}

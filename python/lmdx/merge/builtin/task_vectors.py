@@ -39,9 +39,8 @@ from pydantic import Field
 from ..._errors import MergeError
 from ..._tensors import as_float64
 from ..._util import matches
-from ...files.hf import base_model_info
 from ..method import MergeInputs, MergeMethod, NoOptions, Step, StepSizes
-from ..source import PrefixedSource, TensorSource
+from ..source import TensorSource, base_as_named
 from .average import AVERAGE
 
 __all__ = [
@@ -260,20 +259,14 @@ def base_as_models_name_it(
 ) -> tuple[TensorSource, dict[str, Any]]:
     """``base`` under the names of the models' tensors, and what to say about it.
 
-    A bare encoder (``BertModel``: ``embeddings.*``) is the base of task classes
-    (``BertForSequenceClassification``: ``bert.embeddings.*``): its names get the models'
-    ``base_model_prefix``, as transformers loads one into the other. The models' tensors
+    A bare encoder is read with the models' ``base_model_prefix``
+    (:func:`~lmdx.merge.source.base_as_named`). The models' tensors
     the base still lacks are said: task heads (``heads`` patterns) are kept per model or
     dropped, as always; any other such tensor has no task vector and is averaged (copied
     from the first model if not floating point)."""
-    prefix, _ = base_model_info(ref.config)
+    base, prefix = base_as_named(base, ref)
     names = ref.names()
-    note: dict[str, Any] = {}
-    if prefix and not any(n in base for n in names):
-        mapped = PrefixedSource(base, prefix)
-        if any(n in mapped for n in names):
-            base = mapped
-            note["prefix"] = prefix
+    note: dict[str, Any] = {} if prefix is None else {"prefix": prefix}
     lacks = [n for n in names if n not in base]
     if lacks and len(lacks) == len(names):
         raise MergeError(

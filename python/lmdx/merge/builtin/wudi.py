@@ -8,7 +8,7 @@ span (approximately) the inputs the layer saw while fine-tuned on task i, and mi
 per layer, the interference ``Σ_i ‖(τ − τ_i) τ_iᵀ‖²_F / ‖τ_i‖²_F`` over the merged ``τ``
 (FusionBench: 300–400 Adam steps from ``Σ τ_i`` per matrix on a GPU). That is RegMean's
 objective ``Σ_i c_i ‖(τ − τ_i)‖²_{G_i / n_i}`` with the surrogate Gram ``G_i = τ_iᵀ τ_i``
-and count ``n_i = ‖τ_i‖²_F`` (:func:`surrogate_gram`), so lmdx solves it with
+and count ``n_i = ‖τ_i‖²_F`` (:func:`lmdx.merge.surrogate.surrogate_gram`), so lmdx solves it with
 :func:`lmdx.regmean_merge_layer` (α = 1, the merge's coefficients ``c_i``, precision
 ``auto`` certified to 1e-6 in output error, or float64): exactly, in one factorization.
 
@@ -42,10 +42,11 @@ from pydantic import Field
 
 from ...regmean import regmean_merge_layer
 from ..method import Merged, MergeInputs, NoOptions, Step, StepSizes, cast_merged
+from ..surrogate import surrogate_gram
 from .regmean_solve import GRAM_ROUNDOFF, solve_report
 from .task_matrices import TaskMatrices, TaskMatrixMethod, is_task_matrix
 
-__all__ = ["DEFAULT_RIDGE", "Wudi", "WudiOptions", "surrogate_gram", "wudi_solve"]
+__all__ = ["DEFAULT_RIDGE", "Wudi", "WudiOptions", "wudi_solve"]
 
 #: The default relative ridge toward task arithmetic.
 DEFAULT_RIDGE = 0.1
@@ -72,20 +73,6 @@ class WudiOptions(NoOptions):
             json_schema_extra={"label": "must be one of auto, float32, float64"},
         ),
     ] = "auto"
-
-
-def surrogate_gram(task_matrix: NDArray[np.float64]) -> tuple[NDArray[np.float64], float]:
-    """WUDI's surrogate input statistics of one linear layer from its task matrix ``τ``
-    (``[out, in]``, float64): the Gram ``G = τᵀ τ`` (``in × in``) of ``τ``'s rows taken as
-    inputs, and the count ``n = ‖τ‖²_F``, so that ``G / n = τᵀτ / ‖τ‖²_F`` (the paper's
-    weighting; its trace is 1). The same form as real statistics (``G = Σ x xᵀ`` over
-    ``n`` rows, as :func:`lmdx.regmean_merge_layer` takes them), so surrogate and real
-    Grams can go through one solve; mixing them needs a common scale (a real ``G/n`` has
-    the activations' scale, a surrogate one trace 1). A zero task matrix gives a zero
-    Gram and count 1 (it adds nothing)."""
-    gram: NDArray[np.float64] = task_matrix.T @ task_matrix
-    count = float(np.trace(gram))
-    return gram, count if count > 0 else 1.0
 
 
 def wudi_solve(

@@ -1,0 +1,190 @@
+"""Surrogate Gram statistics: RegMean of models with and without statistics in one merge.
+
+A model that brings no statistics (``surrogate: true``; ``base`` given) gets, for every
+input group of the statistics the other models bring, a Gram made from its own task
+vector ``τ = W − W_base`` (``[out, in]``): WUDI's observation (Cheng et al., ICML 2025,
+arXiv 2503.08099) that the rows of a linear layer's task vector approximately span the
+inputs it was fine-tuned on, so ``τᵀτ`` stands in for ``Σ x xᵀ``. Scaled to the real
+statistics' size::
+
+    Ĝ_sur = t̄ · T / tr T,    T = Σ_m τ_mᵀ τ_m   (m: the group's members, e.g. q, k, v)
+    t̄ = mean over the models with statistics of tr(G_j / n_j)
+
+its normalised Gram has the trace — the mean squared input norm — of the real ones, so
+RegMean weighs a model with a surrogate like one with statistics. It is held as a Gram
+``G = n̄ Ĝ_sur`` over ``n̄`` rows (the real models' mean row count), with the real
+statistics' modules and groups, so the plan, the solve and what each task pays
+(:mod:`lmdx.merge.cost`) run on it unchanged. A group whose task vector is zero (the model
+left the layer as the base had it) gets ``(t̄ / d) I`` instead: isotropic, so that model
+pulls toward its weights as in a plain average rather than not at all.
+
+:func:`surrogate_gram` is WUDI's own form (trace-1 weighting), shared with
+:mod:`lmdx.merge.builtin.wudi`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from .._errors import MergeError
+from .._tensors import as_float64
+from ..stats.file import Statistics
+from ..stats.packing import pack_upper, packed_diagonal
+from .source import TensorSource
+
+__all__ = [
+    "SURROGATE_SOURCE",
+    "RealScale",
+    "SurrogateStatistics",
+    "scaled_surrogate",
+    "surrogate_gram",
+    "with_surrogates",
+]
+
+#: How a model's statistics source reads when they are a surrogate (the merge report's
+#: inputs, messages).
+SURROGATE_SOURCE = "surrogate (task vector against base)"
+
+
+def surrogate_gram(task_matrix: NDArray[np.float64]) -> tuple[NDArray[np.float64], float]:
+    """WUDI's surrogate input statistics of one linear layer from its task matrix ``τ``
+    (``[out, in]``, float64): the Gram ``G = τᵀ τ`` (``in × in``) of ``τ``'s rows taken as
+    inputs, and the count ``n = ‖τ‖²_F``, so that ``G / n = τᵀτ / ‖τ‖²_F`` (the paper's
+    weighting; its trace is 1). The same form as real statistics (``G = Σ x xᵀ`` over
+    ``n`` rows, as :func:`lmdx.regmean_merge_layer` takes them), so surrogate and real
+    Grams can go through one solve; mixing them needs a common scale
+    (:func:`scaled_surrogate`). A zero task matrix gives a zero Gram and count 1 (it adds
+    nothing)."""
+    gram: NDArray[np.float64] = task_matrix.T @ task_matrix
+    count = float(np.trace(gram))
+    return gram, count if count > 0 else 1.0
+
+
+def scaled_surrogate(
+    task_matrices: Sequence[NDArray[np.float64]], trace: float
+) -> NDArray[np.float64]:
+    """The normalised surrogate Gram ``Ĝ`` of one input group from its members' task
+    matrices (``[out_m, in]``): ``trace · T / tr T`` with ``T = Σ_m τ_mᵀ τ_m``, or
+    ``(trace / in) I`` when every ``τ_m`` is zero."""
+    dim = int(task_matrices[0].shape[1])
+    total = np.zeros((dim, dim))
+    for tau in task_matrices:
+        total += surrogate_gram(tau)[0]
+    size = float(np.trace(total))
+    if size > 0:
+        total *= trace / size
+        return total
+    return np.eye(dim) * (trace / dim)
+
+
+class RealScale:
+    """Per input group, the real statistics' mean ``tr(G_j / n_j)`` and mean row count
+    ``n_j`` (read once per group, whichever surrogate asks first)."""
+
+    def __init__(self, real: Sequence[Statistics]) -> None:
+        self.real = list(real)
+        self._found: dict[str, tuple[float, float]] = {}
+
+    def of_group(self, group: str, module: str) -> tuple[float, float]:
+        """(mean trace of ``G/n``, mean ``n``) of ``group`` (``module``: one of its members)."""
+        if group not in self._found:
+            traces, counts = [], []
+            for s in self.real:
+                n = s.count(module)
+                stored = s.gram_stored(module)
+                diag = packed_diagonal(stored, s.groups[group]["dim"]) if stored.ndim == 1 else None
+                total = float(np.sum(diag) if diag is not None else np.trace(stored))
+                traces.append(total / n if n > 0 else 0.0)
+                counts.append(n)
+            self._found[group] = (float(np.mean(traces)), float(np.mean(counts)))
+        return self._found[group]
+
+
+class SurrogateStatistics(Statistics):
+    """Gram statistics of one model made from its task vector against ``base``
+    (:func:`scaled_surrogate`), with the modules and groups of ``like`` (a real model's
+    statistics); Grams are formed when read. They belong to their model by construction
+    (nothing to check against its weights) and are never written to a file."""
+
+    def __init__(
+        self, source: TensorSource, base: TensorSource, like: Statistics, scale: RealScale
+    ) -> None:
+        self.of_model, self.base_model, self.scale = source, base, scale
+        members: dict[str, list[str]] = {}
+        for m, info in like.modules.items():
+            members.setdefault(str(info["group"]), []).append(m)
+        self.members = members
+        tensors: dict[str, Any] = {}
+        for g, v in like.groups.items():
+            if g in members:
+                tensors[f"gram/{g}"] = lambda g=g: self._gram(g)
+            tensors[f"sum/{g}"] = np.zeros(int(v["dim"]))
+        super().__init__(
+            kind="regmean-gram",
+            model={"architecture": like.model.get("architecture"), "surrogate_of": source.label},
+            data=f"surrogate of {source.label} from its task vector",
+            padding=like.padding,
+            modules=like.modules,
+            groups={g: dict(v) for g, v in like.groups.items()},
+            tensors=tensors,
+            source=SURROGATE_SOURCE,
+            extra={"accumulation": "float64", "surrogate": True},
+        )
+
+    def count(self, module: str | None = None) -> float:
+        group = self.group_of(str(module))
+        return self.scale.of_group(group, self.members[group][0])[1]
+
+    def group_count(self, g: str) -> float:
+        return self.scale.of_group(g, self.members[g][0])[1] if g in self.members else 0.0
+
+    def _task_matrix(self, module: str) -> NDArray[np.float64]:
+        info = self.modules[module]
+        w = str(info["weight"])
+        if w not in self.base_model:
+            raise MergeError(
+                f"surrogate statistics of {self.of_model.label}: base {self.base_model.label} "
+                f"has no {w!r} (module {module!r}); give the base the models were fine-tuned "
+                "from, or this model its own statistics (lmdx stats)"
+            )
+        tau = as_float64(self.of_model.read(w), w) - as_float64(self.base_model.read(w), w)
+        tau = tau.T if info["layout"] == "conv1d" else tau
+        dim = int(self.groups[str(info["group"])]["dim"])
+        if tau.ndim != 2 or tau.shape[1] != dim:
+            raise MergeError(
+                f"surrogate statistics of {self.of_model.label}: weight {w!r} of module "
+                f"{module!r} has shape {tuple(tau.shape)}, not a matrix over {dim} inputs; "
+                "give this model its own statistics (lmdx stats)"
+            )
+        return tau
+
+    def _gram(self, group: str) -> NDArray[np.float64]:
+        modules = self.members[group]
+        trace, count = self.scale.of_group(group, modules[0])
+        g_hat = scaled_surrogate([self._task_matrix(m) for m in modules], trace)
+        g_hat *= count
+        return pack_upper(g_hat)
+
+
+def with_surrogates(
+    stats: Sequence[Statistics | None],
+    sources: Sequence[TensorSource],
+    base: TensorSource,
+) -> list[Statistics]:
+    """``stats`` with every missing entry (None) replaced by the surrogate statistics of its
+    model (:class:`SurrogateStatistics`, on the groups of the first model with statistics,
+    scaled by all of them)."""
+    real = [s for s in stats if s is not None]
+    if not real:
+        raise MergeError(
+            "surrogate: no model has statistics; give at least one model its Gram statistics "
+            "(lmdx stats): they set the surrogates' scale and which layers are solved"
+        )
+    scale = RealScale(real)
+    return [
+        s if s is not None else SurrogateStatistics(src, base, real[0], scale)
+        for s, src in zip(stats, sources, strict=True)
+    ]
