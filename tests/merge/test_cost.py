@@ -117,17 +117,6 @@ def family(tmp_path_factory):
     return out
 
 
-def forged(path, out):
-    """The statistics file ``path`` with every Gram and sum ×100, the row counts kept,
-    written anew (its content hashes recomputed: every file check passes)."""
-    s = Statistics.load(path)
-    tensors = {
-        t.name: s.packed(t.name) * (100.0 if t.name.startswith(("gram/", "sum/")) else 1.0)
-        for t in s.specs()
-    }
-    return s.rebuilt(tensors).save(out)
-
-
 def check_against_reference(report, state, models, stats_files, arch, coefficients=None):
     """Every layer of ``report["cost"]`` against :func:`reference_layer` on the merged
     ``state`` (as returned), the models' weights and the statistics' Grams."""
@@ -231,7 +220,7 @@ def test_a_method_without_statistics_is_unchanged_by_the_cost(family):
 def test_forged_statistics_are_flagged(family, tmp_path, arch, method, victim):
     f = family[arch]
     stats = list(f["stats"])
-    stats[victim] = forged(stats[victim], tmp_path / "forged.safetensors")
+    stats[victim] = H.forged_stats(stats[victim], tmp_path / "forged.safetensors")
     base = f["base"] if method == "task_arithmetic" else None
     report = merge_cost(
         f["paths"], method, stats=stats, base=base, heads=list(H.HEADS[arch]), progress=False
@@ -286,7 +275,7 @@ def _config(tmp_path, f, method, stats):
 def test_cli_cost_prints_the_cost_and_writes_nothing(family, tmp_path, capsys):
     f = family["bert"]
     stats = list(f["stats"])
-    stats[1] = forged(stats[1], tmp_path / "forged.safetensors")
+    stats[1] = H.forged_stats(stats[1], tmp_path / "forged.safetensors")
     cfg = _config(tmp_path, f, "average", stats)
     before = sorted(p.name for p in tmp_path.iterdir())
     assert cli_main(["merge", str(cfg), "--cost", "--no-progress"]) == 0

@@ -4,7 +4,7 @@ lmdx.merge.surrogate), against float64 NumPy references written here.
 A model without statistics stands in with, per input group of the real statistics,
 
     Ĝ_sur = t̄ · T / tr T,   T = Σ_m τ_mᵀ τ_m,   τ_m = W_m − W_base ([out, in]),
-    t̄ = mean over the models with statistics of tr(G_j / n_j)
+    t̄ = median over the models with statistics of tr(G_j / n_j)
 
 ((t̄ / d) I where every τ_m is zero), over n̄ rows (the real models' mean row count); the
 merge is then RegMean's closed form over real and surrogate Grams alike.
@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from lmdx import MergeError, merge_models
 from lmdx.cli.main import main as cli_main
 from lmdx.merge import stream_merge
-from lmdx.merge.surrogate import SURROGATE_SOURCE, scaled_surrogate
+from lmdx.merge.surrogate import SURROGATE_SOURCE, scaled_surrogate, surrogates_line
 from lmdx.stats import Statistics
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -76,7 +76,7 @@ def reference_merge(f, arch, real, alpha):
 
         traces = [np.trace(s.gram(members[0])) / s.count(members[0]) for s in stats.values()]
         counts = [s.count(members[0]) for s in stats.values()]
-        t_bar, n_bar = float(np.mean(traces)), float(np.mean(counts))
+        t_bar, n_bar = float(np.median(traces)), float(np.mean(counts))
         grams, ns = [], []
         for i in range(len(arrays)):
             if i in stats:
@@ -129,14 +129,17 @@ def test_mixed_merge_equals_the_reference(family, arch, real):
     for i, (label, entry) in enumerate(result.inputs.items()):
         assert (entry["stats"] == SURROGATE_SOURCE) == (i not in real), label
         assert entry["stats_sha256"] is None or i in real
-    assert result.report["cost"]["tasks"]  # what each task pays, the surrogates' included
+    cost = result.report["cost"]  # what each task pays, the surrogates' on their own Grams
+    assert [t["surrogate"] for t in cost["tasks"].values()] == [i not in real for i in range(3)]
+    assert cost["flagged"] == []  # honest statistics; a surrogate is never flagged
+    assert cost["checked"] == (len(real) > 1)
 
 
 def test_surrogate_with_every_statistics_given_changes_nothing(family):
     f = family["bert"]
     common = dict(stats=f["stats"], alpha=0.9, heads=list(H.HEADS["bert"]), progress=False)
     plain = merge_models(f["paths"], "regmean", **common)
-    opted = merge_models(f["paths"], "regmean", surrogate=True, **common)
+    opted = merge_models(f["paths"], "regmean", surrogate=True, base=f["base_path"], **common)
     for name, value in plain.state_dict.items():
         assert bool((value == opted.state_dict[name]).all()), name
     assert "surrogate_stats" not in opted.report
@@ -159,7 +162,7 @@ def test_streaming_merge_records_which_model_used_which(family, tmp_path):
     sources = [entry["stats"] for entry in record["inputs"].values()]
     assert sources[1] == SURROGATE_SOURCE and sources[0] != SURROGATE_SOURCE
     assert record["report"]["surrogate_stats"] == [str(f["paths"][1])]
-    assert "surrogate" in (out / "README.md").read_text()
+    assert f"- {surrogates_line([str(f['paths'][1])])}" in (out / "README.md").read_text()
     assert not H.leftovers(out)
 
 
@@ -170,8 +173,8 @@ def test_streaming_merge_records_which_model_used_which(family, tmp_path):
             [0, None, 2],
             True,
             {},
-            r"^stats: method regmean needs regmean-gram statistics, one per model \(or "
-            r"surrogate: true with base",
+            r"^stats: method regmean needs regmean-gram statistics, one per model \(or set "
+            r"surrogate to true and give base",
         ),
         ([0, None, 2], False, {"surrogate": True}, r"^base: surrogate statistics .* \(base\)$"),
         ([None, None, None], True, {"surrogate": True}, r"^stats: surrogate statistics need at"),
@@ -212,7 +215,46 @@ def test_cli_merges_a_model_without_statistics(family, tmp_path, capsys):
     )
     out = tmp_path / "merged"
     assert cli_main(["merge", str(cfg), "--out", str(out), "--no-progress"]) == 0
-    assert "surrogate" in capsys.readouterr().out
+    assert f"lmdx merge: {surrogates_line([str(f['paths'][1])])}\n" in capsys.readouterr().out
+    assert cli_main(["merge", str(cfg), "--out", str(tmp_path / "plan"), "--dry-run"]) == 0
+    assert surrogates_line([str(f["paths"][1])]) in capsys.readouterr().out
+    assert cli_main(["merge", str(cfg), "--cost", "--no-progress"]) == 0
+    said = capsys.readouterr().out
+    assert f"lmdx merge: {surrogates_line([str(f['paths'][1])])}\n" in said
+    assert f"  {f['paths'][1]} (on its surrogate Gram): " in said
     record = json.loads((out / "lmdx_merge.json").read_text())
     assert record["config"]["surrogate"] is True
     assert record["report"]["surrogate_stats"]
+
+
+@pytest.mark.parametrize("arch", ["bert", "gpt2"])
+def test_a_forged_file_is_flagged_beside_surrogates_and_a_surrogate_never(family, tmp_path, arch):
+    """A contributor's Gram and sum ×100 (the file re-hashed) among two honest files and a
+    model without statistics: the forged one is flagged, the surrogate is not (its scale is
+    the real files' median, not the forged one's). With one real file nothing can be
+    compared, and the report says so."""
+    f = family[arch]
+    paths = [*f["paths"], f["paths"][0]]  # a fourth model: the first again, no statistics
+    forged = H.forged_stats(f["stats"][1], tmp_path / "forged.safetensors")
+    common = dict(base=f["base_path"], surrogate=True, progress=False, labels=list("abcd"))
+    common["heads"] = list(H.HEADS[arch])
+    result = merge_models(
+        paths, "regmean", stats=[f["stats"][0], forged, f["stats"][2], None], **common
+    )
+    cost = result.report["cost"]
+    assert [x["model"] for x in cost["flagged"]] == ["b"], cost["flagged"]
+    assert cost["tasks"]["d"]["surrogate"] and not cost["tasks"]["d"]["flagged"]
+    alone = merge_models(paths, "regmean", stats=[None, forged, None, None], **common)
+    assert alone.report["cost"]["checked"] is False and alone.report["cost"]["flagged"] == []
+
+
+def test_a_refused_option_beside_surrogate_says_what_is_wrong(family, tmp_path, capsys):
+    f = family["bert"]
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(
+        f"method: regmean\nsurrogate: true\nbase: {f['base_path']}\nalpha: 7\nmodels:\n"
+        f"  - {{path: {f['paths'][0]}, stats: {f['stats'][0]}}}\n  - {{path: {f['paths'][1]}}}\n"
+    )
+    assert cli_main(["merge", str(cfg), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "alpha" in err and "needs regmean-gram statistics" not in err, err

@@ -235,6 +235,7 @@ def _merge(args: argparse.Namespace, claimed: Claimed) -> int:
     if isinstance(report.get("base"), dict) and report["base"].get("line"):
         print(f"lmdx merge: {report['base']['line']}")
     _report_precision(report)
+    _report_surrogates(report)
     _report_poorly_determined(out / MERGE_RECORD, report)
     _report_not_solved(out / MERGE_RECORD, report)
     _report_cost(report)
@@ -295,6 +296,7 @@ def _cost(args: argparse.Namespace) -> int:
         f"{time.perf_counter() - t0:.1f} s (the cost itself {report['cost']['cpu_seconds']:.1f} "
         "CPU s); nothing written"
     )
+    _report_surrogates(report)
     _report_cost(report)
     return 0
 
@@ -327,12 +329,15 @@ def _report_precision(report: dict[str, Any]) -> None:
     worst = max((float(i.get("output_error_estimate", 0.0)) for i in layers), default=0.0)
     bound = f"; float32 output error <= {worst:.1e} (certified)" if counts.get("float32") else ""
     print(f"lmdx merge: RegMean systems by precision: {parts}{bound}")
+
+
+def _report_surrogates(report: dict[str, Any]) -> None:
+    """Which models took surrogate statistics (from the merge's ``report``)."""
+    from ..merge.surrogate import surrogates_line
+
     made = report.get("surrogate_stats")
     if made:
-        print(
-            f"lmdx merge: statistics of {', '.join(made)}: surrogates from their task vectors "
-            "against base (surrogate: true)"
-        )
+        print(f"lmdx merge: {surrogates_line(made)}")
 
 
 def _report_poorly_determined(record: Path, report: dict[str, Any]) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 from .._errors import MergeError
 from .registry import method_named
+from .surrogate import surrogates_line
 
 __all__ = ["MODEL_CARD", "model_card", "task_card"]
 
@@ -74,10 +75,7 @@ def model_card(record: Mapping[str, Any], config: Mapping[str, Any] | None = Non
         if value not in (None, [], ()):
             lines.append(f"- `{key}`: {_cell(value)}")
     if report.get("surrogate_stats"):
-        lines.append(
-            f"- statistics of {_cell(', '.join(report['surrogate_stats']))}: surrogates from "
-            "their task vectors against the base (`surrogate: true`), not collected on data"
-        )
+        lines.append(f"- {_cell(surrogates_line(report['surrogate_stats']))}")
     if report.get("poorly_determined"):
         lines.append(
             f"- {len(report['poorly_determined'])} RegMean system(s) poorly determined "

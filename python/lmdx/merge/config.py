@@ -380,7 +380,10 @@ def _resolved(checked: Any, root: Path, where: str, cost: bool) -> MergeConfig:
         own, refused = method_options(method, values), None
     except OptionError as exc:
         own, refused = None, exc
-    surrogate = own is not None and method_named(method).surrogates(own)
+    # a refused option still tells whether surrogates were asked for (its own error follows)
+    surrogate = (
+        values.get("surrogate") is True if own is None else method_named(method).surrogates(own)
+    )
     _check_needs(method, models, checked, where, cost, surrogate)  # first: what is missing
     if own is None:
         assert refused is not None

@@ -21,7 +21,10 @@ A contributor whose statistics pull far harder than the others' is **flagged**: 
 median share over layers at least :data:`SHARE_RATIO_LIMIT` times the median of the
 others' medians (scaled or forged Grams: an honest ``Ĝ_i`` is a mean over rows and has
 the activations' scale, whatever the number of rows), or, for a method whose merge the
-statistics steer, its median pull at least :data:`PULL_LIMIT`.
+statistics steer, its median pull at least :data:`PULL_LIMIT`. Only statistics from data
+are compared and flagged: a model with a surrogate Gram (:mod:`lmdx.merge.surrogate`,
+made to the real ones' scale from its own task vector) is measured on it and marked, never
+flagged; with fewer than two real ones nothing can be compared (``checked`` false).
 
 **What it costs.** ``‖E‖²_Ĝ = ⟨Ĝ, EᵀE⟩_F``: one symmetric rank-k product ``EᵀE``
 (``out·in²`` flops, half a general product) per model for the cost's numerator and one
@@ -50,6 +53,7 @@ from .inputs import open_stats
 from .method import MergeInputs
 from .plan import check_same_entries, check_stats_model
 from .source import TensorSource, model_source
+from .surrogate import SurrogateStatistics
 
 __all__ = [
     "PULL_LIMIT",
@@ -244,19 +248,24 @@ class CostMeter:
         shares = np.array([self.layers[m].share for m in mods]).reshape(len(mods), k)
         pulls = np.array([self.layers[m].pull for m in mods]).reshape(len(mods), k)
         medians = np.median(shares, axis=0) if mods else np.zeros(k)
+        # Only statistics from data are compared and flagged: a surrogate is made to the
+        # real ones' scale from the model's own task vector (lmdx.merge.surrogate).
+        made = [isinstance(s, SurrogateStatistics) for s in self.stats]
+        real = [i for i in range(k) if not made[i]]
         tasks: dict[str, Any] = {}
         flagged = []
         for i, lab in enumerate(labels):
             costs = [(m, c) for m in mods if (c := self.layers[m].cost[i]) is not None]
-            others = np.delete(medians, i)
+            others = medians[[j for j in real if j != i]]
+            compared = not made[i] and len(others) > 0
             ratio = (
-                float(medians[i] / np.median(others)) if k > 1 and np.median(others) > 0 else 1.0
+                float(medians[i] / np.median(others)) if compared and np.median(others) > 0 else 1.0
             )
             pull = float(np.median(pulls[:, i])) if mods else 0.0
             why = []
-            if k > 1 and ratio >= SHARE_RATIO_LIMIT:
+            if compared and ratio >= SHARE_RATIO_LIMIT:
                 why.append(f"median share of the statistics' scale {ratio:.1f}x the others'")
-            if k > 1 and self.steered and pull >= PULL_LIMIT:
+            if compared and self.steered and pull >= PULL_LIMIT:
                 why.append(f"median pull {pull:.2f} toward it")
             worst = sorted(costs, key=lambda mc: -mc[1])[:WORST_LAYERS]
             tasks[lab] = {
@@ -268,6 +277,7 @@ class CostMeter:
                 "share_median": float(medians[i]),
                 "share_ratio": ratio,
                 "flagged": bool(why),
+                "surrogate": made[i],
             }
             if why:
                 flagged.append({"model": lab, "why": "; ".join(why)})
@@ -275,6 +285,7 @@ class CostMeter:
             "statistics": "given for the cost only" if self.only_for_cost else "the merge's",
             "tasks": tasks,
             "flagged": flagged,
+            "checked": len(real) > 1,
             "layers": {m: dataclasses.asdict(v) for m, v in self.layers.items()},
             "cpu_seconds": self.seconds,
         }
@@ -292,9 +303,15 @@ def cost_lines(cost: Mapping[str, Any]) -> list[str]:
             lines.append(f"  {lab}: no layer with nonzero outputs on its statistics")
             continue
         worst = t["worst_layers"][0]
+        kind = " (on its surrogate Gram)" if t.get("surrogate") else ""
         lines.append(
-            f"  {lab}: {t['mean']:.4f}, {worst[1]:.4f} ({worst[0]}); pull {t['pull_median']:.2f}, "
-            f"share {t['share_median']:.2f}"
+            f"  {lab}{kind}: {t['mean']:.4f}, {worst[1]:.4f} ({worst[0]}); pull "
+            f"{t['pull_median']:.2f}, share {t['share_median']:.2f}"
+        )
+    if not cost.get("checked", True):
+        lines.append(
+            "note: fewer than two models with statistics from data: scaled or forged Grams "
+            "cannot be told apart from the others"
         )
     for f in cost["flagged"]:
         lines.append(

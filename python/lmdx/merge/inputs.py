@@ -82,7 +82,7 @@ def check_needs(
     for i, has in enumerate(given):
         if method.stats is not None and not has and not surrogate:
             hint = (
-                " (or surrogate: true with base, for a surrogate from its task vector)"
+                " (or set surrogate to true and give base: a surrogate Gram from its task vector)"
                 if "surrogate" in method.options.model_fields
                 else ""
             )

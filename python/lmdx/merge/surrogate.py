@@ -8,7 +8,7 @@ inputs it was fine-tuned on, so ``τᵀτ`` stands in for ``Σ x xᵀ``. Scaled 
 statistics' size::
 
     Ĝ_sur = t̄ · T / tr T,    T = Σ_m τ_mᵀ τ_m   (m: the group's members, e.g. q, k, v)
-    t̄ = mean over the models with statistics of tr(G_j / n_j)
+    t̄ = median over the models with statistics of tr(G_j / n_j)
 
 its normalised Gram has the trace — the mean squared input norm — of the real ones, so
 RegMean weighs a model with a surrogate like one with statistics. It is held as a Gram
@@ -23,7 +23,8 @@ pulls toward its weights as in a plain average rather than not at all.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -41,6 +42,7 @@ __all__ = [
     "SurrogateStatistics",
     "scaled_surrogate",
     "surrogate_gram",
+    "surrogates_line",
     "with_surrogates",
 ]
 
@@ -64,43 +66,56 @@ def surrogate_gram(task_matrix: NDArray[np.float64]) -> tuple[NDArray[np.float64
 
 
 def scaled_surrogate(
-    task_matrices: Sequence[NDArray[np.float64]], trace: float
+    task_matrices: Iterable[NDArray[np.float64]], trace: float
 ) -> NDArray[np.float64]:
     """The normalised surrogate Gram ``Ĝ`` of one input group from its members' task
-    matrices (``[out_m, in]``): ``trace · T / tr T`` with ``T = Σ_m τ_mᵀ τ_m``, or
-    ``(trace / in) I`` when every ``τ_m`` is zero."""
-    dim = int(task_matrices[0].shape[1])
-    total = np.zeros((dim, dim))
+    matrices (``[out_m, in]``, taken one at a time): ``trace · T / tr T`` with
+    ``T = Σ_m τ_mᵀ τ_m``, or ``(trace / in) I`` when every ``τ_m`` is zero."""
+    total: NDArray[np.float64] | None = None
     for tau in task_matrices:
-        total += surrogate_gram(tau)[0]
+        part = surrogate_gram(tau)[0]
+        total = part if total is None else total + part
+        del tau, part
+    if total is None:
+        raise ValueError("scaled_surrogate: no task matrix")
     size = float(np.trace(total))
     if size > 0:
         total *= trace / size
         return total
-    return np.eye(dim) * (trace / dim)
+    dim = total.shape[0]
+    identity: NDArray[np.float64] = np.eye(dim) * (trace / dim)
+    return identity
 
 
 class RealScale:
-    """Per input group, the real statistics' mean ``tr(G_j / n_j)`` and mean row count
-    ``n_j`` (read once per group, whichever surrogate asks first)."""
+    """Per input group, the median over the real statistics of ``tr(G_j / n_j)`` and
+    their mean row count ``n_j`` (read once per group, whichever surrogate asks first).
+    The median: one scaled or forged file among three or more real ones does not set the
+    surrogates' scale (:mod:`lmdx.merge.cost` flags it among the real ones)."""
 
     def __init__(self, real: Sequence[Statistics]) -> None:
         self.real = list(real)
         self._found: dict[str, tuple[float, float]] = {}
+        self._lock = threading.Lock()
 
     def of_group(self, group: str, module: str) -> tuple[float, float]:
-        """(mean trace of ``G/n``, mean ``n``) of ``group`` (``module``: one of its members)."""
-        if group not in self._found:
-            traces, counts = [], []
-            for s in self.real:
-                n = s.count(module)
-                stored = s.gram_stored(module)
-                diag = packed_diagonal(stored, s.groups[group]["dim"]) if stored.ndim == 1 else None
-                total = float(np.sum(diag) if diag is not None else np.trace(stored))
-                traces.append(total / n if n > 0 else 0.0)
-                counts.append(n)
-            self._found[group] = (float(np.mean(traces)), float(np.mean(counts)))
-        return self._found[group]
+        """(median trace of ``G/n``, mean ``n``) of ``group`` (``module``: one of its
+        members)."""
+        with self._lock:
+            if group not in self._found:
+                traces, counts = [], []
+                for s in self.real:
+                    n = s.count(module)
+                    stored = s.gram_stored(module)
+                    if stored.ndim == 1:
+                        total = float(np.sum(packed_diagonal(stored, s.groups[group]["dim"])))
+                    else:
+                        total = float(np.trace(stored))
+                    del stored
+                    traces.append(total / n if n > 0 else 0.0)
+                    counts.append(n)
+                self._found[group] = (float(np.median(traces)), float(np.mean(counts)))
+            return self._found[group]
 
 
 class SurrogateStatistics(Statistics):
@@ -113,6 +128,8 @@ class SurrogateStatistics(Statistics):
         self, source: TensorSource, base: TensorSource, like: Statistics, scale: RealScale
     ) -> None:
         self.of_model, self.base_model, self.scale = source, base, scale
+        self._lock = threading.Lock()
+        self._cached: tuple[str, NDArray[np.float64]] | None = None
         members: dict[str, list[str]] = {}
         for m, info in like.modules.items():
             members.setdefault(str(info["group"]), []).append(m)
@@ -144,14 +161,10 @@ class SurrogateStatistics(Statistics):
     def _task_matrix(self, module: str) -> NDArray[np.float64]:
         info = self.modules[module]
         w = str(info["weight"])
-        if w not in self.base_model:
-            raise MergeError(
-                f"surrogate statistics of {self.of_model.label}: base {self.base_model.label} "
-                f"has no {w!r} (module {module!r}); give the base the models were fine-tuned "
-                "from, or this model its own statistics (lmdx stats)"
-            )
-        tau = as_float64(self.of_model.read(w), w) - as_float64(self.base_model.read(w), w)
-        tau = tau.T if info["layout"] == "conv1d" else tau
+        tau: NDArray[np.float64] = as_float64(self.of_model.read(w), w).copy()
+        tau -= as_float64(self.base_model.read(w), w)
+        if info["layout"] == "conv1d":
+            tau = tau.T
         dim = int(self.groups[str(info["group"])]["dim"])
         if tau.ndim != 2 or tau.shape[1] != dim:
             raise MergeError(
@@ -162,11 +175,41 @@ class SurrogateStatistics(Statistics):
         return tau
 
     def _gram(self, group: str) -> NDArray[np.float64]:
-        modules = self.members[group]
-        trace, count = self.scale.of_group(group, modules[0])
-        g_hat = scaled_surrogate([self._task_matrix(m) for m in modules], trace)
-        g_hat *= count
-        return pack_upper(g_hat)
+        """The group's packed Gram: formed from the task vectors of the members the base
+        holds (a task head sharing the group's input may be absent from a bare encoder),
+        one member at a time; kept until read once more (the solve, then what each task
+        pays) or until another group is formed."""
+        with self._lock:
+            cached = self._cached
+            self._cached = None
+            if cached is not None and cached[0] == group:
+                return cached[1]
+            modules = self.members[group]
+            held = [m for m in modules if str(self.modules[m]["weight"]) in self.base_model]
+            if not held:
+                w = self.modules[modules[0]]["weight"]
+                raise MergeError(
+                    f"surrogate statistics of {self.of_model.label}: base "
+                    f"{self.base_model.label} has no {w!r} (module {modules[0]!r}); give the "
+                    "base the models were fine-tuned from, or this model its own statistics "
+                    "(lmdx stats)"
+                )
+            trace, count = self.scale.of_group(group, modules[0])
+            g_hat = scaled_surrogate((self._task_matrix(m) for m in held), trace)
+            g_hat *= count
+            packed = pack_upper(g_hat)
+            del g_hat
+            self._cached = (group, packed)
+            return packed
+
+
+def surrogates_line(labels: Sequence[str]) -> str:
+    """How the merge summary, the plan and the model card say which models took
+    surrogate statistics."""
+    return (
+        f"statistics of {', '.join(labels)}: surrogates from their task vectors against the "
+        "base (surrogate: true), not collected on data"
+    )
 
 
 def with_surrogates(

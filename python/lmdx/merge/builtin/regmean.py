@@ -56,7 +56,7 @@ from ..lora import Factors
 from ..method import Merged, MergeInputs, MergeMethod, NoOptions, Step, StepSizes, cast_merged
 from ..options import MergeOptions
 from ..source import AdapterSource, TensorSource
-from ..surrogate import SurrogateStatistics
+from ..surrogate import SurrogateStatistics, surrogates_line
 from .average import AVERAGE
 from .regmean_solve import (
     SolveOptions,
@@ -466,26 +466,45 @@ class RegMean(MergeMethod):
     def tensor_method(self, inputs: MergeInputs, name: str) -> MergeMethod:
         return AVERAGE
 
+    def plan_notes(self, inputs: MergeInputs, steps: Sequence[Step]) -> list[str]:
+        """The shared notes, and which models take surrogate statistics."""
+        made = self.surrogate_labels(inputs)
+        return super().plan_notes(inputs, steps) + ([surrogates_line(made)] if made else [])
+
+    @staticmethod
+    def surrogate_labels(inputs: MergeInputs) -> list[str]:
+        """The models that take surrogate statistics (:mod:`lmdx.merge.surrogate`)."""
+        stats = inputs.stats or []
+        return [inputs.labels[i] for i, s in enumerate(stats) if isinstance(s, SurrogateStatistics)]
+
     def compute(self, step: Step, inputs: MergeInputs) -> Merged:
         return solve_step(step, inputs)
 
     def memory(self, step: Step, sizes: StepSizes, inputs: MergeInputs) -> int:
         """:func:`~lmdx.merge.builtin.regmean_solve.regmean_memory`, in blocks of output
-        rows where the group is solved so (over ``solve_memory``)."""
+        rows where the group is solved so (over ``solve_memory``), and what forming the
+        surrogate Grams takes (per surrogate formed at once: a member's task vector and
+        its float64 read, ``T``, a product and the packed Gram)."""
         # Merges that also build a LoRA of the merged update are never solved in blocks.
         block = (
             None
             if inputs.lora is not None
             else output_block_size(step, inputs.sources, inputs.options)
         )
-        return regmean_memory(step, sizes, block, solve_precision(inputs.options))
+        need = regmean_memory(step, sizes, block, solve_precision(inputs.options))
+        made = len(self.surrogate_labels(inputs))
+        if made:  # surrogate Grams formed at once, one member at a time (lmdx.merge.surrogate)
+            largest = max(int(np.prod(sizes.ref.shape(t))) for t in step.tensors)
+            at_once = min(made, default_threads())
+            need += at_once * (16 * largest + 20 * step.dim * step.dim)
+        return need
 
     def report(self, inputs: MergeInputs) -> dict[str, Any]:
         """The options, and the linear weights the statistics could not cover (averaged)
         with why."""
         out = super().report(inputs)
         stats = inputs.stats or []
-        made = [inputs.labels[i] for i, s in enumerate(stats) if isinstance(s, SurrogateStatistics)]
+        made = self.surrogate_labels(inputs)
         if made:
             out["surrogate_stats"] = made
         missing = {n: why for s in stats for n, why in s.not_solved.items()}
