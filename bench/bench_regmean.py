@@ -690,6 +690,9 @@ def main() -> None:
     }
     del models, data, m0, d0
     gc.collect()
+    if args.merge_reps == 0:  # the statistics alone (bench_regmean_merge.py reuses them)
+        print(f"statistics in {workdir}; no merges (--merge-reps 0)")
+        return
 
     # merges
     merges: dict[str, dict[str, Any]] = {}
