@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ from .builtin import DEFAULT_METHOD
 from .door import check_new_folder, prepare_merge
 from .inputs import inputs_record, model_labels, open_inputs, st_files
 from .method import MergeInputs
-from .options import SharedOptions
+from .options import MergeOptions, SharedOptions
 from .ray import RayGroupSolver
 from .registry import merge_options, method_named, methods
 from .result import MergeResult, StreamMergeResult
@@ -53,6 +53,28 @@ __all__ = [
 ]
 
 StatsArg = Sequence[Statistics | str | os.PathLike[str] | None] | None
+
+
+def _door_inputs(
+    models: list[Any],
+    method: str,
+    checked: MergeOptions,
+    names: list[str],
+    open_model: Callable[[Any, str], TensorSource],
+    **given: Any,
+) -> MergeInputs:
+    """The input step of a front door (:func:`~lmdx.merge.inputs.open_inputs`) for the
+    registered ``method``: ``given`` are its ``stats``, ``base``, ``data``, ``tokenizer``,
+    ``running`` and ``cost``."""
+    return open_inputs(
+        models,
+        method_named(method),
+        checked,
+        registered=methods(),
+        labels=names,
+        open_model=open_model,
+        **given,
+    )
 
 
 def merge_models(
@@ -154,15 +176,14 @@ def merge_models(
     models = list(models)
     checked = merge_options(len(models), method, options, writes=False)
     names = model_labels(models, labels)
-    opened = open_inputs(
+    opened = _door_inputs(
         models,
-        method_named(method),
+        method,
         checked,
-        registered=methods(),
-        labels=names,
+        names,
+        lambda m, lab: model_source(m, lab, progress=progress),
         stats=stats,
         base=base,
-        open_model=lambda m, lab: model_source(m, lab, progress=progress),
         data=data,
         tokenizer=tokenizer,
         cost=bool(cost),
@@ -279,15 +300,14 @@ def stream_merge(
         if ray_workers and not dry_run:
             RayGroupSolver.check_address(ray_address)  # within seconds, before any output
 
-    opened = open_inputs(
+    opened = _door_inputs(
         models,
-        method_named(method),
+        method,
         checked,
-        registered=methods(),
-        labels=names,
+        names,
+        lambda m, lab: Checkpoint(model_folder(m), lab),
         stats=stats,
         base=base,
-        open_model=lambda m, lab: Checkpoint(model_folder(m), lab),
         data=data,
         tokenizer=tokenizer,
         running=not dry_run,
@@ -417,15 +437,14 @@ def merge_cost(
             return Checkpoint(model_folder(m), label)
         return model_source(m, label, progress=progress)
 
-    opened = open_inputs(
+    opened = _door_inputs(
         models,
-        method_named(method),
+        method,
         checked,
-        registered=methods(),
-        labels=names,
+        names,
+        open_model,
         stats=stats,
         base=base,
-        open_model=open_model,
         data=data,
         tokenizer=tokenizer,
         cost=True,
