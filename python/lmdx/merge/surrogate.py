@@ -11,7 +11,8 @@ statistics' size::
     t̄ = median over the models with statistics of tr(G_j / n_j)
 
 its normalised Gram has the trace — the mean squared input norm — of the real ones, so
-RegMean weighs a model with a surrogate like one with statistics. It is held as a Gram
+RegMean weighs a model with a surrogate on the real ones' scale (not direction by
+direction like them: docs/guide/merging.md measures what a mix costs). It is held as a Gram
 ``G = n̄ Ĝ_sur`` over ``n̄`` rows (the real models' mean row count), with the real
 statistics' modules and groups, so the plan, the solve and what each task pays
 (:mod:`lmdx.merge.cost`) run on it unchanged. A group whose task vector is zero (the model
