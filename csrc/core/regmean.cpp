@@ -116,10 +116,14 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
   SolveOptions solve_opt = opt;
   solve_opt.n_threads = threads;
   const double alpha = opt.alpha;
-  if (mode == Precision::Float32 || (mode == Precision::Auto && work >= kSerialWork)) {
-    Float32Merge f32{models, coef,   s,      pivot, others,     d_in,
-                     d_out,  layout, mean_t, lhs,   noise_floor, {}, {}, {}, {}, {}, {}, {}, 0.0};
-    if (f32.run(solve_opt, mode == Precision::Float32, info, merged_t)) return info;
+  // Layers large enough to be threaded try float32 under "auto", then the float32
+  // right-hand side with the float64 factorization ("float32-rhs"), then float64.
+  const bool large = mode == Precision::Auto && work >= kSerialWork;
+  Float32Merge f32{models, coef,   s,      pivot, others,      d_in,
+                   d_out,  layout, mean_t, lhs,   noise_floor, alpha};
+  if ((mode == Precision::Float32 || large) &&
+      f32.run(solve_opt, mode == Precision::Float32, info, merged_t)) {
+    return info;
   }
   info.output_error_estimate = 0.0;
   phases.restart();
@@ -148,6 +152,12 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
                             inverse_norm1_estimate(l);
   info.precision = "float64";
   phases.lap("factor64");
+  if (system.size() == 0 && (mode == Precision::Float32Rhs || large)) {
+    if (f32.rhs32(l, info.ridge_absolute, threads, mode == Precision::Float32Rhs, info, merged_t)) {
+      return info;
+    }
+    phases.restart();
+  }
 
   // rhs = sum_{i != p} D_i (W_i - W-)^T with D_i = c_i (G~_i - G~_p), built from the raw
   // Grams as s_i G_i - (c_i / n_p) G_p with the off-diagonal scaled by alpha. D_i reuses

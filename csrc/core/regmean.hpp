@@ -17,7 +17,11 @@
 // ||E||_S / ||W_M||_S (S = sum_i c_i G~_i, ||A||_S^2 = tr(A S A^T), E the difference to the
 // float64 formula) from float64 residuals on a few random probe columns; "auto" keeps the
 // float32 result only where that certificate is <= kOutputErrorTolerance and redoes the
-// layer in float64 otherwise (and wherever the float32 factorization fails).
+// layer in float64 otherwise (and wherever the float32 factorization fails). Between the
+// two, "auto" (and "float32-rhs", forced) keeps the float32 right-hand side with the float64
+// factorization and solve: its error A^{-1} (B_32 - B) is known exactly on the probes (the
+// float32 factor's error, which the float32 path must also bound and which dominates it,
+// is absent), certified the same way; float64 products only where that fails too.
 #pragma once
 
 #include <string>
@@ -35,14 +39,15 @@ constexpr double kOutputErrorTolerance = 1e-6;
 
 /// What the solver did for one layer, and in which precision.
 struct RegMeanInfo : SolveInfo {
-  /// "float64", "float32" (factorization, right-hand side and solve), or "identical" (the
-  /// weights are equal in every model: returned as they are, no solve).
+  /// "float64", "float32" (factorization, right-hand side and solve), "float32-rhs" (the
+  /// right-hand side's products in float32, factorization and solve in float64), or
+  /// "identical" (the weights are equal in every model: returned as they are, no solve).
   std::string precision = "float64";
   /// Estimate of the 1-norm condition number of the regularized system (0: not estimated,
   /// "identical": nothing was solved).
   double condition_estimate = 0.0;
   /// Certified estimate (safety margin included) of the relative output error
-  /// ||W - W_float64||_S / ||W_float64||_S of a float32 merge; 0 for "float64" (exact to
+  /// ||W - W_float64||_S / ||W_float64||_S of a float32 or float32-rhs merge; 0 for "float64" (exact to
   /// float64 rounding) and "identical".
   double output_error_estimate = 0.0;
   /// max_i max |W_i - W-| / max |W-|: how far the models are from their average.
@@ -62,7 +67,7 @@ struct RegMeanInfo : SolveInfo {
 /// files store it); `weights`: K float32/float64 views, [out, in] for layout "linear"
 /// (torch nn.Linear) or [in, out] for "conv1d" (Hugging Face GPT-2 Conv1D); `counts`: K row
 /// counts n_i > 0; `coefficients`: empty (all 1) or K values >= 0, not all 0; `precision`:
-/// "auto", "float32" or "float64"; `noise_floor`: the relative rounding of the Grams'
+/// "auto", "float32", "float32-rhs" or "float64"; `noise_floor`: the relative rounding of the Grams'
 /// entries (their accumulation precision: 2^-24 for float32 products summed in float64,
 /// 2^-53 for float64; 0: exact Grams), in [0, 1): eigendirections of the system with an
 /// eigenvalue <= sqrt(d_in) x (noise_floor x its mean diagonal + 2^-52 x its largest

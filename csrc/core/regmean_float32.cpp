@@ -55,8 +55,7 @@ constexpr Index kHeldDifferences = 2;
 
 }  // namespace
 
-MatrixXd Float32Merge::system_times(const MatrixXd& v, double alpha, double ridge,
-                                    int threads) const {
+MatrixXd Float32Merge::system_times(const MatrixXd& v, double ridge, int threads) const {
   MatrixXd out;
   multiply_rows(lhs, v, out, false, threads);
   finish_reduced_product(lhs.diagonal(), v, alpha, ridge, out);
@@ -75,21 +74,21 @@ double Float32Merge::s_norm2(const MatrixXd& u, const MatrixXd& au, double ridge
   return u.cwiseProduct(au).sum() - ridge * u.squaredNorm();
 }
 
-double Float32Merge::factor_error_estimate(const Eigen::MatrixXf& l32, const MatrixXd& bz,
-                                           const MatrixXd& z, double alpha, double ridge,
+double Float32Merge::factor_error_estimate(const Eigen::MatrixXf& l32, double ridge,
                                            int threads) {
   x_probe = solve32(l32, bz, threads);
+  probe_ridge = ridge;
   multiply_rows(mean_t, z, mean_z, false, threads);
   MatrixXd v(d_in, 2 * kProbes);
   v.leftCols(kProbes) = x_probe;
   v.rightCols(kProbes) = mean_z;
-  const MatrixXd av = system_times(v, alpha, ridge, threads);
+  const MatrixXd av = system_times(v, ridge, threads);
   a_x = av.leftCols(kProbes);
   a_mean_z = av.rightCols(kProbes);
   const double merged_norm2 = s_norm2(mean_z + x_probe, a_mean_z + a_x, ridge);
   res = a_x - bz;
   e_probe = solve32(l32, res, threads);
-  a_e = system_times(e_probe, alpha, ridge, threads);
+  a_e = system_times(e_probe, ridge, threads);
   e_norm2 = std::max(e_probe.cwiseProduct(a_e).sum(), 0.0);
   if (!(e_norm2 > 0.0)) return 0.0;
   return merged_norm2 > 0.0 ? kCertificateMargin * std::sqrt(e_norm2 / merged_norm2)
@@ -110,11 +109,158 @@ double Float32Merge::predictor_scale(double spread) const {
   return kPredictorFactor * kFloat32Roundoff * spread * std::min(1.0, delta / kPredictorDelta);
 }
 
+void Float32Merge::form_rhs_inputs(int threads, PhaseLog& phases) {
+  if (rhs_formed) return;
+  // The deviations, once: y_j = (W_j - W-)^T z in float64 for the probes, and rounded to
+  // float32 into rows [j d_in, (j + 1) d_in) of dev32.
+  const Index m = static_cast<Index>(others.size());
+  z = gaussian_probes(d_out, kProbes);
+  y = MatrixXd::Zero(d_in, m * kProbes);
+  dev32.resize(m * d_in, d_out);
+  {
+    MatrixXd delta(d_in, std::min(kRhsChunk, d_out));
+    for (Index j = 0; j < m; ++j) {
+      auto yj = y.middleCols(j * kProbes, kProbes);
+      for_each_deviation_block(
+          models[others[j]].weight, mean_t, layout, threads, delta,
+          [&](Index) {},
+          [&](Index c0, Index w, Index r0, Index h) {
+            yj.middleRows(r0, h).noalias() += delta.block(r0, 0, h, w) * z.middleRows(c0, w);
+            dev32.block(j * d_in + r0, c0, h, w) = delta.block(r0, 0, h, w).cast<float>();
+          });
+    }
+  }
+  phases.lap("deviations");
+  // The Gram differences by tiles of rows: B z = sum_j D_j y_j in float64 (each tile owns
+  // its rows of B z, summed over j in order); with m <= kHeldDifferences, D_j also rounded
+  // into diff32's columns [j d_in, (j + 1) d_in).
+  const bool held = m <= kHeldDifferences;
+  bz = MatrixXd::Zero(d_in, kProbes);
+  diff32.resize(held ? d_in : 0, held ? m * d_in : 0);
+  {
+    const Index n_tiles = (d_in + kTile - 1) / kTile;
+    LMDX_PRAGMA(omp parallel num_threads(threads)) {
+      MatrixXd t(kTile, d_in);
+      LMDX_PRAGMA(omp for schedule(dynamic, 1))
+      for (Index tile = 0; tile < n_tiles; ++tile) {
+        const Index r0 = tile * kTile, h = std::min(kTile, d_in - r0);
+        for (Index j = 0; j < m; ++j) {
+          difference_rows(models, s, coef, others[j], pivot, alpha, r0, h, t);
+          bz.middleRows(r0, h).noalias() += t.topRows(h) * y.middleCols(j * kProbes, kProbes);
+          if (held) diff32.block(r0, j * d_in, h, d_in) = t.topRows(h).cast<float>();
+        }
+      }
+    }
+  }
+  rhs_formed = true;
+  phases.lap("differences");
+}
+
+void Float32Merge::products32(int threads, Eigen::MatrixXf& x32) {
+  // rhs = sum_j D_j (W_j - W-)^T in float32, by fixed blocks of rows: held, one product
+  // [D_1 .. D_m] [dev_1; ..; dev_m]; otherwise for each j the block's rows of D_j formed
+  // again (float64 tiles of kTile rows, rounded into a float32 block of rows) and
+  // multiplied by dev_j, summed over j in order.
+  const Index m = static_cast<Index>(others.size());
+  const Index row_block = column_block_width(d_in);
+  const Index n_row_blocks = (d_in + row_block - 1) / row_block;
+  if (diff32.size() > 0) {
+    LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(dynamic, 1))
+    for (Index rb = 0; rb < n_row_blocks; ++rb) {
+      const Index r0 = rb * row_block;
+      const Index h = std::min(row_block, d_in - r0);
+      x32.middleRows(r0, h).noalias() = diff32.middleRows(r0, h) * dev32;
+    }
+  } else {
+    const int block_threads = static_cast<int>(std::min<Index>(threads, n_row_blocks));
+    LMDX_PRAGMA(omp parallel num_threads(block_threads)) {
+      MatrixXd t(kTile, d_in);
+      Eigen::MatrixXf rows32(row_block, d_in);
+      LMDX_PRAGMA(omp for schedule(dynamic, 1))
+      for (Index rb = 0; rb < n_row_blocks; ++rb) {
+        const Index r0 = rb * row_block;
+        const Index h = std::min(row_block, d_in - r0);
+        auto out = x32.middleRows(r0, h);
+        for (Index j = 0; j < m; ++j) {
+          for (Index k0 = 0; k0 < h; k0 += kTile) {
+            const Index th = std::min(kTile, h - k0);
+            difference_rows(models, s, coef, others[j], pivot, alpha, r0 + k0, th, t);
+            rows32.middleRows(k0, th) = t.topRows(th).cast<float>();
+          }
+          const auto dev_j = dev32.middleRows(j * d_in, d_in);
+          if (j == 0) {
+            out.noalias() = rows32.topRows(h) * dev_j;
+          } else {
+            out.noalias() += rows32.topRows(h) * dev_j;
+          }
+        }
+      }
+    }
+  }
+  diff32.resize(0, 0);
+  dev32.resize(0, 0);
+  rhs_formed = false;  // (a later products32 forms them again)
+}
+
+bool Float32Merge::rhs32(const MatrixXd& l, double ridge, int threads, bool forced,
+                         RegMeanInfo& info, MatrixXd& merged_t) {
+  PhaseLog phases(info);
+  if (!mirrored) {
+    mirror_lower(lhs, threads);
+    mirrored = true;
+  }
+  form_rhs_inputs(threads, phases);
+  Eigen::MatrixXf x32(d_in, d_out);
+  products32(threads, x32);
+  // B_32 z (the probes of the float32 right-hand side, exactly) and B_32 in float64.
+  const Index row_block = column_block_width(d_in);
+  const Index n_row_blocks = (d_in + row_block - 1) / row_block;
+  MatrixXd b32z(d_in, kProbes);
+  LMDX_PRAGMA(omp parallel num_threads(threads)) {
+    LMDX_PRAGMA(omp for schedule(dynamic, 1))
+    for (Index rb = 0; rb < n_row_blocks; ++rb) {
+      const Index r0 = rb * row_block;
+      const Index h = std::min(row_block, d_in - r0);
+      b32z.middleRows(r0, h).noalias() = x32.middleRows(r0, h).cast<double>() * z;
+    }
+    LMDX_PRAGMA(omp for schedule(static))
+    for (Index c = 0; c < d_out; ++c) merged_t.col(c) = x32.col(c).cast<double>();
+  }
+  x32.resize(0, 0);
+  phases.lap("products32");
+  cholesky_solve_in_place(l, merged_t, threads);
+  phases.lap("solve64");
+  // E = A^{-1} (B_32 - B) (the float64 solve's own rounding aside), so on the probes
+  // E z = A^{-1} r with r = B_32 z - B z, and ||E z||_A^2 = r . A^{-1} r. The merged weight's
+  // W_M z = W- z + A^{-1} B z, with A W_M z = A W- z + B z.
+  MatrixXd solved(d_in, 2 * kProbes);
+  solved.leftCols(kProbes) = b32z - bz;
+  solved.rightCols(kProbes) = bz;
+  cholesky_solve_in_place(l, solved, threads);
+  const double e_norm2 = std::max((b32z - bz).cwiseProduct(solved.leftCols(kProbes)).sum(), 0.0);
+  if (mean_z.size() == 0) multiply_rows(mean_t, z, mean_z, false, threads);
+  if (a_mean_z.size() == 0 || !(probe_ridge == ridge)) {
+    a_mean_z = system_times(mean_z, ridge, threads);  // (the float64 ridge escalated)
+  }
+  const double merged_norm2 =
+      s_norm2(mean_z + solved.rightCols(kProbes), a_mean_z + bz, ridge);
+  double estimate = 0.0;
+  if (e_norm2 > 0.0) {
+    estimate = merged_norm2 > 0.0 ? kCertificateMargin * std::sqrt(e_norm2 / merged_norm2)
+                                  : std::numeric_limits<double>::max();
+  }
+  phases.lap("certificate");
+  if (!forced && !(estimate <= kOutputErrorTolerance)) return false;
+  merged_t += mean_t;
+  info.precision = "float32-rhs";
+  info.output_error_estimate = estimate;
+  return true;
+}
+
 bool Float32Merge::run(const SolveOptions& opt, bool forced, RegMeanInfo& info,
                        MatrixXd& merged_t) {
   PhaseLog phases(info);
   const int threads = opt.n_threads;
-  const double alpha = opt.alpha;
   const double mean_diagonal = lhs.diagonal().mean();
   if (!(opt.ridge >= 0.0) || !std::isfinite(opt.ridge) || !(mean_diagonal > 0.0) ||
       !std::isfinite(mean_diagonal)) {
@@ -150,102 +296,19 @@ bool Float32Merge::run(const SolveOptions& opt, bool forced, RegMeanInfo& info,
   const double floor = noise_floor * std::sqrt(static_cast<double>(d_in)) * mean_diagonal;
   if (floor > 0.0 && smallest * smallest <= kNoiseFloorTrigger * floor) return false;
   mirror_lower(lhs, threads);
+  mirrored = true;
   phases.lap("convert32");
 
-  // The deviations, once: y_i = (W_i - W-)^T z in float64 for the probes, and rounded to
-  // float32 into rows [j d_in, (j + 1) d_in) of dev32.
-  const Index m = static_cast<Index>(others.size());
-  const MatrixXd z = gaussian_probes(d_out, kProbes);
-  MatrixXd y = MatrixXd::Zero(d_in, m * kProbes);
-  Eigen::MatrixXf dev32(m * d_in, d_out);
-  {
-    MatrixXd delta(d_in, std::min(kRhsChunk, d_out));
-    for (Index j = 0; j < m; ++j) {
-      auto yj = y.middleCols(j * kProbes, kProbes);
-      for_each_deviation_block(
-          models[others[j]].weight, mean_t, layout, threads, delta,
-          [&](Index) {},
-          [&](Index c0, Index w, Index r0, Index h) {
-            yj.middleRows(r0, h).noalias() += delta.block(r0, 0, h, w) * z.middleRows(c0, w);
-            dev32.block(j * d_in + r0, c0, h, w) = delta.block(r0, 0, h, w).cast<float>();
-          });
-    }
-  }
-  phases.lap("deviations");
-  // The Gram differences by tiles of rows: B z = sum_j D_j y_j in float64 (each tile owns
-  // its rows of B z, summed over j in order); with m <= kHeldDifferences, D_j also rounded
-  // into diff32's columns [j d_in, (j + 1) d_in).
-  const bool held = m <= kHeldDifferences;
-  MatrixXd bz = MatrixXd::Zero(d_in, kProbes);
-  Eigen::MatrixXf diff32(held ? d_in : 0, held ? m * d_in : 0);
-  {
-    const Index n_tiles = (d_in + kTile - 1) / kTile;
-    LMDX_PRAGMA(omp parallel num_threads(threads)) {
-      MatrixXd t(kTile, d_in);
-      LMDX_PRAGMA(omp for schedule(dynamic, 1))
-      for (Index tile = 0; tile < n_tiles; ++tile) {
-        const Index r0 = tile * kTile, h = std::min(kTile, d_in - r0);
-        for (Index j = 0; j < m; ++j) {
-          difference_rows(models, s, coef, others[j], pivot, alpha, r0, h, t);
-          bz.middleRows(r0, h).noalias() +=
-              t.topRows(h) * y.middleCols(j * kProbes, kProbes);
-          if (held) diff32.block(r0, j * d_in, h, d_in) = t.topRows(h).cast<float>();
-        }
-      }
-    }
-  }
-  phases.lap("differences");
-  if (factor_error_estimate(l32, bz, z, alpha, ridge, threads) > kOutputErrorTolerance &&
+  form_rhs_inputs(threads, phases);
+  if (factor_error_estimate(l32, ridge, threads) > kOutputErrorTolerance &&
       !forced) {
     phases.lap("precheck");
     return false;  // the factor alone already exceeds the tolerance: float64 at once
   }
   phases.lap("precheck");
 
-  // rhs = sum_j D_j (W_j - W-)^T in float32, by fixed blocks of rows: held, one product
-  // [D_1 .. D_m] [dev_1; ..; dev_m]; otherwise for each j the block's rows of D_j formed
-  // again (float64 tiles of kTile rows, rounded into a float32 block of rows) and
-  // multiplied by dev_j, summed over j in order.
   Eigen::MatrixXf x32(d_in, d_out);
-  {
-    const Index row_block = column_block_width(d_in);
-    const Index n_row_blocks = (d_in + row_block - 1) / row_block;
-    if (held) {
-      LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(dynamic, 1))
-      for (Index rb = 0; rb < n_row_blocks; ++rb) {
-        const Index r0 = rb * row_block;
-        const Index h = std::min(row_block, d_in - r0);
-        x32.middleRows(r0, h).noalias() = diff32.middleRows(r0, h) * dev32;
-      }
-    } else {
-      const int block_threads = static_cast<int>(std::min<Index>(threads, n_row_blocks));
-      LMDX_PRAGMA(omp parallel num_threads(block_threads)) {
-        MatrixXd t(kTile, d_in);
-        Eigen::MatrixXf rows32(row_block, d_in);
-        LMDX_PRAGMA(omp for schedule(dynamic, 1))
-        for (Index rb = 0; rb < n_row_blocks; ++rb) {
-          const Index r0 = rb * row_block;
-          const Index h = std::min(row_block, d_in - r0);
-          auto out = x32.middleRows(r0, h);
-          for (Index j = 0; j < m; ++j) {
-            for (Index k0 = 0; k0 < h; k0 += kTile) {
-              const Index th = std::min(kTile, h - k0);
-              difference_rows(models, s, coef, others[j], pivot, alpha, r0 + k0, th, t);
-              rows32.middleRows(k0, th) = t.topRows(th).cast<float>();
-            }
-            const auto dev_j = dev32.middleRows(j * d_in, d_in);
-            if (j == 0) {
-              out.noalias() = rows32.topRows(h) * dev_j;
-            } else {
-              out.noalias() += rows32.topRows(h) * dev_j;
-            }
-          }
-        }
-      }
-    }
-  }
-  diff32.resize(0, 0);
-  dev32.resize(0, 0);
+  products32(threads, x32);
   phases.lap("products32");
   cholesky_solve_in_place(l32, x32, threads);
   phases.lap("solve32");
@@ -264,12 +327,12 @@ bool Float32Merge::run(const SolveOptions& opt, bool forced, RegMeanInfo& info,
   }
   // E z = X_32 z - X_64 z = (X_32 z - x) + (x - X_64 z): the first part exactly, the
   // second the pre-check's e, refined once against res (A (x - X_64 z) = res).
-  const MatrixXd axz = system_times(xz, alpha, ridge, threads);
+  const MatrixXd axz = system_times(xz, ridge, threads);
   const double merged_norm2 = s_norm2(mean_z + xz, a_mean_z + axz, ridge);
   const MatrixXd first = xz - x_probe + e_probe;
   const MatrixXd a_first = axz - a_x + a_e;
   const MatrixXd correction = solve32(l32, res - a_e, threads);
-  const MatrixXd ac = system_times(correction, alpha, ridge, threads);
+  const MatrixXd ac = system_times(correction, ridge, threads);
   const double ee = first.cwiseProduct(a_first).sum();
   const double ec = correction.cwiseProduct(a_first).sum();
   const double cc = std::max(correction.cwiseProduct(ac).sum(), 0.0);

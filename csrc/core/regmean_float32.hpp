@@ -28,6 +28,7 @@
 
 #include <vector>
 
+#include "core/phases.hpp"
 #include "core/regmean_kernels.hpp"
 
 LMDX_NAMESPACE_BEGIN
@@ -45,14 +46,24 @@ struct Float32Merge {
   const MatrixXd& mean_t;
   MatrixXd& lhs;  // sum_i s_i G_i, lower triangle; run() mirrors it onto the upper one
   double noise_floor;  // relative, as regmean_merge_layer's
+  double alpha;        // RegMean's off-diagonal scale
+  bool mirrored = false;  // lhs's upper triangle holds the lower one's mirror image
+  // Formed once for both paths (form_rhs_inputs): the Gaussian probes z (d_out x kProbes),
+  // y = [(W_j - W-)^T z] in float64, B z in float64, the deviations in float32 (dev32, m
+  // d_in x d_out) and, with m <= kHeldDifferences, the Gram differences in float32 side by
+  // side (diff32); products32 releases the float32 ones.
+  bool rhs_formed = false;
+  MatrixXd z{}, y{}, bz{};
+  Eigen::MatrixXf dev32{}, diff32{};
   // Set by the pre-check (factor_error_estimate): on the probes, W-^T z, A W-^T z, x (B z
   // solved with the float32 factor), A x, res = A x - B z, e (res solved with it), A e, and
   // ||e||_A^2.
-  MatrixXd mean_z, a_mean_z, x_probe, a_x, res, e_probe, a_e;
+  MatrixXd mean_z{}, a_mean_z{}, x_probe{}, a_x{}, res{}, e_probe{}, a_e{};
   double e_norm2 = 0.0;
+  double probe_ridge = -1.0;  // the absolute ridge of a_mean_z's system
 
   // A v, A = alpha lhs + (1 - alpha) diag(lhs) + ridge I (lhs mirrored).
-  MatrixXd system_times(const MatrixXd& v, double alpha, double ridge, int threads) const;
+  MatrixXd system_times(const MatrixXd& v, double ridge, int threads) const;
 
   // A_32^{-1} r with the float32 factor, r scaled into float32's range first.
   static MatrixXd solve32(const Eigen::MatrixXf& l32, const MatrixXd& r, int threads);
@@ -66,13 +77,30 @@ struct Float32Merge {
   // ||W_M z||_S with W_M z ~ W- z + x. The products' own rounding comes on top, so a layer
   // above the tolerance here cannot be certified. Keeps x, A x, res, e, A e, W-^T z and
   // A W-^T z for the final certificate.
-  double factor_error_estimate(const Eigen::MatrixXf& l32, const MatrixXd& bz, const MatrixXd& z,
-                               double alpha, double ridge, int threads);
+  double factor_error_estimate(const Eigen::MatrixXf& l32, double ridge, int threads);
 
   // The a-priori predictor of the output error (before any right-hand side, see
   // kPredictorFactor) without its pivot ratio: the predicted error is this times the float32
   // factor's largest / smallest pivot. spread: the relative spread of the weights.
   double predictor_scale(double spread) const;
+
+  // The probes, the deviations and the Gram differences (above), phases "deviations" and
+  // "differences"; nothing when already formed.
+  void form_rhs_inputs(int threads, PhaseLog& phases);
+
+  // x32 (d_in x d_out) = the right-hand side sum_j D_j (W_j - W-)^T in float32; releases
+  // dev32 and diff32.
+  void products32(int threads, Eigen::MatrixXf& x32);
+
+  // Precision "float32-rhs": the right-hand side in float32 (products32), the factorization l and
+  // the solve in float64; certified like the float32 path, on the probes: its error
+  // E = A^{-1} (B_32 - B) is known exactly there (E z = A^{-1} (B_32 z - B z)), since the
+  // float64 factor's own error is negligible. Returns false (merged_t then holds nothing
+  // useful; lhs's lower triangle is as it was) when the certificate exceeds
+  // kOutputErrorTolerance, unless forced; otherwise merged_t = W_M^T, info.precision
+  // "float32-rhs" and info.output_error_estimate set. ridge: the absolute ridge of l's system.
+  bool rhs32(const MatrixXd& l, double ridge, int threads, bool forced, RegMeanInfo& info,
+             MatrixXd& merged_t);
 
   // Merge into merged_t and fill info (precision "float32", output_error_estimate). Returns
   // false, leaving lhs's lower triangle as it was, when the float32 factorization fails or

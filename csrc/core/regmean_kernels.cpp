@@ -23,8 +23,10 @@ WeightLayout parse_layout(const std::string& layout, const std::string& name) {
 Precision parse_precision(const std::string& precision, const std::string& name) {
   if (precision == "auto") return Precision::Auto;
   if (precision == "float32") return Precision::Float32;
+  if (precision == "float32-rhs") return Precision::Float32Rhs;
   if (precision == "float64") return Precision::Float64;
-  throw std::invalid_argument(name + ": precision: expected 'auto', 'float32' or 'float64', got '" +
+  throw std::invalid_argument(name +
+                              ": precision: expected 'auto', 'float32', 'float32-rhs' or 'float64', got '" +
                               precision + "'");
 }
 

@@ -79,7 +79,7 @@ inline void widen_columns(const ArrayView& weight, Index d_in, Index d_out, Weig
   }
 }
 
-enum class Precision { Auto, Float32, Float64 };
+enum class Precision { Auto, Float32, Float32Rhs, Float64 };
 
 // The layout and precision arguments, checked (messages start with name).
 WeightLayout parse_layout(const std::string& layout, const std::string& name);

@@ -32,7 +32,7 @@ def regmean_merge_layer(
     alpha: float = 1.0,
     coefficients: Sequence[float] | None = None,
     layout: Literal["linear", "conv1d"] = "linear",
-    precision: Literal["auto", "float32", "float64"] = "auto",
+    precision: Literal["auto", "float32", "float32-rhs", "float64"] = "auto",
     noise_floor: float = 0.0,
     ridge: float = 0.0,
     allow_regularization: bool = True,
@@ -79,9 +79,12 @@ def regmean_merge_layer(
         (``S = Σ c_i G̃_i``, ``‖A‖²_S = tr(A S Aᵀ)``: the relative RMS change of the
         layer's outputs on the statistics' rows), times a safety margin of 4. The float32
         result is kept where that estimate is ``<= 1e-6``; otherwise (or where the float32
-        factorization fails) the layer is redone in float64. ``"float32"`` keeps the
-        float32 result whatever its estimate (a failed float32 factorization still falls
-        back to float64); ``"float64"`` solves in float64 (weight error far below 1e-6).
+        factorization fails) the layer is factored and solved in float64 with the float32
+        right-hand side (its error, without the float32 factor's, certified the same way)
+        and, where that certificate exceeds 1e-6 too, redone in float64. ``"float32"`` keeps
+        the float32 result whatever its estimate (a failed float32 factorization still
+        falls back to float64), ``"float32-rhs"`` the float32 right-hand side's;
+        ``"float64"`` solves in float64 (weight error far below 1e-6).
         ``info.precision`` says what was used (``"identical"``: the weights are equal in
         every model and are returned as they are) and ``info.output_error_estimate`` the
         certified estimate (0 for float64 and identical). See ``docs/accuracy.md``.

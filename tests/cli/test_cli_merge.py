@@ -168,7 +168,7 @@ def test_merge_ties_and_dare_match_numpy(
         ("method: average\nalpha: 2\nmodels: [m0, m1]\n", r"alpha must be in \[0, 1\]"),
         (
             "method: average\nprecision: half\nmodels: [m0, m1]\n",
-            "precision must be one of auto, float32, float64",
+            "precision must be one of auto, float32, float32-rhs, float64",
         ),
         ("method: task_arithmetic\nmodels: [m0, m1]\n", "needs the pre-trained model"),
         ("method: ties\nmodels: [m0, m1]\n", "base: method ties needs the pre-trained model"),

@@ -81,33 +81,41 @@ def test_certificate_bounds_the_output_error(rng, kind, alpha, cond, spread):
     grams = grams_of_condition(rng, kind, K, D_IN, cond, N)
     weights = fine_tuned(rng, K, D_OUT, D_IN, spread)
     exact, s = formula(grams, [N] * K, weights, alpha)
-    forced = lmdx.regmean_merge_layer(grams, weights, [N] * K, alpha=alpha, precision="float32")
-    assert forced.info.precision == "float32"
     full = lmdx.regmean_merge_layer(grams, weights, [N] * K, alpha=alpha, precision="float64")
     assert full.info.precision == "float64" and full.info.output_error_estimate == 0.0
     assert weight_error(full.weight, exact) <= 1e-9 * max(cond, 1.0)
-    # What the certificate measures is the float32 merge against the float64 one; both
-    # differ from this reference by float64 rounding as well (its own, and the float64
-    # merge's: ``floor``).
+    # What a certificate measures is the merge against the float64 one; both differ from
+    # this reference by float64 rounding as well (its own, and the float64 merge's: ``floor``).
     floor = 2.0 * output_error(full.weight, exact, s) + 1e-15
-    true = output_error(forced.weight, exact, s)
-    estimate = forced.info.output_error_estimate
-    # The estimate includes its safety margin: never below the true error.
-    assert true <= estimate + floor, f"true {true:.3g} > estimate {estimate:.3g}"
-    if cond <= 1e4 and true > 100 * floor:
-        # Spread rounding errors: the estimate is the margin (4) times the error, within
-        # the probes' sampling (16 probes) and the system norm standing in for S's.
-        assert estimate <= 12.0 * true, f"estimate {estimate:.3g} vs true {true:.3g}"
+    forced = {}
+    for precision in ("float32", "float32-rhs"):
+        res = lmdx.regmean_merge_layer(grams, weights, [N] * K, alpha=alpha, precision=precision)
+        assert res.info.precision == precision
+        true = output_error(res.weight, exact, s)
+        estimate = res.info.output_error_estimate
+        # The estimate includes its safety margin: never below the true error.
+        assert true <= estimate + floor, f"{precision}: true {true:.3g} > estimate {estimate:.3g}"
+        if cond <= 1e4 and true > 100 * floor:
+            # Spread rounding errors: the estimate is the margin (4) times the error, within
+            # the probes' sampling (16 probes) and the system norm standing in for S's.
+            assert estimate <= 12.0 * true, f"{precision}: estimate {estimate:.3g}, true {true:.3g}"
+        forced[precision] = res
 
+    # auto: float32 where certified, else the float32 right-hand side where certified, else
+    # float64 -- each the same bits as that precision forced.
     auto = lmdx.regmean_merge_layer(grams, weights, [N] * K, alpha=alpha)
-    if auto.info.precision == "float32":
+    estimate32 = forced["float32"].info.output_error_estimate
+    if auto.info.precision == "float64":
+        assert np.array_equal(auto.weight, full.weight), "the fallback is the float64 merge"
+        assert auto.info.output_error_estimate == 0.0
+        assert forced["float32-rhs"].info.output_error_estimate > 1e-6
+    else:
+        assert auto.info.precision in forced
         assert auto.info.output_error_estimate <= 1e-6
         assert output_error(auto.weight, exact, s) <= auto.info.output_error_estimate + floor
-        assert np.array_equal(auto.weight, forced.weight)
-    else:
-        assert auto.info.precision == "float64"
-        assert np.array_equal(auto.weight, full.weight), "the fallback is the float64 merge"
-        assert estimate > 1e-6 or cond >= 1e6  # rejected by the estimate or the refinement
+        assert np.array_equal(auto.weight, forced[auto.info.precision].weight)
+    if auto.info.precision != "float32":
+        assert estimate32 > 1e-6 or cond >= 1e6  # rejected by the estimate or the refinement
     if cond <= 1e2 and spread <= 1e-2:  # well conditioned: float32 is certified
         assert auto.info.precision == "float32"
 
@@ -122,8 +130,11 @@ def test_certificate_bounds_the_output_error(rng, kind, alpha, cond, spread):
     spread=st.sampled_from([1e-3, 1e-2, 1e-1]),
     coefficients=st.booleans(),
     seed=st.integers(0, 2**32 - 1),
+    precision=st.sampled_from(["float32", "float32-rhs"]),
 )
-def test_certificate_on_small_layers(k, d_in, d_out, alpha, log_cond, spread, coefficients, seed):
+def test_certificate_on_small_layers(
+    k, d_in, d_out, alpha, log_cond, spread, coefficients, seed, precision
+):
     # Few output columns make the probes' sampling the coarsest (a single output column is
     # the rank-one case the margin is sized for). K >= 4 forms each Gram difference a second
     # time after the pre-check instead of holding all of them (d_in > 64: several tiles per
@@ -134,12 +145,10 @@ def test_certificate_on_small_layers(k, d_in, d_out, alpha, log_cond, spread, co
     c = list(rng.uniform(0.2, 2.0, k)) if coefficients else None
     exact, s = formula(grams, [N] * k, weights, alpha, c)
     res, full = (
-        lmdx.regmean_merge_layer(
-            grams, weights, [N] * k, alpha=alpha, coefficients=c, precision=precision
-        )
-        for precision in ("float32", "float64")
+        lmdx.regmean_merge_layer(grams, weights, [N] * k, alpha=alpha, coefficients=c, precision=p)
+        for p in (precision, "float64")
     )
-    assert res.info.precision == "float32"
+    assert res.info.precision == precision
     floor = 2.0 * output_error(full.weight, exact, s) + 1e-15  # float64 rounding
     true = output_error(res.weight, exact, s)
     assert true <= res.info.output_error_estimate + floor
@@ -197,7 +206,9 @@ def test_small_layers_stay_float64_under_auto_and_bad_precision_is_named(rng):
     forced = lmdx.regmean_merge_layer(grams, weights, [N] * K, precision="float32")
     assert forced.info.precision == "float32" and forced.info.output_error_estimate > 0.0
     with pytest.raises(
-        ValueError, match=r"layer: precision: expected 'auto', 'float32' or 'float64', got 'half'"
+        ValueError,
+        match=r"layer: precision: expected 'auto', 'float32', 'float32-rhs' or 'float64', got "
+        r"'half'",
     ):
         lmdx.regmean_merge_layer(grams, weights, [N] * K, precision="half")  # type: ignore[arg-type]
 
@@ -261,13 +272,16 @@ def test_each_merge_reports_its_phases(rng):
     counts = [N] * K
     f32 = lmdx.regmean_merge_layer(grams, weights, counts, alpha=0.9, precision="float32").info
     f64 = lmdx.regmean_merge_layer(grams, weights, counts, alpha=0.9, precision="float64").info
-    assert f32.precision == "float32" and f64.precision == "float64"
+    rhs = lmdx.regmean_merge_layer(grams, weights, counts, alpha=0.9, precision="float32-rhs").info
+    assert (f32.precision, f64.precision, rhs.precision) == ("float32", "float64", "float32-rhs")
     common = ["checks", "average", "system"]
     float32 = ["convert32", "factor32", "deviations", "differences", "precheck"]
     float32 += ["products32", "solve32", "certificate"]
     assert f32.phases == common + float32
     assert f64.phases == [*common, "factor64", "products64", "solve64"]
-    for info in (f32, f64):
+    rhs32 = ["factor64", "deviations", "differences", "products32", "solve64", "certificate"]
+    assert rhs.phases == common + rhs32
+    for info in (f32, f64, rhs):
         if lmdx.config()["profiled"]:
             assert list(info.timings) == info.phases
             assert all(t >= 0.0 for t in info.timings.values())
@@ -275,24 +289,28 @@ def test_each_merge_reports_its_phases(rng):
             assert info.timings == {}
 
 
-def test_auto_predictor_sends_hopeless_layers_to_float64_before_the_precheck(rng):
+def test_auto_predictor_sends_hopeless_layers_past_float32_before_the_precheck(rng):
     """A layer far from certifiable in float32 (unlike Grams of condition 1e6, deviations
-    as large as the weights) is sent to float64 right after the float32 factorization: the
-    same bits as precision "float64", and the certificate (forced float32) agrees it was
-    out of reach."""
+    ten times the weights) goes to the float64 factorization right after the float32 one;
+    the float32 right-hand side is tried there, its certificate refuses it too, and the
+    float64 products follow: the same bits as precision "float64". The certificates
+    (forced float32 and float32-rhs) agree both were out of reach."""
     grams = grams_of_condition(rng, "unlike", K, D_IN, 1e6, N)
-    weights = fine_tuned(rng, K, D_OUT, D_IN, 1.0)
+    weights = fine_tuned(rng, K, D_OUT, D_IN, 10.0)
     counts = [N] * K
     auto = lmdx.regmean_merge_layer(grams, weights, counts, alpha=0.9)
-    full = lmdx.regmean_merge_layer(grams, weights, counts, alpha=0.9, precision="float64")
-    forced = lmdx.regmean_merge_layer(grams, weights, counts, alpha=0.9, precision="float32")
+    forced = {
+        p: lmdx.regmean_merge_layer(grams, weights, counts, alpha=0.9, precision=p)
+        for p in ("float32", "float32-rhs", "float64")
+    }
     assert auto.info.precision == "float64" and auto.info.output_error_estimate == 0.0
     assert auto.info.phases == [
-        *["checks", "average", "system", "convert32", "factor32", "predictor"],
-        *["factor64", "products64", "solve64"],
+        *["checks", "average", "system", "convert32", "factor32", "predictor", "factor64"],
+        *["deviations", "differences", "products32", "solve64", "certificate", "products64"],
     ]
-    assert np.array_equal(auto.weight, full.weight)
-    assert forced.info.output_error_estimate > 1e-6
+    assert np.array_equal(auto.weight, forced["float64"].weight)
+    assert forced["float32"].info.output_error_estimate > 1e-6
+    assert forced["float32-rhs"].info.output_error_estimate > 1e-6
 
 
 @pytest.mark.parametrize("cond", [1.0, 1e2, 1e3])
@@ -396,11 +414,17 @@ def test_auto_predictor_routes_by_the_pivot_ratio_and_keeps_the_certificate(rng,
     auto = lmdx.regmean_merge_layer(grams, weights, counts, alpha=0.9)
     exact, s = formula(grams, counts, weights, 0.9)
     if predicted > 1e-6:
-        full = lmdx.regmean_merge_layer(grams, weights, counts, alpha=0.9, precision="float64")
-        assert auto.info.precision == "float64" and "predictor" in auto.info.phases
-        assert auto.info.phases[-4:] == ["predictor", "factor64", "products64", "solve64"]
-        assert np.array_equal(auto.weight, full.weight)
-        assert weight_error(auto.weight, exact) <= 1e-6
+        # Past float32 to the float64 factorization, with the float32 right-hand side:
+        # the float32 factor's error is what the predictor refused (the same bits as
+        # precision "float32-rhs").
+        assert auto.info.precision == "float32-rhs"
+        assert auto.info.phases[5:7] == ["predictor", "factor64"]
+        forced = lmdx.regmean_merge_layer(
+            grams, weights, counts, alpha=0.9, precision=auto.info.precision
+        )
+        assert np.array_equal(auto.weight, forced.weight)
+        assert output_error(auto.weight, exact, s) <= auto.info.output_error_estimate + 1e-12
+        assert auto.info.output_error_estimate <= 1e-6
     else:
         assert auto.info.precision == "float32" and "predictor" not in auto.info.phases
         assert auto.info.output_error_estimate <= 1e-6

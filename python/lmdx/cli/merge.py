@@ -327,7 +327,8 @@ def _report_precision(report: dict[str, Any]) -> None:
         counts[info["precision"]] = counts.get(info["precision"], 0) + 1
     parts = ", ".join(f"{n} {p}" for p, n in sorted(counts.items()))
     worst = max((float(i.get("output_error_estimate", 0.0)) for i in layers), default=0.0)
-    bound = f"; float32 output error <= {worst:.1e} (certified)" if counts.get("float32") else ""
+    rounded = counts.get("float32") or counts.get("float32-rhs")
+    bound = f"; float32 output error <= {worst:.1e} (certified)" if rounded else ""
     print(f"lmdx merge: RegMean systems by precision: {parts}{bound}")
 
 

@@ -90,13 +90,14 @@ class SolveOptions(NoOptions):
         ),
     ] = True
     precision: Annotated[
-        Literal["auto", "float32", "float64"],
+        Literal["auto", "float32", "float32-rhs", "float64"],
         Field(
             description="auto: per layer float32 where a certificate bounds the relative "
-            "output error by 1e-6, else float64; float32: always (estimate reported); "
-            "float64: always",
+            "output error by 1e-6, else the float32 right-hand side with the float64 "
+            "factorization and solve where its certificate does, else float64; float32, "
+            "float32-rhs: always (estimate reported); float64: always",
             json_schema_extra={
-                "label": "must be one of auto, float32, float64",
+                "label": "must be one of auto, float32, float32-rhs, float64",
                 "elsewhere": _IGNORED,
             },
         ),
@@ -296,9 +297,9 @@ def output_block_size(
 
 def _combined(layers: list[dict[str, Any]], blocks: int) -> dict[str, Any]:
     """One module's solver report from its blocks': the least precise precision used
-    (float32 over float64 over identical), the largest estimates and spreads, the solved
-    blocks' factorization (the same system each time)."""
-    rank = {"float32": 2, "float64": 1}
+    (float32 over float32-rhs over float64 over identical), the largest estimates and
+    spreads, the solved blocks' factorization (the same system each time)."""
+    rank = {"float32": 3, "float32-rhs": 2, "float64": 1}
     out = dict(max(layers, key=lambda info: rank.get(str(info["precision"]), 0)))
     for key in ("output_error_estimate", "relative_spread", "unseen_directions", "attempts"):
         out[key] = max(info[key] for info in layers)

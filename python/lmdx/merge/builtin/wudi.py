@@ -65,12 +65,13 @@ class WudiOptions(NoOptions):
         ),
     ] = DEFAULT_RIDGE
     precision: Annotated[
-        Literal["auto", "float32", "float64"],
+        Literal["auto", "float32", "float32-rhs", "float64"],
         Field(
             description="auto: per layer float32 where a certificate bounds the relative "
-            "output error by 1e-6, else float64; float32: always (estimate reported); "
-            "float64: always",
-            json_schema_extra={"label": "must be one of auto, float32, float64"},
+            "output error by 1e-6, else the float32 right-hand side with the float64 "
+            "factorization and solve where its certificate does, else float64; float32, "
+            "float32-rhs: always (estimate reported); float64: always",
+            json_schema_extra={"label": "must be one of auto, float32, float32-rhs, float64"},
         ),
     ] = "auto"
 
@@ -81,7 +82,7 @@ def wudi_solve(
     coefficients: Sequence[float],
     *,
     ridge: float,
-    precision: Literal["auto", "float32", "float64"] = "auto",
+    precision: Literal["auto", "float32", "float32-rhs", "float64"] = "auto",
     n_threads: int | None = None,
 ) -> tuple[NDArray[np.float64], dict[str, Any]]:
     """The WUDI update of one layer (``[out, in]``) from its task matrices ``taus`` (models
