@@ -155,7 +155,9 @@ def test_wudi_options_are_checked():
     kw = {"base": base, "heads": H.HEADS["bert"], "progress": False}
     with pytest.raises(MergeError, match=r"ridge: must be a number >= 0, got -1"):
         merge_models(models, "wudi", ridge=-1.0, **kw)
-    with pytest.raises(MergeError, match=r"precision: must be one of auto, float32, float32-rhs, float64"):
+    with pytest.raises(
+        MergeError, match=r"precision: must be one of auto, float32, float32-rhs, float64"
+    ):
         merge_models(models, "wudi", precision="float16", **kw)
     with pytest.raises(MergeError, match=r"base: method wudi needs the pre-trained model"):
         merge_models(models, "wudi", heads=H.HEADS["bert"], progress=False)
