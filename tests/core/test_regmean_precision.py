@@ -256,6 +256,38 @@ def test_directions_below_the_noise_floor_keep_the_average(rng, statistics, roun
         assert np.abs((exact.weight - average) @ unseen).max() / np.abs(average).max() > 1e-3
 
 
+def test_a_system_near_the_noise_floor_without_directions_below_it_needs_no_eigensolve(rng):
+    """A system whose smallest pivot is near the noise floor (within the factor 1e3 that
+    asks for a closer look) but whose smallest eigenvalue is still 3 times above it: the
+    shifted factorization shows that no direction is below the floor, so the float64 merge
+    is the plain Cholesky solve -- the same bits as with no noise floor at all -- and
+    matches the formula."""
+    d, k = D_IN, K
+    q = np.linalg.qr(rng.standard_normal((d, d)))[0]
+    roundoff = 2.0**-24
+    floor = roundoff * np.sqrt(d)  # relative to the mean diagonal
+    ev = np.logspace(0, np.log10(3 * floor), d)
+    ev *= d / ev.sum()  # mean diagonal 1 per model
+    grams = []
+    for _ in range(k):
+        g = (q * (ev * rng.uniform(0.9, 1.1, d))) @ q.T * N
+        grams.append((g + g.T) / 2)
+    weights = fine_tuned(rng, k, D_OUT, d, 1e-2)
+    counts = [N] * k
+    merged = {
+        f: lmdx.regmean_merge_layer(
+            grams, weights, counts, alpha=1.0, precision="float64", noise_floor=f
+        )
+        for f in (roundoff, 0.0)
+    }
+    info = merged[roundoff].info
+    assert info.min_pivot**2 <= 1e3 * floor * info.mean_diagonal, "the case the closer look is for"
+    assert info.unseen_directions == 0 and info.precision == "float64"
+    assert np.array_equal(merged[roundoff].weight, merged[0.0].weight)
+    exact, s = formula(grams, counts, weights, 1.0)
+    assert output_error(merged[roundoff].weight, exact, s) <= 1e-10
+
+
 def test_noise_floor_must_be_a_fraction(rng):
     grams = grams_of_condition(rng, "unlike", K, 8, 10.0, N)
     weights = fine_tuned(rng, K, 6, 8, 1e-2)
