@@ -1,5 +1,5 @@
-"""The RegMean merge's work, the machine's peak and the copies' deviation, in one place for
-the merge benchmarks (``bench_regmean.py``, ``bench_regmean_merge.py``,
+"""The RegMean merge's work, the machine's peak, the copies' deviation and the merge's error
+measures, in one place for the merge benchmarks (``bench_regmean.py``, ``bench_regmean_merge.py``,
 ``bench_merge_gemm.py``, ``bench_cost.py``, ``bench_llm_shapes.py``)."""
 
 from __future__ import annotations
@@ -82,3 +82,51 @@ def deviation_line(deviations: Sequence[float]) -> str:
         f"over {len(d)} RegMean weights): min {d.min():.2f} %, median {np.median(d):.2f} %,"
         f" max {d.max():.2f} %"
     )
+
+
+def merged_errors(
+    merged: dict[str, np.ndarray], reference: dict[str, np.ndarray], stats: list[Any], alpha: float
+) -> dict[str, Any]:
+    """Per RegMean-merged weight, against ``reference``: the weight error
+    max|E|/max|W| and the output error ‖E‖_S/‖W‖_S (S = Σ G̃_i from ``stats``); max and
+    median over the layers."""
+    weight, output, system = {}, {}, {}
+    for module, info in stats[0].modules.items():
+        key = info["weight"]
+        if key not in merged or key not in reference:
+            continue
+        group = stats[0].group_of(module)
+        if group not in system:  # one group at a time (groups are listed together)
+            system = {
+                group: reduced_sum([st.gram(module) / st.count(module) for st in stats], alpha)
+            }
+        weight[key], output[key] = errors(merged[key], reference[key], system[group])
+    return {
+        "weight_max": max(weight.values()),
+        "weight_median": float(np.median(list(weight.values()))),
+        "output_max": max(output.values()),
+        "output_median": float(np.median(list(output.values()))),
+        "worst_output": max(output, key=lambda k: output[k]),
+        "layers": len(weight),
+    }
+
+
+def reduced_sum(grams: list[np.ndarray], alpha: float) -> np.ndarray:
+    """S = Σ G̃_i, G̃_i = α Ĝ_i + (1 − α) diag Ĝ_i, from the mean Grams Ĝ_i = G_i / n_i."""
+    return np.sum([alpha * g + (1.0 - alpha) * np.diag(np.diag(g)) for g in grams], axis=0)
+
+
+def errors(merged: np.ndarray, reference: np.ndarray, s: np.ndarray) -> tuple[float, float]:
+    """The weight error max|E|/max|W| and the output error ‖E‖_S/‖W‖_S of ``merged``
+    against ``reference`` = W (E = merged − W; S = Σ G̃_i of the system)."""
+    w = np.asarray(reference, dtype=np.float64)
+    e = np.asarray(merged, dtype=np.float64) - w
+    return rel_max(w + e, w), float(np.sqrt(np.sum((e @ s) * e) / np.sum((w @ s) * w)))
+
+
+def rel_max(a: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.max(np.abs(a - ref)) / max(np.max(np.abs(ref)), 1e-300))
+
+
+def rel_fro(a: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.linalg.norm(a - ref) / max(np.linalg.norm(ref), 1e-300))
