@@ -39,7 +39,7 @@ Run from the repository root, after ``bench_regmean.py --workdir WORK ...``::
 
     python bench/bench_regmean_merge.py --workdir WORK --rounds 2 --profile 0 11 --verbose
     python bench/bench_regmean_merge.py --workdir WORK --noise 0.01 --rounds 0 --profile $(seq 0 11)
-    python bench/bench_regmean_merge.py --real ~/.cache/lmdx/finetuned/* --threads 1
+    python bench/bench_regmean_merge.py --real F1 F2 F3 F4 --threads 1  # one set of four fine-tunes
 """
 
 from __future__ import annotations
