@@ -200,7 +200,7 @@ def fusionbench_merge(
     one module with the concatenated weight: on a whole model FusionBench would invert a
     shared (q/k/v) Gram once per module. Where Σ G̃ is singular or below the statistics'
     rounding in some direction, lmdx keeps the average there and the inverse does not:
-    that shows in the weight error, hardly in the output error."""
+    that shows far more in the weight error than in the output error."""
     import torch
     from fusion_bench.method.regmean.regmean import merging_with_regmean_weights
 
