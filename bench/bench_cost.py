@@ -30,6 +30,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from lmdx import regmean_merge_layer
 from lmdx.merge.cost import layer_cost
+from merge_work import regmean_flops
 
 LAYERS = 12
 #: name -> (in, [out of each module sharing that input])
@@ -101,9 +102,7 @@ def main() -> None:
                 err = max(err, abs(c - ref) / ref)
         for key in totals:
             totals[key] += LAYERS * best[key]
-        flops["float64"] += LAYERS * (
-            2 * (k - 1) * d_in**2 * d_out + d_in**3 / 3 + 2 * d_in**2 * d_out
-        )
+        flops["float64"] += LAYERS * regmean_flops(d_in, d_out, k)
         flops["cost"] += LAYERS * 2 * k * d_in**2 * d_out
         print(f"{name:<14}{best['auto']:>9.3f}{best['float64']:>11.3f}{best['cost']:>9.3f}"
               f"{best['cost'] / best['auto']:>11.2f}{best['cost'] / best['float64']:>10.2f}"

@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from merge_work import regmean_flops
 
 HERE = Path(__file__).resolve()
 DATA = ("corpus:bbc_news", "corpus:rotten_tomatoes", "corpus:reuters")
@@ -307,7 +308,7 @@ def _groups(shapes: dict[str, int]) -> dict[str, tuple[int, int]]:
 def _flops(d: int, m: int, k: int, blocks: int = 1) -> float:
     """A group's solve: K - 1 products with the Grams' differences, the triangular solves,
     one Cholesky per block of output rows."""
-    return 2.0 * k * d * d * m + blocks * d**3 / 3
+    return regmean_flops(d, m, k) + (blocks - 1) * d**3 / 3
 
 
 def _memory(d: int, m: int, k: int) -> tuple[float, int]:

@@ -7,10 +7,10 @@ layer shapes of BERT-base -- per encoder layer one q/k/v group (768 -> 2304, one
 Gram), the attention output (768 -> 768), the intermediate (768 -> 3072) and the output
 (3072 -> 768), times 12 layers -- and measures torch's fp64 GEMM rate (3072 x 3072 x 768,
 same thread count) in the same run. Layers of one shape are timed once and counted 12
-times (their inputs are alike). Flops per layer, as the core computes since it solves for
-the deviation from the average: 2·(K − 1)·d_in²·d_out (the K − 1 right-hand-side products
-Σ_{i≠p} c_i (G̃_i − G̃_p)(W_i − W̄)ᵀ) + d_in³/3 (Cholesky) + 2·d_in²·d_out (solves). (Runs
-before 2026-12-02 08:45 counted K products, 2·K·d_in²·d_out, which had become one too many.)
+times (their inputs are alike). Flops per layer: ``merge_work.regmean_flops``, as the core
+computes since it solves for the deviation from the average (K − 1 right-hand-side
+products, Cholesky, solves). (Runs before 2026-12-02 08:45 counted K products,
+2·K·d_in²·d_out, which had become one too many.)
 
     python bench/bench_merge_gemm.py [--reps 3] [--threads 1 2]
 """
@@ -23,6 +23,7 @@ import time
 import numpy as np
 import torch
 from lmdx._core import core
+from merge_work import regmean_flops
 
 K = 3
 LAYERS = 12
@@ -86,7 +87,7 @@ def main() -> None:
 
             merge()
             best = min(_timed(merge) for _ in range(args.reps))
-            flops = 2 * (K - 1) * d_in**2 * d_out + d_in**3 / 3 + 2 * d_in**2 * d_out
+            flops = regmean_flops(d_in, d_out, K)
             print(
                 f"threads {t}  {name:<13s} {d_in:4d} -> {d_out:4d}: {best * 1e3:8.1f} ms, "
                 f"{flops / best * 1e-9:6.1f} GFLOP/s, {best / (flops / rate):.2f}x its GEMM time"

@@ -1,8 +1,9 @@
 """RegMean pipeline: lmdx vs FusionBench, same model, same data, one run.
 
 A BERT-base-sized encoder (``BertModel``, no pooler, random init, fixed seed) and K
-"fine-tuned" copies of it (every parameter perturbed by seeded Gaussian noise, 10 % of
-the tensor's standard deviation) each get their own synthetic data: ``--seqs`` sequences
+"fine-tuned" copies of it (every parameter perturbed by seeded Gaussian noise, ``--noise``
+× the tensor's standard deviation: 0.02 by default, the ≈ 2 % deviation real fine-tunes
+show; 0.1 is the stress row) each get their own synthetic data: ``--seqs`` sequences
 of ``--seq-len`` token ids, padded to ``--seq-len``, with random real lengths so that about
 60 % of the positions are real tokens (random ids from the vocabulary between ``[CLS]`` and
 ``[SEP]``, ``attention_mask`` 1 on real tokens). Batches of ``--batch`` sequences.
@@ -35,6 +36,10 @@ written by the main process; it times ``--reps`` merges and reports its peak RSS
 each merge (Linux: the process's RSS high-water mark ``VmHWM`` is reset through
 ``/proc/self/clear_refs`` right before the merge and read right after it; where that is
 not possible, ``getrusage`` ``ru_maxrss`` over the whole process is reported instead).
+Each merge's float32 work (``merge_work.model_flops``: the deviation form's flops of every
+RegMean system merged, the same for every method) and its share of the FMA peak measured
+at the start of the run (float32; float64 too for ``precision="float64"``); the copies'
+measured deviation (min / median / max over the RegMean weights) says what was merged.
 
 Agreement: every merged tensor of FusionBench vs lmdx (``max|a − b| / max|b|``), and, on
 ``--check`` layers, both against a float64 NumPy reference of
@@ -76,6 +81,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from merge_work import (
+    deviation,
+    deviation_line,
+    efficiency,
+    measure_peaks,
+    merged_errors,
+    model_flops,
+    peak_line,
+    rel_fro,
+    rel_max,
+)
 
 os.environ.setdefault("TQDM_DISABLE", "1")  # FusionBench's progress bars
 
@@ -432,47 +448,6 @@ def reference_merge(
     return np.linalg.solve(a, b).T, float(np.linalg.cond(a))
 
 
-def merged_errors(
-    merged: dict[str, np.ndarray], reference: dict[str, np.ndarray], stats: list[Any], alpha: float
-) -> dict[str, Any]:
-    """Per RegMean-merged weight, against ``reference``: the weight error
-    max|E|/max|W| and the output error ‖E‖_S/‖W‖_S (S = Σ G̃_i from ``stats``); max and
-    median over the layers."""
-    weight, output, system = {}, {}, {}
-    for module, info in stats[0].modules.items():
-        key = info["weight"]
-        if key not in merged or key not in reference:
-            continue
-        group = stats[0].group_of(module)
-        if group not in system:
-            s = 0.0
-            for st in stats:
-                g = st.gram(module) / st.count(module)
-                s = s + alpha * g + (1.0 - alpha) * np.diag(np.diag(g))
-            system = {group: s}  # one group at a time (groups are listed together)
-        s = system[group]
-        w = reference[key].astype(np.float64)
-        e = merged[key].astype(np.float64) - w
-        weight[key] = rel_max(merged[key].astype(np.float64), w)
-        output[key] = float(np.sqrt(np.sum((e @ s) * e) / np.sum((w @ s) * w)))
-    return {
-        "weight_max": max(weight.values()),
-        "weight_median": med(list(weight.values())),
-        "output_max": max(output.values()),
-        "output_median": med(list(output.values())),
-        "worst_output": max(output, key=lambda k: output[k]),
-        "layers": len(weight),
-    }
-
-
-def rel_max(a: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.max(np.abs(a - ref)) / max(np.max(np.abs(ref)), 1e-300))
-
-
-def rel_fro(a: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.linalg.norm(a - ref) / max(np.linalg.norm(ref), 1e-300))
-
-
 # --------------------------------------------------------------------------- report
 
 
@@ -560,7 +535,7 @@ def main() -> None:
         action="store_false",
         help="skip the lmdx precision='float64' collection and its merge",
     )
-    ap.add_argument("--noise", type=float, default=0.1, help="fine-tuning noise (× tensor std)")
+    ap.add_argument("--noise", type=float, default=0.02, help="copies' noise × std (0.1: stress)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--check", nargs="*", default=None, help="modules for the float64 reference")
     ap.add_argument("--workdir", default=None, help="scratch folder (default: a temp folder)")
@@ -584,6 +559,8 @@ def main() -> None:
     t_start = time.perf_counter()
     info = machine()
     log(f"machine: {info}")
+    peaks = measure_peaks(args.threads)
+    log(peak_line(peaks, args.threads))
     tmp = None
     if args.workdir is None:
         tmp = tempfile.TemporaryDirectory(prefix="bench_regmean_")
@@ -598,6 +575,9 @@ def main() -> None:
     names_linear = [n for n, m in models[0].named_modules() if isinstance(m, torch.nn.Linear)]
     check = [c for c in (args.check if args.check is not None else CHECK) if c in names_linear]
     real = [int(sum(int(b["attention_mask"].sum()) for b in d)) for d in data]
+    params = [dict(m.named_parameters()) for m in models]
+    deviations = [deviation([p[n + ".weight"].detach() for p in params]) for n in names_linear]
+    del params
     padded = args.seqs * args.seq_len
     log(
         f"{args.models} models, {len(names_linear)} linear modules; real tokens per model "
@@ -712,6 +692,7 @@ def main() -> None:
         merges[f"fusionbench|{alpha}"], merges[f"lmdx|{alpha}"] = fb_all[alpha], lx_all[alpha]
         a_fb = load_file(str(workdir / f"merged_fusionbench_{alpha}.safetensors"))
         a_lx = load_file(str(workdir / f"merged_lmdx_{alpha}.safetensors"))
+        flops = model_flops(layer_stats[0], a_lx, args.models)  # the same at every α
         merges[f"lmdx_f64|{alpha}"] = f64_all[alpha]
         a_f64 = load_file(str(workdir / f"merged_lmdx_f64_{alpha}.safetensors"))
         accuracy[str(alpha)] = {
@@ -799,13 +780,13 @@ def main() -> None:
         f"fusion-bench {info['fusion_bench']}; {args.threads} threads for all (torch "
         f"`set_num_threads`, lmdx `n_threads`); load average at start "
         f"{[round(x, 2) for x in info['load_average']]}, at end "
-        f"{[round(x, 2) for x in os.getloadavg()]}"
+        f"{[round(x, 2) for x in os.getloadavg()]}; {peak_line(peaks, args.threads)}"
     )
     P(
         f"* model: BertModel (no pooler), hidden {args.hidden}, {args.layers} layers, "
         f"intermediate {4 * args.hidden}, {len(names_linear)} `nn.Linear` (lmdx: "
         f"{groups_lmdx} distinct input Grams per model, q/k/v share one); K = {K} copies, "
-        f"noise {args.noise} × tensor std"
+        f"noise {args.noise} × tensor std; {deviation_line(deviations)}"
     )
     P(
         f"* data per model: {args.seqs} sequences × {args.seq_len} = {padded} positions, real "
@@ -848,11 +829,12 @@ def main() -> None:
     P("")
     P(
         f"**Merge** (K = {K}, whole model; one worker subprocess per method; median of "
-        f"{args.merge_reps})"
+        f"{args.merge_reps}; float32 work of the merge {flops / 1e9:.1f} GFLOP: the deviation "
+        "form's flops of every RegMean system, the same for every method)"
     )
     P("")
-    P("| α | method | time | FusionBench / this | RSS before → peak (Δ) |")
-    P("|---|---|---|---|---|")
+    P("| α | method | time | FusionBench / this | of the measured peak | RSS before → peak (Δ) |")
+    P("|---|---|---|---|---|---|")
     gib = lambda k: k / 2**20  # noqa: E731
     mlabels = {
         "fusionbench": "FusionBench `merging_with_regmean_weights`",
@@ -869,6 +851,7 @@ def main() -> None:
             t = med(mm["times"])
             P(
                 f"| {alpha} | {lab} | {fmt_t(t)} | {tf / t:.2f}× | "
+                f"{efficiency(flops, t, peaks, impl == 'lmdx_f64')} | "
                 f"{gib(mm['rss_before_kib'][0]):.2f} → {gib(max(mm['peak_kib'])):.2f} GiB "
                 f"(+{gib(max(mm['peak_kib']) - mm['rss_before_kib'][0]):.2f}) |"
             )
@@ -1013,6 +996,9 @@ def main() -> None:
                     "fb_gram_bytes": fb_bytes,
                     "lmdx_stats_file_bytes": lmdx_file_bytes,
                     "total_s": total,
+                    "peaks_gflops": peaks,
+                    "merge_flops": flops,
+                    "deviations": deviations,
                 },
                 indent=1,
                 default=str,
