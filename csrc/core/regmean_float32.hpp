@@ -54,6 +54,7 @@ struct Float32Merge {
   // side (diff32); products32 releases the float32 ones.
   bool rhs_formed = false;
   MatrixXd z{}, y{}, bz{};
+  MatrixXd bz_abs{};  // sum_j |D_j| |W_j - W-|^T |z|: the float32 products' rounding bound
   Eigen::MatrixXf dev32{}, diff32{};
   // Set by the pre-check (factor_error_estimate): on the probes, W-^T z, A W-^T z, x (B z
   // solved with the float32 factor), A x, res = A x - B z, e (res solved with it), A e, and
