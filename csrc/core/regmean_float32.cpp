@@ -324,6 +324,7 @@ bool Float32Merge::run(const SolveOptions& opt, bool forced, RegMeanInfo& info,
   phases.lap("factor32");
   if (factored == kPivotRatioExceeded) {
     phases.lap("predictor");
+    predicted_far = true;
     return false;  // predicted above the tolerance: float64 before the expensive phases
   }
   // Directions near the noise floor: the float64 path decides which are unseen.

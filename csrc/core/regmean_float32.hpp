@@ -53,6 +53,8 @@ struct Float32Merge {
   // d_in x d_out) and, with m <= kHeldDifferences, the Gram differences in float32 side by
   // side (diff32); products32 releases the float32 ones.
   bool rhs_formed = false;
+  // run() stopped at the a-priori predictor: the layer is far from float32's tolerance.
+  bool predicted_far = false;
   MatrixXd z{}, y{}, bz{};
   MatrixXd bz_abs{};  // sum_j |D_j| |W_j - W-|^T |z|: the float32 products' rounding bound
   Eigen::MatrixXf dev32{}, diff32{};

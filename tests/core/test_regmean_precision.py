@@ -321,12 +321,12 @@ def test_each_merge_reports_its_phases(rng):
             assert info.timings == {}
 
 
-def test_auto_predictor_sends_hopeless_layers_past_float32_before_the_precheck(rng):
+def test_auto_predictor_sends_hopeless_layers_to_float64_before_the_precheck(rng):
     """A layer far from certifiable in float32 (unlike Grams of condition 1e6, deviations
-    ten times the weights) goes to the float64 factorization right after the float32 one;
-    the float32 right-hand side is tried there, its certificate refuses it too, and the
-    float64 products follow: the same bits as precision "float64". The certificates
-    (forced float32 and float32-rhs) agree both were out of reach."""
+    ten times the weights) is sent to float64 right after the float32 factorization (the
+    a-priori predictor), without trying the float32 right-hand side either: the same bits
+    as precision "float64", and the certificates (forced float32 and float32-rhs) agree
+    both were out of reach."""
     grams = grams_of_condition(rng, "unlike", K, D_IN, 1e6, N)
     weights = fine_tuned(rng, K, D_OUT, D_IN, 10.0)
     counts = [N] * K
@@ -337,12 +337,42 @@ def test_auto_predictor_sends_hopeless_layers_past_float32_before_the_precheck(r
     }
     assert auto.info.precision == "float64" and auto.info.output_error_estimate == 0.0
     assert auto.info.phases == [
-        *["checks", "average", "system", "convert32", "factor32", "predictor", "factor64"],
-        *["deviations", "differences", "products32", "certificate", "products64", "solve64"],
+        *["checks", "average", "system", "convert32", "factor32", "predictor"],
+        *["factor64", "products64", "solve64"],
     ]
     assert np.array_equal(auto.weight, forced["float64"].weight)
     assert forced["float32"].info.output_error_estimate > 1e-6
     assert forced["float32-rhs"].info.output_error_estimate > 1e-6
+
+
+def test_auto_takes_the_float32_right_hand_side_where_float32_just_misses(rng):
+    """Deviations growing past what float32 certifies (unlike Grams of condition 1e6):
+    each layer is merged in float32 while its certificate allows, then -- refused by the
+    pre-check or the final certificate, not by the a-priori predictor -- with the float32
+    right-hand side and the float64 factorization, then in float64; each time the same bits
+    as that precision forced and within its certified estimate of the formula."""
+    grams = grams_of_condition(rng, "unlike", K, D_IN, 1e6, N)
+    counts = [N] * K
+    w0 = rng.standard_normal((D_OUT, D_IN))
+    devs = [rng.standard_normal((D_OUT, D_IN)) for _ in range(K)]
+    seen = []
+    for spread in (0.05, 0.2, 0.3, 0.5, 2.0, 10.0):
+        weights = [(w0 + spread * dv).astype(np.float32) for dv in devs]
+        auto = lmdx.regmean_merge_layer(grams, weights, counts, alpha=0.9)
+        forced = lmdx.regmean_merge_layer(
+            grams, weights, counts, alpha=0.9, precision=auto.info.precision
+        )
+        assert np.array_equal(auto.weight, forced.weight)
+        exact, s = formula(grams, counts, weights, 0.9)
+        assert output_error(auto.weight, exact, s) <= auto.info.output_error_estimate + 1e-12
+        assert auto.info.output_error_estimate <= 1e-6
+        if auto.info.precision == "float32-rhs":
+            assert "predictor" not in auto.info.phases
+            assert auto.info.phases.index("factor64") > auto.info.phases.index("precheck")
+        seen.append(auto.info.precision)
+    # The tiers in order as the deviations grow, each reached.
+    assert seen == sorted(seen, key=["float32", "float32-rhs", "float64"].index)
+    assert {"float32", "float32-rhs", "float64"} <= set(seen), seen
 
 
 @pytest.mark.parametrize("cond", [1.0, 1e2, 1e3])
@@ -446,17 +476,11 @@ def test_auto_predictor_routes_by_the_pivot_ratio_and_keeps_the_certificate(rng,
     auto = lmdx.regmean_merge_layer(grams, weights, counts, alpha=0.9)
     exact, s = formula(grams, counts, weights, 0.9)
     if predicted > 1e-6:
-        # Past float32 to the float64 factorization, with the float32 right-hand side:
-        # the float32 factor's error is what the predictor refused (the same bits as
-        # precision "float32-rhs").
-        assert auto.info.precision == "float32-rhs"
-        assert auto.info.phases[5:7] == ["predictor", "factor64"]
-        forced = lmdx.regmean_merge_layer(
-            grams, weights, counts, alpha=0.9, precision=auto.info.precision
-        )
-        assert np.array_equal(auto.weight, forced.weight)
-        assert output_error(auto.weight, exact, s) <= auto.info.output_error_estimate + 1e-12
-        assert auto.info.output_error_estimate <= 1e-6
+        full = lmdx.regmean_merge_layer(grams, weights, counts, alpha=0.9, precision="float64")
+        assert auto.info.precision == "float64" and "predictor" in auto.info.phases
+        assert auto.info.phases[-4:] == ["predictor", "factor64", "products64", "solve64"]
+        assert np.array_equal(auto.weight, full.weight)
+        assert weight_error(auto.weight, exact) <= 1e-6
     else:
         assert auto.info.precision == "float32" and "predictor" not in auto.info.phases
         assert auto.info.output_error_estimate <= 1e-6
