@@ -19,9 +19,10 @@
 // float32 result only where that certificate is <= kOutputErrorTolerance and redoes the
 // layer in float64 otherwise (and wherever the float32 factorization fails). Between the
 // two, "auto" (and "float32-rhs", forced) keeps the float32 right-hand side with the float64
-// factorization and solve: its error A^{-1} (B_32 - B) is known exactly on the probes (the
-// float32 factor's error, which the float32 path must also bound and which dominates it,
-// is absent), certified the same way; float64 products only where that fails too.
+// factorization and solve where float32 came near (not after the a-priori predictor's
+// refusal): its error A^{-1} (B_32 - B) is known exactly on the probes (the float32
+// factor's error, which the float32 path must also bound and which dominates it, is
+// absent), certified the same way; float64 products where that fails too.
 #pragma once
 
 #include <string>
@@ -47,8 +48,8 @@ struct RegMeanInfo : SolveInfo {
   /// "identical": nothing was solved).
   double condition_estimate = 0.0;
   /// Certified estimate (safety margin included) of the relative output error
-  /// ||W - W_float64||_S / ||W_float64||_S of a float32 or float32-rhs merge; 0 for "float64" (exact to
-  /// float64 rounding) and "identical".
+  /// ||W - W_float64||_S / ||W_float64||_S of a float32 or float32-rhs merge; 0 for
+  /// "float64" (exact to float64 rounding) and "identical".
   double output_error_estimate = 0.0;
   /// max_i max |W_i - W-| / max |W-|: how far the models are from their average.
   double relative_spread = 0.0;
@@ -67,8 +68,8 @@ struct RegMeanInfo : SolveInfo {
 /// files store it); `weights`: K float32/float64 views, [out, in] for layout "linear"
 /// (torch nn.Linear) or [in, out] for "conv1d" (Hugging Face GPT-2 Conv1D); `counts`: K row
 /// counts n_i > 0; `coefficients`: empty (all 1) or K values >= 0, not all 0; `precision`:
-/// "auto", "float32", "float32-rhs" or "float64"; `noise_floor`: the relative rounding of the Grams'
-/// entries (their accumulation precision: 2^-24 for float32 products summed in float64,
+/// "auto", "float32", "float32-rhs" or "float64"; `noise_floor`: the relative rounding of the
+/// Grams' entries (their accumulation precision: 2^-24 for float32 products summed in float64,
 /// 2^-53 for float64; 0: exact Grams), in [0, 1): eigendirections of the system with an
 /// eigenvalue <= sqrt(d_in) x (noise_floor x its mean diagonal + 2^-52 x its largest
 /// eigenvalue) keep the average (an eigendecomposition, only for systems whose

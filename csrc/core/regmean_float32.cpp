@@ -247,9 +247,9 @@ bool Float32Merge::rhs32(const MatrixXd& l, double ridge, int threads, bool forc
       s_norm2(mean_z + solved.middleCols(kProbes, kProbes), a_mean_z + bz, ridge);
   if (!forced) {
     const double w_norm2 = std::max(w_sign.cwiseProduct(solved.rightCols(kProbes)).sum(), 0.0);
-    const double predicted =
-        merged_norm2 > 0.0 ? kRhsPredictorFactor * kFloat32Roundoff * std::sqrt(w_norm2 / merged_norm2)
-                           : std::numeric_limits<double>::max();
+    const double scale = kRhsPredictorFactor * kFloat32Roundoff;
+    const double predicted = merged_norm2 > 0.0 ? scale * std::sqrt(w_norm2 / merged_norm2)
+                                                : std::numeric_limits<double>::max();
     if (predicted > kOutputErrorTolerance) {
       phases.lap("rhs_predictor");
       return false;  // the float32 products would not certify: float64 ones at once

@@ -26,7 +26,8 @@ Precision parse_precision(const std::string& precision, const std::string& name)
   if (precision == "float32-rhs") return Precision::Float32Rhs;
   if (precision == "float64") return Precision::Float64;
   throw std::invalid_argument(name +
-                              ": precision: expected 'auto', 'float32', 'float32-rhs' or 'float64', got '" +
+                              ": precision: expected 'auto', 'float32', 'float32-rhs' or "
+                              "'float64', got '" +
                               precision + "'");
 }
 

@@ -81,7 +81,8 @@ def regmean_merge_layer(
         result is kept where that estimate is ``<= 1e-6``; otherwise (or where the float32
         factorization fails) the layer is factored and solved in float64 with the float32
         right-hand side (its error, without the float32 factor's, certified the same way)
-        and, where that certificate exceeds 1e-6 too, redone in float64. ``"float32"`` keeps
+        and, where that certificate exceeds 1e-6 too -- or float32 was predicted far out
+        of reach before its products -- solved in float64. ``"float32"`` keeps
         the float32 result whatever its estimate (a failed float32 factorization still
         falls back to float64), ``"float32-rhs"`` the float32 right-hand side's;
         ``"float64"`` solves in float64 (weight error far below 1e-6).
