@@ -210,7 +210,7 @@ def main() -> None:
                 "; precision "
                 + ", ".join(
                     f"{p} {sum(1 for v in solved.values() if v.get('precision') == p)}"
-                    for p in ("float32", "float64", "identical")
+                    for p in ("float32", "float32-rhs", "float64", "identical")
                 )
                 if method == "regmean"
                 else ""
