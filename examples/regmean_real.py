@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -209,8 +210,10 @@ def main() -> None:
             + (
                 "; precision "
                 + ", ".join(
-                    f"{p} {sum(1 for v in solved.values() if v.get('precision') == p)}"
-                    for p in ("float32", "float32-rhs", "float64", "identical")
+                    f"{p} {n}"
+                    for p, n in sorted(
+                        Counter(str(v.get("precision")) for v in solved.values()).items()
+                    )
                 )
                 if method == "regmean"
                 else ""

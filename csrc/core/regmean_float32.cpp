@@ -62,6 +62,30 @@ constexpr Index kHeldDifferences = 2;
 // goes to the float64 products before the float32 ones.
 constexpr double kRhsPredictorFactor = 0.02;
 
+// x32 z in float64 (d_in x kProbes), by fixed blocks of rows: the probes of a float32
+// right-hand side or solution.
+MatrixXd probes_of(const Eigen::MatrixXf& x32, const MatrixXd& z, int threads) {
+  const Index d_in = x32.rows();
+  const Index row_block = column_block_width(d_in);
+  const Index n_row_blocks = (d_in + row_block - 1) / row_block;
+  MatrixXd xz(d_in, z.cols());
+  LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(dynamic, 1))
+  for (Index rb = 0; rb < n_row_blocks; ++rb) {
+    const Index r0 = rb * row_block;
+    const Index h = std::min(row_block, d_in - r0);
+    xz.middleRows(r0, h).noalias() = x32.middleRows(r0, h).cast<double>() * z;
+  }
+  return xz;
+}
+
+// The certified estimate of a relative output error: the margin times ||E Z||_A over
+// ||W_M Z||_S (from its square); 0 where there is no error.
+double certified_estimate(double error_norm, double merged_norm2) {
+  if (!(error_norm > 0.0)) return 0.0;
+  return merged_norm2 > 0.0 ? kCertificateMargin * error_norm / std::sqrt(merged_norm2)
+                            : std::numeric_limits<double>::max();
+}
+
 }  // namespace
 
 MatrixXd Float32Merge::system_times(const MatrixXd& v, double ridge, int threads) const {
@@ -99,9 +123,7 @@ double Float32Merge::factor_error_estimate(const Eigen::MatrixXf& l32, double ri
   e_probe = solve32(l32, res, threads);
   a_e = system_times(e_probe, ridge, threads);
   e_norm2 = std::max(e_probe.cwiseProduct(a_e).sum(), 0.0);
-  if (!(e_norm2 > 0.0)) return 0.0;
-  return merged_norm2 > 0.0 ? kCertificateMargin * std::sqrt(e_norm2 / merged_norm2)
-                            : std::numeric_limits<double>::max();
+  return certified_estimate(std::sqrt(e_norm2), merged_norm2);
 }
 
 double Float32Merge::predictor_scale(double spread) const {
@@ -257,16 +279,7 @@ bool Float32Merge::rhs32(const MatrixXd& l, double ridge, int threads, bool forc
   }
   Eigen::MatrixXf x32(d_in, d_out);
   products32(threads, x32);
-  // B_32 z: the probes of the float32 right-hand side, exactly.
-  const Index row_block = column_block_width(d_in);
-  const Index n_row_blocks = (d_in + row_block - 1) / row_block;
-  MatrixXd b32z(d_in, kProbes);
-  LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(dynamic, 1))
-  for (Index rb = 0; rb < n_row_blocks; ++rb) {
-    const Index r0 = rb * row_block;
-    const Index h = std::min(row_block, d_in - r0);
-    b32z.middleRows(r0, h).noalias() = x32.middleRows(r0, h).cast<double>() * z;
-  }
+  const MatrixXd b32z = probes_of(x32, z, threads);  // B_32 z, exactly
   phases.lap("products32");
   // The certificate, before the solve it spares where it fails. E = A^{-1} (B_32 - B) (the
   // float64 solve's own rounding aside), so on the probes E z = A^{-1} r with
@@ -274,11 +287,7 @@ bool Float32Merge::rhs32(const MatrixXd& l, double ridge, int threads, bool forc
   solved.leftCols(kProbes) = b32z - bz;
   cholesky_solve_in_place(l, solved.leftCols(kProbes), threads);
   const double e_norm2 = std::max((b32z - bz).cwiseProduct(solved.leftCols(kProbes)).sum(), 0.0);
-  double estimate = 0.0;
-  if (e_norm2 > 0.0) {
-    estimate = merged_norm2 > 0.0 ? kCertificateMargin * std::sqrt(e_norm2 / merged_norm2)
-                                  : std::numeric_limits<double>::max();
-  }
+  const double estimate = certified_estimate(std::sqrt(e_norm2), merged_norm2);
   phases.lap("certificate");
   if (!forced && !(estimate <= kOutputErrorTolerance)) return false;
   LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(static))
@@ -350,17 +359,9 @@ bool Float32Merge::run(const SolveOptions& opt, bool forced, RegMeanInfo& info,
   phases.lap("solve32");
 
   // merged = W- + X; probes of X (those of W- and A W- z are the pre-check's).
-  MatrixXd xz(d_in, kProbes);
-  const Index row_block = column_block_width(d_in);
-  const Index n_row_blocks = (d_in + row_block - 1) / row_block;
   LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(static))
   for (Index c = 0; c < d_out; ++c) merged_t.col(c) = mean_t.col(c) + x32.col(c).cast<double>();
-  LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(dynamic, 1))
-  for (Index rb = 0; rb < n_row_blocks; ++rb) {
-    const Index r0 = rb * row_block;
-    const Index h = std::min(row_block, d_in - r0);
-    xz.middleRows(r0, h).noalias() = x32.middleRows(r0, h).cast<double>() * z;
-  }
+  const MatrixXd xz = probes_of(x32, z, threads);
   // E z = X_32 z - X_64 z = (X_32 z - x) + (x - X_64 z): the first part exactly, the
   // second the pre-check's e, refined once against res (A (x - X_64 z) = res).
   const MatrixXd axz = system_times(xz, ridge, threads);
@@ -379,12 +380,7 @@ bool Float32Merge::run(const SolveOptions& opt, bool forced, RegMeanInfo& info,
   const double refined = std::sqrt(std::max(ee + 2.0 * ec + cc, 0.0));
   const double error_norm =
       refined + (rho < 1.0 ? rho / (1.0 - rho) : 1.0) * std::sqrt(cc);
-  double estimate = 0.0;
-  if (error_norm > 0.0) {
-    estimate = merged_norm2 > 0.0
-                   ? kCertificateMargin * error_norm / std::sqrt(merged_norm2)
-                   : std::numeric_limits<double>::max();
-  }
+  const double estimate = certified_estimate(error_norm, merged_norm2);
 
   info.ridge = opt.ridge;
   info.ridge_absolute = ridge;

@@ -14,7 +14,23 @@ from .config import resolve_threads
 from .moments import Moments
 from .spd import solver_errors, warn_if_escalated
 
-__all__ = ["RegMeanResult", "regmean_low_rank_solve", "regmean_merge_layer"]
+__all__ = [
+    "PRECISION_DESCRIPTION",
+    "RegMeanResult",
+    "SolvePrecision",
+    "regmean_low_rank_solve",
+    "regmean_merge_layer",
+]
+
+#: The precisions of a RegMean solve (``regmean_merge_layer``'s ``precision``).
+SolvePrecision = Literal["auto", "float32", "float32-rhs", "float64"]
+#: What each precision does, in one line (the merge options' help).
+PRECISION_DESCRIPTION = (
+    "auto: per layer float32 where a certificate bounds the relative output error by 1e-6, "
+    "else the float32 right-hand side with the float64 factorization and solve where its "
+    "certificate does, else float64; float32, float32-rhs: always (estimate reported); "
+    "float64: always"
+)
 
 
 class RegMeanResult(NamedTuple):
@@ -32,7 +48,7 @@ def regmean_merge_layer(
     alpha: float = 1.0,
     coefficients: Sequence[float] | None = None,
     layout: Literal["linear", "conv1d"] = "linear",
-    precision: Literal["auto", "float32", "float32-rhs", "float64"] = "auto",
+    precision: SolvePrecision = "auto",
     noise_floor: float = 0.0,
     ridge: float = 0.0,
     allow_regularization: bool = True,

@@ -27,7 +27,7 @@ merge's ``solve_memory`` option (:func:`lmdx.merge.options.solve_memory_budget`:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, get_args
 
 import numpy as np
 from numpy.typing import NDArray
@@ -36,7 +36,7 @@ from pydantic import Field
 from ..._errors import MergeError
 from ..._tensors import as_tensor_array, itemsize
 from ...files import Checkpoint
-from ...regmean import regmean_merge_layer
+from ...regmean import PRECISION_DESCRIPTION, SolvePrecision, regmean_merge_layer
 from ...stats.file import Statistics
 from ..method import NoOptions, Step, StepSizes, cast_merged
 from ..options import MergeOptions
@@ -90,14 +90,11 @@ class SolveOptions(NoOptions):
         ),
     ] = True
     precision: Annotated[
-        Literal["auto", "float32", "float32-rhs", "float64"],
+        SolvePrecision,
         Field(
-            description="auto: per layer float32 where a certificate bounds the relative "
-            "output error by 1e-6, else the float32 right-hand side with the float64 "
-            "factorization and solve where its certificate does, else float64; float32, "
-            "float32-rhs: always (estimate reported); float64: always",
+            description=PRECISION_DESCRIPTION,
             json_schema_extra={
-                "label": "must be one of auto, float32, float32-rhs, float64",
+                "label": "must be one of " + ", ".join(get_args(SolvePrecision)),
                 "elsewhere": _IGNORED,
             },
         ),

@@ -34,13 +34,13 @@ scaling). ``Conv1D`` weights are read transposed (the Gram is over a layer's inp
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, get_args
 
 import numpy as np
 from numpy.typing import NDArray
 from pydantic import Field
 
-from ...regmean import regmean_merge_layer
+from ...regmean import PRECISION_DESCRIPTION, SolvePrecision, regmean_merge_layer
 from ..method import Merged, MergeInputs, NoOptions, Step, StepSizes, cast_merged
 from ..surrogate import surrogate_gram
 from .regmean_solve import GRAM_ROUNDOFF, solve_report
@@ -65,13 +65,10 @@ class WudiOptions(NoOptions):
         ),
     ] = DEFAULT_RIDGE
     precision: Annotated[
-        Literal["auto", "float32", "float32-rhs", "float64"],
+        SolvePrecision,
         Field(
-            description="auto: per layer float32 where a certificate bounds the relative "
-            "output error by 1e-6, else the float32 right-hand side with the float64 "
-            "factorization and solve where its certificate does, else float64; float32, "
-            "float32-rhs: always (estimate reported); float64: always",
-            json_schema_extra={"label": "must be one of auto, float32, float32-rhs, float64"},
+            description=PRECISION_DESCRIPTION,
+            json_schema_extra={"label": "must be one of " + ", ".join(get_args(SolvePrecision))},
         ),
     ] = "auto"
 
@@ -82,7 +79,7 @@ def wudi_solve(
     coefficients: Sequence[float],
     *,
     ridge: float,
-    precision: Literal["auto", "float32", "float32-rhs", "float64"] = "auto",
+    precision: SolvePrecision = "auto",
     n_threads: int | None = None,
 ) -> tuple[NDArray[np.float64], dict[str, Any]]:
     """The WUDI update of one layer (``[out, in]``) from its task matrices ``taus`` (models
