@@ -55,7 +55,8 @@ constexpr Index kHeldDifferences = 2;
 // The float32 right-hand side's predictor: its products' rounding modelled as independent
 // errors of size 2^-24 |D_j| |W_j - W-| per entry, signs random, on the probes: with
 // w = s o (sum_j |D_j| |W_j - W-|^T |z|) (s random signs), 2^-24 sqrt(w . A^{-1} w) /
-// ||W_M z||_S. Measured against the float32-rhs certificate on 28 BERT-base-sized systems
+// ||W_M z||_S (the bound itself in float32: Float32Merge::rounding_bound, formed only when
+// the tier is tried). Measured against the float32-rhs certificate on 28 BERT-base-sized systems
 // (statistics of copies 1.6 % and 8 % apart, and the 1.6 % ones with deviations re-derived
 // at 5 %), the certificate was 0.022-0.062 times this; kRhsPredictorFactor stays below all
 // of them, so there no certifiable layer was refused. A layer predicted above the tolerance
@@ -90,7 +91,7 @@ double certified_estimate(double error_norm, double merged_norm2) {
 
 MatrixXd Float32Merge::system_times(const MatrixXd& v, double ridge, int threads) const {
   MatrixXd out;
-  multiply_rows(lhs, v, out, false, threads);
+  multiply_symmetric_lower(lhs, v, out, threads);
   finish_reduced_product(lhs.diagonal(), v, alpha, ridge, out);
   return out;
 }
@@ -146,22 +147,17 @@ void Float32Merge::form_rhs_inputs(int threads, PhaseLog& phases) {
   // float32 into rows [j d_in, (j + 1) d_in) of dev32.
   const Index m = static_cast<Index>(others.size());
   z = gaussian_probes(d_out, kProbes);
-  const MatrixXd z_abs = z.cwiseAbs();
   y = MatrixXd::Zero(d_in, m * kProbes);
-  MatrixXd y_abs = MatrixXd::Zero(d_in, m * kProbes);  // |W_j - W-|^T |z|
   dev32.resize(m * d_in, d_out);
   {
     MatrixXd delta(d_in, std::min(kRhsChunk, d_out));
     for (Index j = 0; j < m; ++j) {
       auto yj = y.middleCols(j * kProbes, kProbes);
-      auto yj_abs = y_abs.middleCols(j * kProbes, kProbes);
       for_each_deviation_block(
           models[others[j]].weight, mean_t, layout, threads, delta,
           [&](Index) {},
           [&](Index c0, Index w, Index r0, Index h) {
             yj.middleRows(r0, h).noalias() += delta.block(r0, 0, h, w) * z.middleRows(c0, w);
-            yj_abs.middleRows(r0, h).noalias() +=
-                delta.block(r0, 0, h, w).cwiseAbs() * z_abs.middleRows(c0, w);
             dev32.block(j * d_in + r0, c0, h, w) = delta.block(r0, 0, h, w).cast<float>();
           });
     }
@@ -172,7 +168,6 @@ void Float32Merge::form_rhs_inputs(int threads, PhaseLog& phases) {
   // into diff32's columns [j d_in, (j + 1) d_in).
   const bool held = m <= kHeldDifferences;
   bz = MatrixXd::Zero(d_in, kProbes);
-  bz_abs = MatrixXd::Zero(d_in, kProbes);
   diff32.resize(held ? d_in : 0, held ? m * d_in : 0);
   {
     const Index n_tiles = (d_in + kTile - 1) / kTile;
@@ -184,8 +179,6 @@ void Float32Merge::form_rhs_inputs(int threads, PhaseLog& phases) {
         for (Index j = 0; j < m; ++j) {
           difference_rows(models, s, coef, others[j], pivot, alpha, r0, h, t);
           bz.middleRows(r0, h).noalias() += t.topRows(h) * y.middleCols(j * kProbes, kProbes);
-          bz_abs.middleRows(r0, h).noalias() +=
-              t.topRows(h).cwiseAbs() * y_abs.middleCols(j * kProbes, kProbes);
           if (held) diff32.block(r0, j * d_in, h, d_in) = t.topRows(h).cast<float>();
         }
       }
@@ -193,6 +186,42 @@ void Float32Merge::form_rhs_inputs(int threads, PhaseLog& phases) {
   }
   rhs_formed = true;
   phases.lap("differences");
+}
+
+MatrixXd Float32Merge::rounding_bound(int threads) const {
+  // u = [|W_j - W-|^T |z|] stacked (m d_in x kProbes), then sum_j |D_j| u_j by tiles of rows;
+  // in float32 (a bound's size is all the predictor needs), from dev32 and diff32 where
+  // held, otherwise from the differences formed again (float64 tiles).
+  const Index m = static_cast<Index>(others.size());
+  const Eigen::MatrixXf z_abs = z.cwiseAbs().cast<float>();
+  Eigen::MatrixXf u(m * d_in, kProbes);
+  const Index n_dev_tiles = (m * d_in + kTile - 1) / kTile;
+  LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(dynamic, 1))
+  for (Index tile = 0; tile < n_dev_tiles; ++tile) {
+    const Index r0 = tile * kTile, h = std::min(kTile, m * d_in - r0);
+    u.middleRows(r0, h).noalias() = dev32.middleRows(r0, h).cwiseAbs() * z_abs;
+  }
+  const MatrixXd u64 = diff32.size() > 0 ? MatrixXd() : MatrixXd(u.cast<double>());
+  MatrixXd bound(d_in, kProbes);
+  const Index n_tiles = (d_in + kTile - 1) / kTile;
+  LMDX_PRAGMA(omp parallel num_threads(threads)) {
+    MatrixXd t(diff32.size() > 0 ? 0 : kTile, d_in);
+    LMDX_PRAGMA(omp for schedule(dynamic, 1))
+    for (Index tile = 0; tile < n_tiles; ++tile) {
+      const Index r0 = tile * kTile, h = std::min(kTile, d_in - r0);
+      if (diff32.size() > 0) {
+        bound.middleRows(r0, h) = (diff32.middleRows(r0, h).cwiseAbs() * u).cast<double>();
+        continue;
+      }
+      bound.middleRows(r0, h).setZero();
+      for (Index j = 0; j < m; ++j) {
+        difference_rows(models, s, coef, others[j], pivot, alpha, r0, h, t);
+        bound.middleRows(r0, h).noalias() +=
+            t.topRows(h).cwiseAbs() * u64.middleRows(j * d_in, d_in);
+      }
+    }
+  }
+  return bound;
 }
 
 void Float32Merge::products32(int threads, Eigen::MatrixXf& x32) {
@@ -244,10 +273,6 @@ void Float32Merge::products32(int threads, Eigen::MatrixXf& x32) {
 bool Float32Merge::rhs32(const MatrixXd& l, double ridge, int threads, bool forced,
                          RegMeanInfo& info, MatrixXd& merged_t) {
   PhaseLog phases(info);
-  if (!mirrored) {
-    mirror_lower(lhs, threads);
-    mirrored = true;
-  }
   form_rhs_inputs(threads, phases);
   // The merged weight on the probes: W_M z = W- z + A^{-1} B z, A W_M z = A W- z + B z.
   MatrixXd solved(d_in, 3 * kProbes);
@@ -255,9 +280,8 @@ bool Float32Merge::rhs32(const MatrixXd& l, double ridge, int threads, bool forc
   {
     // The predictor's w: random signs on |B| z's bound (fixed, as the probes).
     const MatrixXd signs = gaussian_probes(d_in, kProbes);
-    solved.rightCols(kProbes) = bz_abs.cwiseProduct(signs.unaryExpr([](double v) {
-      return v < 0.0 ? -1.0 : 1.0;
-    }));
+    solved.rightCols(kProbes) = rounding_bound(threads).cwiseProduct(
+        signs.unaryExpr([](double v) { return v < 0.0 ? -1.0 : 1.0; }));
   }
   const MatrixXd w_sign = solved.rightCols(kProbes);
   cholesky_solve_in_place(l, solved.rightCols(2 * kProbes), threads);
@@ -340,9 +364,6 @@ bool Float32Merge::run(const SolveOptions& opt, bool forced, RegMeanInfo& info,
   const double smallest = l32.diagonal().minCoeff();
   const double floor = noise_floor * std::sqrt(static_cast<double>(d_in)) * mean_diagonal;
   if (floor > 0.0 && smallest * smallest <= kNoiseFloorTrigger * floor) return false;
-  mirror_lower(lhs, threads);
-  mirrored = true;
-  phases.lap("convert32");
 
   form_rhs_inputs(threads, phases);
   if (factor_error_estimate(l32, ridge, threads) > kOutputErrorTolerance &&
@@ -361,15 +382,18 @@ bool Float32Merge::run(const SolveOptions& opt, bool forced, RegMeanInfo& info,
   // merged = W- + X; probes of X (those of W- and A W- z are the pre-check's).
   LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(static))
   for (Index c = 0; c < d_out; ++c) merged_t.col(c) = mean_t.col(c) + x32.col(c).cast<double>();
-  const MatrixXd xz = probes_of(x32, z, threads);
   // E z = X_32 z - X_64 z = (X_32 z - x) + (x - X_64 z): the first part exactly, the
-  // second the pre-check's e, refined once against res (A (x - X_64 z) = res).
-  const MatrixXd axz = system_times(xz, ridge, threads);
+  // second the pre-check's e, refined once against res (A (x - X_64 z) = res). The system
+  // multiplies X_32 z and the refinement's correction together.
+  MatrixXd v(d_in, 2 * kProbes);
+  v.leftCols(kProbes) = probes_of(x32, z, threads);
+  v.rightCols(kProbes) = solve32(l32, res - a_e, threads);
+  const MatrixXd av = system_times(v, ridge, threads);
+  const auto xz = v.leftCols(kProbes), correction = v.rightCols(kProbes);
+  const auto axz = av.leftCols(kProbes), ac = av.rightCols(kProbes);
   const double merged_norm2 = s_norm2(mean_z + xz, a_mean_z + axz, ridge);
   const MatrixXd first = xz - x_probe + e_probe;
   const MatrixXd a_first = axz - a_x + a_e;
-  const MatrixXd correction = solve32(l32, res - a_e, threads);
-  const MatrixXd ac = system_times(correction, ridge, threads);
   const double ee = first.cwiseProduct(a_first).sum();
   const double ec = correction.cwiseProduct(a_first).sum();
   const double cc = std::max(correction.cwiseProduct(ac).sum(), 0.0);

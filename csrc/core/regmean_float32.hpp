@@ -44,10 +44,9 @@ struct Float32Merge {
   Index d_in, d_out;
   WeightLayout layout;
   const MatrixXd& mean_t;
-  MatrixXd& lhs;  // sum_i s_i G_i, lower triangle; run() mirrors it onto the upper one
+  const MatrixXd& lhs;  // sum_i s_i G_i, lower triangle (the upper one is not read)
   double noise_floor;  // relative, as regmean_merge_layer's
   double alpha;        // RegMean's off-diagonal scale
-  bool mirrored = false;  // lhs's upper triangle holds the lower one's mirror image
   // Formed once for both paths (form_rhs_inputs): the Gaussian probes z (d_out x kProbes),
   // y = [(W_j - W-)^T z] in float64, B z in float64, the deviations in float32 (dev32, m
   // d_in x d_out) and, with m <= kHeldDifferences, the Gram differences in float32 side by
@@ -56,7 +55,6 @@ struct Float32Merge {
   // run() stopped at the a-priori predictor: the layer is far from float32's tolerance.
   bool predicted_far = false;
   MatrixXd z{}, y{}, bz{};
-  MatrixXd bz_abs{};  // sum_j |D_j| |W_j - W-|^T |z|: the float32 products' rounding bound
   Eigen::MatrixXf dev32{}, diff32{};
   // Set by the pre-check (factor_error_estimate): on the probes, W-^T z, A W-^T z, x (B z
   // solved with the float32 factor), A x, res = A x - B z, e (res solved with it), A e, and
@@ -65,7 +63,7 @@ struct Float32Merge {
   double e_norm2 = 0.0;
   double probe_ridge = -1.0;  // the absolute ridge of a_mean_z's system
 
-  // A v, A = alpha lhs + (1 - alpha) diag(lhs) + ridge I (lhs mirrored).
+  // A v, A = alpha lhs + (1 - alpha) diag(lhs) + ridge I (lhs's lower triangle).
   MatrixXd system_times(const MatrixXd& v, double ridge, int threads) const;
 
   // A_32^{-1} r with the float32 factor, r scaled into float32's range first.
@@ -91,6 +89,10 @@ struct Float32Merge {
   // "differences"; nothing when already formed.
   void form_rhs_inputs(int threads, PhaseLog& phases);
 
+  // sum_j |D_j| |W_j - W-|^T |z| (d_in x kProbes), the float32 products' rounding bound on
+  // the probes (the float32-rhs predictor's input), from the formed inputs.
+  MatrixXd rounding_bound(int threads) const;
+
   // x32 (d_in x d_out) = the right-hand side sum_j D_j (W_j - W-)^T in float32; releases
   // dev32 and diff32.
   void products32(int threads, Eigen::MatrixXf& x32);
@@ -99,14 +101,14 @@ struct Float32Merge {
   // the solve in float64; certified like the float32 path, on the probes: its error
   // E = A^{-1} (B_32 - B) is known exactly there (E z = A^{-1} (B_32 z - B z)), since the
   // float64 factor's own error is negligible. Returns false (merged_t then holds nothing
-  // useful; lhs's lower triangle is as it was) when the certificate exceeds
+  // useful) when the certificate exceeds
   // kOutputErrorTolerance, unless forced; otherwise merged_t = W_M^T, info.precision
   // "float32-rhs" and info.output_error_estimate set. ridge: the absolute ridge of l's system.
   bool rhs32(const MatrixXd& l, double ridge, int threads, bool forced, RegMeanInfo& info,
              MatrixXd& merged_t);
 
   // Merge into merged_t and fill info (precision "float32", output_error_estimate). Returns
-  // false, leaving lhs's lower triangle as it was, when the float32 factorization fails or
+  // false when the float32 factorization fails or
   // (unless forced) the predictor or the certificate exceeds kOutputErrorTolerance. Its
   // memory (above) grows with K through the deviations only once K >= 4.
   bool run(const SolveOptions& opt, bool forced, RegMeanInfo& info, MatrixXd& merged_t);

@@ -89,6 +89,26 @@ void multiply_rows(const MatrixXd& a, const MatrixXd& v, MatrixXd& out, bool acc
   }
 }
 
+void multiply_symmetric_lower(const MatrixXd& a, const MatrixXd& v, MatrixXd& out,
+                              int threads) {
+  const Index d = a.rows();
+  const Index row_block = column_block_width(d);
+  const Index n_blocks = (d + row_block - 1) / row_block;
+  out.resize(d, v.cols());
+  LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(dynamic, 1))
+  for (Index b = 0; b < n_blocks; ++b) {
+    const Index r0 = b * row_block;
+    const Index h = std::min(row_block, d - r0);
+    const Index below = d - r0 - h;
+    auto o = out.middleRows(r0, h);
+    o.noalias() = a.block(r0, r0, h, h).selfadjointView<Eigen::Lower>() * v.middleRows(r0, h);
+    if (r0 > 0) o.noalias() += a.block(r0, 0, h, r0) * v.topRows(r0);
+    if (below > 0) {
+      o.noalias() += a.block(r0 + h, r0, below, h).transpose() * v.bottomRows(below);
+    }
+  }
+}
+
 MatrixXd gaussian_probes(Index rows, Index cols) {
   MatrixXd z(rows, cols);
   uint64_t state = 0x6C6D6478ull;  // fixed

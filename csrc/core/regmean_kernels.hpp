@@ -141,6 +141,11 @@ void for_each_deviation_block(const ArrayView& weight, const MatrixXd& mean_t,
 void multiply_rows(const MatrixXd& a, const MatrixXd& v, MatrixXd& out, bool accumulate,
                    int threads);
 
+// out = S v, S the symmetric matrix whose lower triangle a holds (its upper one is not
+// read), by fixed blocks of rows across the threads: a block's rows from its diagonal
+// block, the rows of the lower triangle left of it and the columns below it.
+void multiply_symmetric_lower(const MatrixXd& a, const MatrixXd& v, MatrixXd& out, int threads);
+
 // Standard normal rows x cols from a fixed seed (splitmix64 and Box-Muller): the same
 // probes on every run and every platform.
 MatrixXd gaussian_probes(Index rows, Index cols);

@@ -283,6 +283,91 @@ namespace {
 
 // solve(first, count) for each block of right-hand sides (of column_block_width(k)),
 // the blocks shared by the threads.
+// Right-hand sides solved together by solve_few_columns: 16 lanes (one AVX-512 vector of
+// float, two of double) per row of a row-major copy.
+constexpr Index kFewLanes = 16;
+// Up to this many right-hand sides go through solve_few_columns (in slices of kFewLanes):
+// a GEMM over so few columns spends its time packing L, and the column blocks of
+// over_rhs_blocks would leave threads idle.
+constexpr Index kFewColumns = 32;
+// Rows of L per diagonal block of solve_few_columns (solved on one thread), and rows per
+// task of its updates.
+constexpr Index kFewBlock = 64;
+constexpr Index kFewRows = 8;
+
+// L L^T X = B for b.cols() <= kFewColumns: the right-hand sides copied row by row into
+// kFewLanes-wide rows (padded with zeros), then by diagonal blocks of kFewBlock: the block's
+// rows solved on one thread, then the rows below it (forward) or above it (backward)
+// updated by all threads, kFewRows rows a task, each row a few vectors. L is read once per
+// direction, by every thread in streams of contiguous columns; each row's updates come in
+// the same order whatever the thread count (determinism).
+template <typename Scalar>
+void solve_few_columns(const Matrix<Scalar>& l, Eigen::Ref<Matrix<Scalar>> b, int n_threads) {
+  using Lanes = Eigen::Matrix<Scalar, kFewLanes, 1>;
+  using Rows = Eigen::Matrix<Scalar, Eigen::Dynamic, kFewLanes, Eigen::RowMajor>;
+  const Index d = l.rows(), k = b.cols();
+  const Index n_blocks = (d + kFewBlock - 1) / kFewBlock;
+  const int threads =
+      static_cast<int>(std::min<Index>(resolve_threads(n_threads), (d + kFewRows - 1) / kFewRows));
+  const auto row = [](Rows& x, Index r) { return Eigen::Map<Lanes>(x.row(r).data()); };
+  for (Index c0 = 0; c0 < k; c0 += kFewLanes) {
+    const Index w = std::min(kFewLanes, k - c0);
+    Rows x = Rows::Zero(d, kFewLanes);
+    x.leftCols(w) = b.middleCols(c0, w);
+    LMDX_PRAGMA(omp parallel num_threads(threads)) {
+      // Forward: L y = b.
+      for (Index blk = 0; blk < n_blocks; ++blk) {
+        const Index i0 = blk * kFewBlock, ib = std::min(kFewBlock, d - i0);
+        LMDX_PRAGMA(omp single) {
+          for (Index r = i0; r < i0 + ib; ++r) {
+            Lanes acc = row(x, r);
+            for (Index j = i0; j < r; ++j) acc -= l(r, j) * row(x, j);
+            row(x, r) = acc / l(r, r);
+          }
+        }  // (barrier: the block is solved)
+        const Index below = d - i0 - ib;
+        const Index n_tasks = (below + kFewRows - 1) / kFewRows;
+        LMDX_PRAGMA(omp for schedule(static))
+        for (Index t = 0; t < n_tasks; ++t) {
+          const Index r0 = i0 + ib + t * kFewRows, h = std::min(kFewRows, d - r0);
+          Lanes acc[kFewRows];
+          for (Index q = 0; q < h; ++q) acc[q] = row(x, r0 + q);
+          for (Index j = i0; j < i0 + ib; ++j) {
+            const Lanes xj = row(x, j);
+            const Scalar* lj = l.col(j).data() + r0;
+            for (Index q = 0; q < h; ++q) acc[q] -= lj[q] * xj;
+          }
+          for (Index q = 0; q < h; ++q) row(x, r0 + q) = acc[q];
+        }  // (barrier)
+      }
+      // Backward: L^T x = y.
+      for (Index blk = n_blocks - 1; blk >= 0; --blk) {
+        const Index i0 = blk * kFewBlock, ib = std::min(kFewBlock, d - i0);
+        LMDX_PRAGMA(omp single) {
+          for (Index r = i0 + ib - 1; r >= i0; --r) {
+            Lanes acc = row(x, r);
+            for (Index j = r + 1; j < i0 + ib; ++j) acc -= l(j, r) * row(x, j);
+            row(x, r) = acc / l(r, r);
+          }
+        }
+        const Index n_tasks = (i0 + kFewRows - 1) / kFewRows;
+        LMDX_PRAGMA(omp for schedule(static))
+        for (Index t = 0; t < n_tasks; ++t) {
+          const Index r0 = t * kFewRows, h = std::min(kFewRows, i0 - r0);
+          Lanes acc[kFewRows];
+          for (Index q = 0; q < h; ++q) acc[q] = row(x, r0 + q);
+          for (Index j = i0; j < i0 + ib; ++j) {
+            const Lanes xj = row(x, j);
+            for (Index q = 0; q < h; ++q) acc[q] -= l(j, r0 + q) * xj;
+          }
+          for (Index q = 0; q < h; ++q) row(x, r0 + q) = acc[q];
+        }
+      }
+    }
+    b.middleCols(c0, w) = x.leftCols(w);
+  }
+}
+
 template <typename Solve>
 void over_rhs_blocks(Index k, int n_threads, const Solve& solve) {
   if (k == 0) return;
@@ -303,6 +388,7 @@ void cholesky_solve_transposed_in_place(const MatrixXd& l, Eigen::Ref<MatrixXd> 
 }
 
 void cholesky_solve_in_place(const MatrixXd& l, Eigen::Ref<MatrixXd> b, int n_threads) {
+  if (b.cols() <= kFewColumns) return solve_few_columns<double>(l, b, n_threads);
   over_rhs_blocks(b.cols(), n_threads, [&](Index c0, Index cols) {
     blocked_solve<double>(l, b.middleCols(c0, cols));
   });
@@ -310,6 +396,7 @@ void cholesky_solve_in_place(const MatrixXd& l, Eigen::Ref<MatrixXd> b, int n_th
 
 void cholesky_solve_in_place(const Eigen::MatrixXf& l, Eigen::Ref<Eigen::MatrixXf> b,
                              int n_threads) {
+  if (b.cols() <= kFewColumns) return solve_few_columns<float>(l, b, n_threads);
   over_rhs_blocks(b.cols(), n_threads, [&](Index c0, Index cols) {
     blocked_solve<float>(l, b.middleCols(c0, cols));
   });

@@ -71,7 +71,9 @@ Index column_block_width(Index k);
 double inverse_norm1_estimate(const MatrixXd& l);
 double inverse_norm1_estimate(const Eigen::MatrixXf& l);
 
-/// Solve L L^T X = B in place (B is d x k, column-major), threaded over column blocks.
+/// Solve L L^T X = B in place (B is d x k, column-major), threaded over column blocks; up to
+/// 32 columns (probes, vectors) by rows across the threads instead, 16 columns at a time, so
+/// that L is streamed once per direction rather than packed for a GEMM with few columns.
 void cholesky_solve_in_place(const MatrixXd& l, Eigen::Ref<MatrixXd> b, int n_threads);
 void cholesky_solve_in_place(const Eigen::MatrixXf& l, Eigen::Ref<Eigen::MatrixXf> b,
                              int n_threads);

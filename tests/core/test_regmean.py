@@ -177,6 +177,23 @@ def test_large_input_dimension_uses_blocked_factorization(rng):
     assert_merged_close(one.weight, reference_merge(grams, counts, weights, 0.9))
 
 
+@pytest.mark.parametrize("d_out", [1, 7, 16, 17, 32, 33])
+def test_few_output_columns_solve_by_rows_and_threads_agree(rng, d_out):
+    # Up to 32 right-hand sides are solved by rows across the threads, 16 at a time (17 and
+    # 32: two slices, the second padded); d_in = 203 spans four diagonal blocks of 64, the
+    # last partial, and tasks of 8 rows, the last partial. 33 takes the column blocks.
+    grams, counts, weights, _ = make_models(rng, 3, 203, d_out)
+    runs = [
+        lmdx.regmean_merge_layer(
+            grams, weights, counts, alpha=0.9, precision="float64", n_threads=threads
+        )
+        for threads in (1, 2, 3)
+    ]
+    for other in runs[1:]:
+        assert np.array_equal(runs[0].weight, other.weight), "thread counts must agree bit for bit"
+    assert_merged_close(runs[0].weight, reference_merge(grams, counts, weights, 0.9))
+
+
 @given(d_in=st.integers(1, 10), d_out=st.integers(1, 10), alpha=st.sampled_from(ALPHAS), seed=seeds)
 def test_single_model_returns_its_own_weight(d_in, d_out, alpha, seed):
     rng = np.random.default_rng(seed)
