@@ -229,26 +229,47 @@ double inverse_norm1_estimate(const Eigen::MatrixXf& l) { return inverse_norm1_e
 
 namespace {
 
-// L L^T X = B for one block of right-hand-side columns, by blocks of kFactorBlock rows: a
-// small triangular solve on the diagonal block, then a GEMM update of the rest (right-
-// looking), so nearly all the flops run at GEMM speed. Forward L y = b, then L^T x = y.
+// Rows of the diagonal blocks of blocked_solve solved at a time: Eigen's triangular solve
+// of a whole 256-row block ran at half the GEMM's speed (float32, 768 inputs, 384 columns:
+// 52 GFLOP/s for the solve, 75 with these sub-blocks, one Zen 4 core).
+constexpr Index kSolveInnerBlock = 16;
+
+template <typename Scalar>
+using BlockRef = Eigen::Ref<Matrix<Scalar>, 0, Eigen::OuterStride<>>;
+template <typename Scalar>
+using ConstBlockRef = Eigen::Ref<const Matrix<Scalar>, 0, Eigen::OuterStride<>>;
+
+// L y = b (forward) or L^T x = b (backward) in place by blocks of `block` rows: the diagonal
+// block solved (by blocks of kSolveInnerBlock where larger), then a GEMM update of the
+// rows below (forward) or above (backward), so nearly all the flops run at GEMM speed.
+template <typename Scalar>
+void blocked_triangular(ConstBlockRef<Scalar> l, BlockRef<Scalar> b, Index block, bool forward) {
+  const Index d = l.rows();
+  const Index n_blocks = (d + block - 1) / block;
+  for (Index n = 0; n < n_blocks; ++n) {
+    const Index i0 = (forward ? n : n_blocks - 1 - n) * block;
+    const Index ib = std::min(block, d - i0);
+    auto bi = b.middleRows(i0, ib);
+    const auto lii = l.block(i0, i0, ib, ib);
+    if (ib > kSolveInnerBlock) {
+      blocked_triangular<Scalar>(lii, bi, kSolveInnerBlock, forward);
+    } else if (forward) {
+      lii.template triangularView<Eigen::Lower>().solveInPlace(bi);
+    } else {
+      lii.transpose().template triangularView<Eigen::Upper>().solveInPlace(bi);
+    }
+    const Index rest = d - i0 - ib;
+    if (forward && rest > 0) b.bottomRows(rest).noalias() -= l.block(i0 + ib, i0, rest, ib) * bi;
+    if (!forward && i0 > 0) b.topRows(i0).noalias() -= l.block(i0, 0, ib, i0).transpose() * bi;
+  }
+}
+
+// L L^T X = B for one block of right-hand-side columns, by blocks of kFactorBlock rows:
+// forward L y = b, then L^T x = y.
 template <typename Scalar>
 void blocked_solve(const Matrix<Scalar>& l, Eigen::Ref<Matrix<Scalar>> b) {
-  const Index d = l.rows();
-  for (Index i0 = 0; i0 < d; i0 += kFactorBlock) {
-    const Index ib = std::min(kFactorBlock, d - i0);
-    auto bi = b.middleRows(i0, ib);
-    l.block(i0, i0, ib, ib).template triangularView<Eigen::Lower>().solveInPlace(bi);
-    const Index rest = d - i0 - ib;
-    if (rest > 0) b.bottomRows(rest).noalias() -= l.block(i0 + ib, i0, rest, ib) * bi;
-  }
-  const Index last = (d - 1) / kFactorBlock * kFactorBlock;
-  for (Index i0 = last; i0 >= 0; i0 -= kFactorBlock) {
-    const Index ib = std::min(kFactorBlock, d - i0);
-    auto bi = b.middleRows(i0, ib);
-    l.block(i0, i0, ib, ib).template triangularView<Eigen::Lower>().transpose().solveInPlace(bi);
-    if (i0 > 0) b.topRows(i0).noalias() -= l.block(i0, 0, ib, i0).transpose() * bi;
-  }
+  blocked_triangular<Scalar>(l, b, kFactorBlock, true);
+  blocked_triangular<Scalar>(l, b, kFactorBlock, false);
 }
 
 // The same system with the right-hand sides as rows: Z L L^T = B^T for a block of rows of
