@@ -412,8 +412,11 @@ def merge_alpha(
     )
 
 
-def run_merges(args: argparse.Namespace, impl: str, workdir: Path) -> dict[float, dict[str, Any]]:
-    """One worker subprocess per implementation; it merges at every α in turn."""
+def run_merges(
+    args: argparse.Namespace, impl: str, workdir: Path, lmdx_path: str | None = None
+) -> dict[float, dict[str, Any]]:
+    """One worker subprocess per implementation; it merges at every α in turn. With
+    ``lmdx_path``, the worker imports lmdx from that folder (another build of it)."""
     cmd = [
         sys.executable,
         os.path.abspath(__file__),
@@ -427,7 +430,11 @@ def run_merges(args: argparse.Namespace, impl: str, workdir: Path) -> dict[float
     for k in ("merge_reps", "models", "layers", "hidden", "threads", "seed", "noise"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     log(f"merges {impl} alphas={args.alphas} ...")
-    subprocess.run(cmd, check=True)
+    env = None
+    if lmdx_path is not None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [lmdx_path, env.get("PYTHONPATH")]))
+    subprocess.run(cmd, check=True, env=env)
     return {a: json.load(open(workdir / f"merge_{impl}_{a}.json")) for a in args.alphas}
 
 
@@ -543,7 +550,9 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write raw results here")
     # internal: merge worker
     ap.add_argument(
-        "--worker", choices=("fusionbench", "lmdx", "lmdx64", "lmdx_f64"), help=argparse.SUPPRESS
+        "--worker",
+        choices=("fusionbench", "lmdx", "lmdx_base", "lmdx64", "lmdx_f64"),
+        help=argparse.SUPPRESS,
     )
     args = ap.parse_args()
     if args.worker:

@@ -30,6 +30,11 @@ Those comparisons report wall and process CPU time (the shares of the peak are o
 time) and rotate the order of the implementations from system to system, after an untimed
 merge by each: on a loaded machine read the CPU time of a one-thread run (``--threads 1``).
 
+With ``--baseline DIR`` (another build of lmdx, e.g. ``pip install --no-deps --target DIR``
+of an earlier commit), that build's ``auto`` merge (``lmdx_base``) is timed in the same
+rounds, between lmdx ``auto`` and ``float64``, and reported like them: a before/after
+comparison on the same machine and load.
+
 With ``--real FOLDER ...`` (fine-tuned models, each folder with ``model.safetensors`` and
 the statistics the real example collected, ``stats-*/regmean.safetensors``), the same
 comparison on their RegMean systems, after each weight's measured deviation from the
@@ -39,6 +44,7 @@ Run from the repository root, after ``bench_regmean.py --workdir WORK ...``::
 
     python bench/bench_regmean_merge.py --workdir WORK --rounds 2 --profile 0 11 --verbose
     python bench/bench_regmean_merge.py --workdir WORK --noise 0.01 --rounds 0 --profile $(seq 0 11)
+    python bench/bench_regmean_merge.py --workdir WORK --rounds 3 --baseline /tmp/lmdx-main
     python bench/bench_regmean_merge.py --real F1 F2 F3 F4 --threads 1  # one set of four fine-tunes
 """
 
@@ -304,6 +310,7 @@ def main() -> None:
     ap.add_argument("--profile", type=int, nargs="*", default=None, help="encoder layers")
     ap.add_argument("--verbose", action="store_true", help="print every system's phases")
     ap.add_argument("--real", nargs="*", default=None, help="fine-tuned model folders")
+    ap.add_argument("--baseline", default=None, help="another lmdx build's folder (lmdx_base)")
     args = ap.parse_args()
     if not args.real and args.workdir is None:
         ap.error("--workdir is needed (or --real FOLDER ...)")
@@ -321,9 +328,11 @@ def main() -> None:
     one.merge_reps = 1
     times: dict[tuple[str, float], list[float]] = defaultdict(list)
     solver: dict[tuple[str, float], dict[str, Any]] = {}
+    impls = ("fusionbench", "lmdx", "lmdx_base", "lmdx_f64") if args.baseline else IMPLS
     for r in range(args.rounds):
-        for impl in IMPLS:
-            for alpha, res in bench.run_merges(one, impl, workdir).items():
+        for impl in impls:
+            path = args.baseline if impl == "lmdx_base" else None
+            for alpha, res in bench.run_merges(one, impl, workdir, path).items():
                 times[impl, alpha] += res["times"]
                 solver[impl, alpha] = res["solver"]
                 print(f"round {r}: {impl} α={alpha}: {res['times'][0]:.2f} s", flush=True)
@@ -331,7 +340,7 @@ def main() -> None:
     print(f"load average at the end: {list(os.getloadavg())}")
     for alpha in args.alphas if args.rounds > 0 else []:
         merged = {
-            impl: load_file(str(workdir / f"merged_{impl}_{alpha}.safetensors")) for impl in IMPLS
+            impl: load_file(str(workdir / f"merged_{impl}_{alpha}.safetensors")) for impl in impls
         }
         fb = bench.med(times["fusionbench", alpha])
         flops = model_flops(stats[0], merged["lmdx_f64"], args.models)
@@ -339,7 +348,7 @@ def main() -> None:
             f"\nα = {alpha}, noise {args.noise}: merge time per round, median, FusionBench / this,"
             f" share of the measured peak for {flops / 1e9:.1f} GFLOP of float32 work"
         )
-        for impl in IMPLS:
+        for impl in impls:
             t, sv = times[impl, alpha], solver[impl, alpha]
             share = efficiency(flops, bench.med(t), peaks, impl == "lmdx_f64")
             line = (
