@@ -273,25 +273,33 @@ void Float32Merge::products32(int threads, Eigen::MatrixXf& x32) {
 bool Float32Merge::rhs32(const MatrixXd& l, double ridge, int threads, bool forced,
                          RegMeanInfo& info, MatrixXd& merged_t) {
   PhaseLog phases(info);
-  form_rhs_inputs(threads, phases);
+  // B_32 kept in merged_t by the float32 attempt (its final certificate refused it): the
+  // products are paid for, so neither the predictor nor the products run again.
+  const bool kept = rhs_in_merged;
+  rhs_in_merged = false;
+  if (!kept) form_rhs_inputs(threads, phases);
   // The merged weight on the probes: W_M z = W- z + A^{-1} B z, A W_M z = A W- z + B z.
   MatrixXd solved(d_in, 3 * kProbes);
   solved.middleCols(kProbes, kProbes) = bz;
-  {
+  if (!kept) {
     // The predictor's w: random signs on |B| z's bound (fixed, as the probes).
     const MatrixXd signs = gaussian_probes(d_in, kProbes);
     solved.rightCols(kProbes) = rounding_bound(threads).cwiseProduct(
         signs.unaryExpr([](double v) { return v < 0.0 ? -1.0 : 1.0; }));
   }
   const MatrixXd w_sign = solved.rightCols(kProbes);
-  cholesky_solve_in_place(l, solved.rightCols(2 * kProbes), threads);
+  if (kept) {
+    cholesky_solve_in_place(l, solved.middleCols(kProbes, kProbes), threads);
+  } else {
+    cholesky_solve_in_place(l, solved.rightCols(2 * kProbes), threads);
+  }
   if (mean_z.size() == 0) multiply_rows(mean_t, z, mean_z, false, threads);
   if (a_mean_z.size() == 0 || !(probe_ridge == ridge)) {
     a_mean_z = system_times(mean_z, ridge, threads);  // (the float64 ridge escalated)
   }
   const double merged_norm2 =
       s_norm2(mean_z + solved.middleCols(kProbes, kProbes), a_mean_z + bz, ridge);
-  if (!forced) {
+  if (!forced && !kept) {
     const double w_norm2 = std::max(w_sign.cwiseProduct(solved.rightCols(kProbes)).sum(), 0.0);
     const double scale = kRhsPredictorFactor * kFloat32Roundoff;
     const double predicted = merged_norm2 > 0.0 ? scale * std::sqrt(w_norm2 / merged_norm2)
@@ -301,8 +309,13 @@ bool Float32Merge::rhs32(const MatrixXd& l, double ridge, int threads, bool forc
       return false;  // the float32 products would not certify: float64 ones at once
     }
   }
-  Eigen::MatrixXf x32(d_in, d_out);
-  products32(threads, x32);
+  Eigen::MatrixXf x32;
+  if (kept) {
+    x32 = merged_t.cast<float>();  // (exactly: merged_t holds B_32's values)
+  } else {
+    x32.resize(d_in, d_out);
+    products32(threads, x32);
+  }
   const MatrixXd b32z = probes_of(x32, z, threads);  // B_32 z, exactly
   phases.lap("products32");
   // The certificate, before the solve it spares where it fails. E = A^{-1} (B_32 - B) (the
@@ -375,6 +388,11 @@ bool Float32Merge::run(const SolveOptions& opt, bool forced, RegMeanInfo& info,
 
   Eigen::MatrixXf x32(d_in, d_out);
   products32(threads, x32);
+  // Kept for the float32-rhs tier should the final certificate refuse this attempt (moved
+  // into merged_t then): within the memory the deviations and differences products32 has
+  // released (m >= 1 of each).
+  Eigen::MatrixXf b32;
+  if (!forced && !others.empty()) b32 = x32;
   phases.lap("products32");
   cholesky_solve_in_place(l32, x32, threads);
   phases.lap("solve32");
@@ -421,7 +439,13 @@ bool Float32Merge::run(const SolveOptions& opt, bool forced, RegMeanInfo& info,
   info.output_error_estimate = estimate;
   info.precision = "float32";
   phases.lap("certificate");
-  return forced || (rho <= kMaxContraction && estimate <= kOutputErrorTolerance);
+  const bool accepted = forced || (rho <= kMaxContraction && estimate <= kOutputErrorTolerance);
+  if (!accepted && b32.size() > 0) {
+    LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(static))
+    for (Index c = 0; c < d_out; ++c) merged_t.col(c) = b32.col(c).cast<double>();
+    rhs_in_merged = true;
+  }
+  return accepted;
 }
 
 }  // namespace detail

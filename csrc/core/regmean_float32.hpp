@@ -24,6 +24,9 @@
 // d_out bytes), and for the differences 4 (K - 1) d_in^2 bytes with K <= 3 (K: the models
 // with c_i > 0), otherwise at most 4 d_in^2 bytes whatever K (a float32 block of rows per
 // thread, at most one per block of rows) plus 512 d_in bytes per thread (a float64 tile).
+// After the products, a copy of the float32 right-hand side (4 d_in d_out bytes, within
+// what the released deviations and differences held) until the final certificate; where
+// that refuses the layer, the copy moves into the caller's merged_t for rhs32.
 #pragma once
 
 #include <vector>
@@ -56,6 +59,10 @@ struct Float32Merge {
   bool predicted_far = false;
   MatrixXd z{}, y{}, bz{};
   Eigen::MatrixXf dev32{}, diff32{};
+  // run()'s final certificate refused the layer after the products: merged_t holds the
+  // float32 right-hand side B_32 (widened, exactly) for rhs32, which then skips its
+  // predictor and products.
+  bool rhs_in_merged = false;
   // Set by the pre-check (factor_error_estimate): on the probes, W-^T z, A W-^T z, x (B z
   // solved with the float32 factor), A x, res = A x - B z, e (res solved with it), A e, and
   // ||e||_A^2.
@@ -100,10 +107,11 @@ struct Float32Merge {
   // Precision "float32-rhs": the right-hand side in float32 (products32), the factorization l and
   // the solve in float64; certified like the float32 path, on the probes: its error
   // E = A^{-1} (B_32 - B) is known exactly there (E z = A^{-1} (B_32 z - B z)), since the
-  // float64 factor's own error is negligible. Returns false (merged_t then holds nothing
-  // useful) when the certificate exceeds
-  // kOutputErrorTolerance, unless forced; otherwise merged_t = W_M^T, info.precision
-  // "float32-rhs" and info.output_error_estimate set. ridge: the absolute ridge of l's system.
+  // float64 factor's own error is negligible. B_32 is the products' (or, after run()'s final
+  // certificate refused the layer, the one run() left in merged_t). Returns false (merged_t
+  // then holds nothing useful) when the certificate exceeds kOutputErrorTolerance, unless
+  // forced; otherwise merged_t = W_M^T, info.precision "float32-rhs" and
+  // info.output_error_estimate set. ridge: the absolute ridge of l's system.
   bool rhs32(const MatrixXd& l, double ridge, int threads, bool forced, RegMeanInfo& info,
              MatrixXd& merged_t);
 

@@ -390,6 +390,10 @@ def test_auto_takes_the_float32_right_hand_side_where_float32_just_misses(rng):
         if auto.info.precision == "float32-rhs":
             assert "predictor" not in auto.info.phases
             assert auto.info.phases.index("factor64") > auto.info.phases.index("precheck")
+            # Refused by float32's final certificate (after its solve): the float32
+            # right-hand side that attempt formed is the one certified here (the same bits
+            # as float32-rhs forced, which forms its own).
+            assert auto.info.phases.index("factor64") > auto.info.phases.index("solve32")
         seen.append(auto.info.precision)
     # The tiers in order as the deviations grow, each reached.
     assert seen == ["float32", "float32-rhs", "float64"], seen
