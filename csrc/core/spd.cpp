@@ -303,8 +303,6 @@ void blocked_solve_transposed(const MatrixXd& l, Eigen::Ref<MatrixXd> z) {
 
 namespace {
 
-// solve(first, count) for each block of right-hand sides (of column_block_width(k)),
-// the blocks shared by the threads.
 // Right-hand sides solved together by solve_few_columns: 16 lanes (one AVX-512 vector of
 // float, two of double) per row of a row-major copy.
 constexpr Index kFewLanes = 16;
@@ -317,79 +315,73 @@ constexpr Index kFewColumns = 32;
 constexpr Index kFewBlock = 64;
 constexpr Index kFewRows = 8;
 
+template <typename Scalar>
+using FewRows = Eigen::Matrix<Scalar, Eigen::Dynamic, kFewLanes, Eigen::RowMajor>;
+
+// One sweep of solve_few_columns in x's rows (called by every thread of a parallel region:
+// orphaned omp constructs): L y = x forward, or L^T y = x backward. By diagonal blocks of
+// kFewBlock in the sweep's order: the block's rows solved on one thread, then the rows after
+// it (below forward, above backward) updated by all threads, kFewRows rows a task. T(r, j)
+// is L(r, j) forward and L(j, r) backward; each row's updates come in the same order
+// whatever the thread count (determinism).
+template <typename Scalar, bool Forward>
+void few_columns_sweep(const Matrix<Scalar>& l, FewRows<Scalar>& x) {
+  using Lanes = Eigen::Matrix<Scalar, kFewLanes, 1>;
+  const auto row = [&x](Index r) { return Eigen::Map<Lanes>(x.row(r).data()); };
+  const auto t = [&l](Index r, Index j) { return Forward ? l(r, j) : l(j, r); };
+  const Index d = l.rows();
+  const Index n_blocks = (d + kFewBlock - 1) / kFewBlock;
+  for (Index n = 0; n < n_blocks; ++n) {
+    const Index i0 = (Forward ? n : n_blocks - 1 - n) * kFewBlock;
+    const Index ib = std::min(kFewBlock, d - i0);
+    LMDX_PRAGMA(omp single) {
+      for (Index s = 0; s < ib; ++s) {
+        const Index r = Forward ? i0 + s : i0 + ib - 1 - s;
+        Lanes acc = row(r);
+        for (Index j = Forward ? i0 : r + 1; j < (Forward ? r : i0 + ib); ++j) {
+          acc -= t(r, j) * row(j);
+        }
+        row(r) = acc / l(r, r);
+      }
+    }  // (barrier: the block is solved)
+    const Index first = Forward ? i0 + ib : 0, end = Forward ? d : i0;
+    const Index n_tasks = (end - first + kFewRows - 1) / kFewRows;
+    LMDX_PRAGMA(omp for schedule(static))
+    for (Index task = 0; task < n_tasks; ++task) {
+      const Index r0 = first + task * kFewRows, h = std::min(kFewRows, end - r0);
+      Lanes acc[kFewRows];
+      for (Index q = 0; q < h; ++q) acc[q] = row(r0 + q);
+      for (Index j = i0; j < i0 + ib; ++j) {
+        const Lanes xj = row(j);
+        for (Index q = 0; q < h; ++q) acc[q] -= t(r0 + q, j) * xj;
+      }
+      for (Index q = 0; q < h; ++q) row(r0 + q) = acc[q];
+    }  // (barrier)
+  }
+}
+
 // L L^T X = B for b.cols() <= kFewColumns: the right-hand sides copied row by row into
-// kFewLanes-wide rows (padded with zeros), then by diagonal blocks of kFewBlock: the block's
-// rows solved on one thread, then the rows below it (forward) or above it (backward)
-// updated by all threads, kFewRows rows a task, each row a few vectors. L is read once per
-// direction, by every thread in streams of contiguous columns; each row's updates come in
-// the same order whatever the thread count (determinism).
+// kFewLanes-wide rows (padded with zeros), then the forward and the backward sweep across
+// the threads. L is read once per direction, by every thread in streams of its columns.
 template <typename Scalar>
 void solve_few_columns(const Matrix<Scalar>& l, Eigen::Ref<Matrix<Scalar>> b, int n_threads) {
-  using Lanes = Eigen::Matrix<Scalar, kFewLanes, 1>;
-  using Rows = Eigen::Matrix<Scalar, Eigen::Dynamic, kFewLanes, Eigen::RowMajor>;
   const Index d = l.rows(), k = b.cols();
-  const Index n_blocks = (d + kFewBlock - 1) / kFewBlock;
   const int threads =
       static_cast<int>(std::min<Index>(resolve_threads(n_threads), (d + kFewRows - 1) / kFewRows));
-  const auto row = [](Rows& x, Index r) { return Eigen::Map<Lanes>(x.row(r).data()); };
   for (Index c0 = 0; c0 < k; c0 += kFewLanes) {
     const Index w = std::min(kFewLanes, k - c0);
-    Rows x = Rows::Zero(d, kFewLanes);
+    FewRows<Scalar> x = FewRows<Scalar>::Zero(d, kFewLanes);
     x.leftCols(w) = b.middleCols(c0, w);
     LMDX_PRAGMA(omp parallel num_threads(threads)) {
-      // Forward: L y = b.
-      for (Index blk = 0; blk < n_blocks; ++blk) {
-        const Index i0 = blk * kFewBlock, ib = std::min(kFewBlock, d - i0);
-        LMDX_PRAGMA(omp single) {
-          for (Index r = i0; r < i0 + ib; ++r) {
-            Lanes acc = row(x, r);
-            for (Index j = i0; j < r; ++j) acc -= l(r, j) * row(x, j);
-            row(x, r) = acc / l(r, r);
-          }
-        }  // (barrier: the block is solved)
-        const Index below = d - i0 - ib;
-        const Index n_tasks = (below + kFewRows - 1) / kFewRows;
-        LMDX_PRAGMA(omp for schedule(static))
-        for (Index t = 0; t < n_tasks; ++t) {
-          const Index r0 = i0 + ib + t * kFewRows, h = std::min(kFewRows, d - r0);
-          Lanes acc[kFewRows];
-          for (Index q = 0; q < h; ++q) acc[q] = row(x, r0 + q);
-          for (Index j = i0; j < i0 + ib; ++j) {
-            const Lanes xj = row(x, j);
-            const Scalar* lj = l.col(j).data() + r0;
-            for (Index q = 0; q < h; ++q) acc[q] -= lj[q] * xj;
-          }
-          for (Index q = 0; q < h; ++q) row(x, r0 + q) = acc[q];
-        }  // (barrier)
-      }
-      // Backward: L^T x = y.
-      for (Index blk = n_blocks - 1; blk >= 0; --blk) {
-        const Index i0 = blk * kFewBlock, ib = std::min(kFewBlock, d - i0);
-        LMDX_PRAGMA(omp single) {
-          for (Index r = i0 + ib - 1; r >= i0; --r) {
-            Lanes acc = row(x, r);
-            for (Index j = r + 1; j < i0 + ib; ++j) acc -= l(j, r) * row(x, j);
-            row(x, r) = acc / l(r, r);
-          }
-        }
-        const Index n_tasks = (i0 + kFewRows - 1) / kFewRows;
-        LMDX_PRAGMA(omp for schedule(static))
-        for (Index t = 0; t < n_tasks; ++t) {
-          const Index r0 = t * kFewRows, h = std::min(kFewRows, i0 - r0);
-          Lanes acc[kFewRows];
-          for (Index q = 0; q < h; ++q) acc[q] = row(x, r0 + q);
-          for (Index j = i0; j < i0 + ib; ++j) {
-            const Lanes xj = row(x, j);
-            for (Index q = 0; q < h; ++q) acc[q] -= l(j, r0 + q) * xj;
-          }
-          for (Index q = 0; q < h; ++q) row(x, r0 + q) = acc[q];
-        }
-      }
+      few_columns_sweep<Scalar, true>(l, x);
+      few_columns_sweep<Scalar, false>(l, x);
     }
     b.middleCols(c0, w) = x.leftCols(w);
   }
 }
 
+// solve(first, count) for each block of right-hand sides (of column_block_width(k)),
+// the blocks shared by the threads.
 template <typename Solve>
 void over_rhs_blocks(Index k, int n_threads, const Solve& solve) {
   if (k == 0) return;
