@@ -302,8 +302,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nodes]:
     try:
         nodes = Nodes(c, trap)
         nodes.reset(2)
+        # log_to_driver=False: Ray's own processes' log lines (a raylet's warning that
+        # /tmp is nearly full, say) would reach this process's stderr at any moment, among
+        # the lines of lmdx's that the tests count.
         ray.init(
-            address=c.address, runtime_env={"worker_process_setup_hook": _trap_hook(str(trap))}
+            address=c.address,
+            runtime_env={"worker_process_setup_hook": _trap_hook(str(trap))},
+            log_to_driver=False,
         )
         yield nodes
     finally:
