@@ -61,6 +61,23 @@ def _content_sha256(folder: Path) -> str:
     return total.hexdigest()
 
 
+def _stats_identity(path: Path) -> str:
+    """SHA-256 over ``metadata:<hash>;`` then ``name:<hash>;`` of every tensor in name
+    order, the hashes a statistics file holds, each checked here against what it names."""
+    with safe_open(str(path), "np") as f:
+        meta = json.loads(f.metadata()["lmdx"])
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    hashes = meta["sha256"]
+    total = hashlib.sha256(f"metadata:{hashes['metadata']};".encode())
+    for name in sorted(tensors):
+        assert (
+            hashlib.sha256(tensors[name].astype("<f8").tobytes()).hexdigest()
+            == (hashes["tensors"][name])
+        )
+        total.update(f"{name}:{hashes['tensors'][name]};".encode())
+    return total.hexdigest()
+
+
 def _logits(model: Any, batches: list[dict[str, Any]]) -> np.ndarray:
     with torch.no_grad():
         return torch.cat([model(**b).logits for b in batches]).numpy()
@@ -131,7 +148,7 @@ def test_model_card_names_method_inputs_hashes_and_command(folders, tmp_path):
     for p, s in zip(folders["paths"], folders["stats"], strict=True):
         entry = record["inputs"][str(p)]
         assert entry["weights_sha256"] == _content_sha256(p)
-        assert entry["stats_sha256"] == hashlib.sha256(s.read_bytes()).hexdigest()
+        assert entry["stats_sha256"] == _stats_identity(s)
         row = next(line for line in card.splitlines() if f"| {p} |" in line)
         assert f"`{entry['weights_sha256'][:16]}…`" in row
         assert f"`{entry['stats_sha256'][:16]}…`" in row

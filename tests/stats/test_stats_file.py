@@ -181,6 +181,36 @@ def test_save_load_round_trip_is_exact(tmp_path):
         assert np.array_equal(loaded.sum(name), stats.sum(name))
 
 
+def identity_by_hand(meta):
+    """SHA-256 over a statistics file's own content hashes: its metadata's, then every
+    tensor's ``name:hash;`` in name order (recomputed here from the tensors themselves)."""
+    total = hashlib.sha256(f"metadata:{meta['sha256']['metadata']};".encode())
+    for name in sorted(meta["sha256"]["tensors"]):
+        total.update(f"{name}:{meta['sha256']['tensors'][name]};".encode())
+    return total.hexdigest()
+
+
+def test_content_hash_is_the_statistics_identity_in_a_file_or_folder(tmp_path):
+    """Loaded statistics carry SHA-256 over the content hashes their file holds, each of
+    which hashes what it names; a sharded folder of the same statistics has the same one,
+    other statistics another; statistics in memory none."""
+    _, models, batches = H.cached_family("llama")
+    stats = _collect(models[1], batches[1], description="d")
+    assert stats.content_sha256 is None
+    path = stats.save(tmp_path / "s.safetensors")
+    meta, tensors = read_file(path)
+    meta = json.loads(meta["lmdx"])
+    for name, arr in tensors.items():
+        assert meta["sha256"]["tensors"][name] == hashlib.sha256(arr.tobytes()).hexdigest()
+    loaded = Statistics.load(path)
+    assert loaded.content_sha256 == identity_by_hand(meta)
+    folder = Statistics.load(path).save(tmp_path / "sharded", max_shard_size=5000)
+    assert len(list(folder.glob("*.safetensors"))) > 1
+    assert Statistics.load(folder).content_sha256 == loaded.content_sha256
+    other = _collect(models[1], batches[1], description="e").save(tmp_path / "e.safetensors")
+    assert Statistics.load(other).content_sha256 != loaded.content_sha256  # metadata differs
+
+
 # --------------------------------------------------------------------------- adding
 
 

@@ -86,7 +86,8 @@ def model_card(record: Mapping[str, Any], config: Mapping[str, Any] | None = Non
         "## Inputs",
         "",
         "Content hashes are SHA-256 over every tensor's SHA-256 (in name order); the "
-        "statistics' hash is that of the file (or of a sharded folder's index).",
+        "statistics' over their metadata's and every tensor's, as their file or sharded "
+        "folder holds them (`Statistics.content_sha256`).",
         "",
         "| # | model | path | architecture | weights SHA-256 | statistics | statistics SHA-256 |",
         "|---|---|---|---|---|---|---|",

@@ -10,11 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import MergeError
-from ..files.identity import file_sha256
 from ..files.peft import LoraAdapter, is_adapter_folder
 from ..files.st import check_same_modules, sentence_transformer
 from ..stats.file import Statistics
-from ..stats.format import INDEX_NAME
 from ..stats.join import join_statistics
 from .lora import LoraExport, check_lora_export
 from .method import MergeInputs, MergeMethod
@@ -266,14 +264,9 @@ def st_files(folders: Sequence[Any], labels: Sequence[str]) -> dict[str, bytes]:
 
 
 def _stats_sha256(stats: Statistics | None) -> str | None:
-    """SHA-256 of a statistics file, or of a sharded folder's index (which names every
-    shard and the collection id each shard carries)."""
-    if stats is None or not stats.source:
-        return None
-    path = Path(stats.source)
-    if path.is_dir():
-        path = path / INDEX_NAME
-    return file_sha256(path) if path.is_file() else None
+    """The loaded statistics' identity (:attr:`lmdx.Statistics.content_sha256`: over the
+    content hashes a file or sharded folder holds, each tensor checked whenever read)."""
+    return None if stats is None else stats.content_sha256
 
 
 def _stats_record(stats: Statistics | None) -> str | list[str] | None:

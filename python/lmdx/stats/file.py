@@ -46,6 +46,7 @@ from .format import (
     INDEX_NAME,
     KINDS,
     check_content,
+    content_sha256,
     stored_sha256,
     validate_metadata,
 )
@@ -130,6 +131,7 @@ class Statistics:
         self._moments: dict[str, Moments] = dict(moments or {})
         self._file: Any = None
         self._sha256: dict[str, str] = {}
+        self._content_sha256: str | None = None
         self.source = source
         self._files = None if files is None else tuple(str(f) for f in files)
         self.extra = dict(extra or {})
@@ -150,6 +152,14 @@ class Statistics:
         the same."""
         found = self.extra.get("accumulation")
         return found if isinstance(found, str) else None
+
+    @property
+    def content_sha256(self) -> str | None:
+        """Loaded statistics' identity, from the file's (or sharded folder's) metadata
+        without reading a tensor: SHA-256 over the content hashes it holds, the metadata's
+        and every tensor's (:func:`lmdx.stats.format.content_sha256`); each tensor is
+        checked against its hash whenever read. None for statistics held in memory."""
+        return self._content_sha256
 
     @property
     def files(self) -> tuple[str, ...] | None:
@@ -405,6 +415,7 @@ class Statistics:
         if extra:
             raise StatisticsFileError(f"{where}: tensor {extra[0]!r} is not in the metadata")
         stats._sha256 = check_content(meta, set(present), where)
+        stats._content_sha256 = content_sha256(meta)
         return stats
 
 

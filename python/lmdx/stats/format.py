@@ -31,6 +31,7 @@ __all__ = [
     "MAX_DIM",
     "PADDING_POLICIES",
     "check_content",
+    "content_sha256",
     "metadata_sha256",
     "stored_sha256",
     "validate_metadata",
@@ -50,6 +51,19 @@ MAX_DIM = 2**24
 def stored_sha256(arr: NDArray[Any]) -> str:
     """SHA-256 of a statistics tensor as stored: little-endian float64, C order."""
     return tensor_sha256(np.ascontiguousarray(arr, dtype="<f8"))
+
+
+def content_sha256(meta: Mapping[str, Any]) -> str:
+    """The statistics' identity: SHA-256 over their content hashes (the metadata's, then
+    every tensor's ``name:hash;`` in name order), the way a model's ``weights_sha256`` is
+    formed from its tensors' hashes. Any change to the metadata or to a tensor changes it
+    (a changed tensor also fails its own hash when read), whether the statistics are one
+    file or a sharded folder; computed from the metadata alone, without reading a tensor."""
+    hashes = meta["sha256"]
+    total = hashlib.sha256(f"metadata:{hashes['metadata']};".encode())
+    for name in sorted(hashes["tensors"]):
+        total.update(f"{name}:{hashes['tensors'][name]};".encode())
+    return total.hexdigest()
 
 
 def metadata_sha256(meta: Mapping[str, Any]) -> str:
