@@ -11,6 +11,7 @@
 #include "core/reduction.hpp"
 #include "core/regmean_float32.hpp"
 #include "core/regmean_kernels.hpp"
+#include "core/workspace.hpp"
 
 LMDX_NAMESPACE_BEGIN
 
@@ -72,6 +73,7 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
   // W-^T = W_p^T + sum_{i != p} (c_i / C) (W_i - W_p)^T: exactly W_p^T where all agree.
   // The spread max_i max |W_i - W-| / max |W-| is taken on the way.
   MatrixXd mean_t(d_in, d_out);
+  prefer_huge_pages(mean_t);
   double spread = 0.0, scale = 0.0;
   {
     const Index n_blocks = (d_out + kWidenColumns - 1) / kWidenColumns;
@@ -110,6 +112,7 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
   std::vector<double> s(k);
   for (size_t i = 0; i < k; ++i) s[i] = coef[i] / models[i].count;
   MatrixXd lhs(d_in, d_in);
+  prefer_huge_pages(lhs);
   std::vector<GramSource> grams(k);
   for (size_t i = 0; i < k; ++i) grams[i] = models[i].gram;
   sum_lower(grams, s, threads, lhs);
@@ -146,6 +149,7 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
   MatrixXd system;
   const auto form_system = [&] {
     system.resize(d_in, d_in);
+    prefer_huge_pages(system);
     system.triangularView<Eigen::Lower>() = lhs;
     reduce_lower_triangle(system, alpha);
     system.diagonal().array() += opt.ridge * info.mean_diagonal;
@@ -273,6 +277,7 @@ RegMeanInfo regmean_merge_layer(const std::vector<ArrayView>& grams,
   // data is aligned, so working in the caller's buffer would make the last bits depend on
   // its address.
   MatrixXd merged_t(d_in, d_out);
+  prefer_huge_pages(merged_t);
   const RegMeanInfo info =
       merge_transposed(models, d_in, d_out, coefficients, lay, mode, noise_floor, checked,
                        merged_t);

@@ -7,6 +7,7 @@
 #include "core/parallel.hpp"
 #include "core/phases.hpp"
 #include "core/reduction.hpp"
+#include "core/workspace.hpp"
 
 LMDX_NAMESPACE_BEGIN
 
@@ -149,6 +150,7 @@ void Float32Merge::form_rhs_inputs(int threads, PhaseLog& phases) {
   z = gaussian_probes(d_out, kProbes);
   y = MatrixXd::Zero(d_in, m * kProbes);
   dev32.resize(m * d_in, d_out);
+  prefer_huge_pages(dev32);
   {
     MatrixXd delta(d_in, std::min(kRhsChunk, d_out));
     for (Index j = 0; j < m; ++j) {
@@ -169,6 +171,7 @@ void Float32Merge::form_rhs_inputs(int threads, PhaseLog& phases) {
   const bool held = m <= kHeldDifferences;
   bz = MatrixXd::Zero(d_in, kProbes);
   diff32.resize(held ? d_in : 0, held ? m * d_in : 0);
+  prefer_huge_pages(diff32);
   {
     const Index n_tiles = (d_in + kTile - 1) / kTile;
     LMDX_PRAGMA(omp parallel num_threads(threads)) {
@@ -314,6 +317,7 @@ bool Float32Merge::rhs32(const MatrixXd& l, double ridge, int threads, bool forc
     x32 = merged_t.cast<float>();  // (exactly: merged_t holds B_32's values)
   } else {
     x32.resize(d_in, d_out);
+    prefer_huge_pages(x32);
     products32(threads, x32);
   }
   const MatrixXd b32z = probes_of(x32, z, threads);  // B_32 z, exactly
@@ -349,6 +353,7 @@ bool Float32Merge::run(const SolveOptions& opt, bool forced, RegMeanInfo& info,
   }
   const double ridge = opt.ridge * mean_diagonal;
   Eigen::MatrixXf l32(d_in, d_in);
+  prefer_huge_pages(l32);
   LMDX_PRAGMA(omp parallel num_threads(threads)) {
     VectorXd column(d_in);
     LMDX_PRAGMA(omp for schedule(dynamic, 16))
@@ -387,12 +392,17 @@ bool Float32Merge::run(const SolveOptions& opt, bool forced, RegMeanInfo& info,
   phases.lap("precheck");
 
   Eigen::MatrixXf x32(d_in, d_out);
+  prefer_huge_pages(x32);
   products32(threads, x32);
   // Kept for the float32-rhs tier should the final certificate refuse this attempt (moved
   // into merged_t then): within the memory the deviations and differences products32 has
   // released (m >= 1 of each).
   Eigen::MatrixXf b32;
-  if (!forced && !others.empty()) b32 = x32;
+  if (!forced && !others.empty()) {
+    b32.resize(d_in, d_out);
+    prefer_huge_pages(b32);
+    b32 = x32;
+  }
   phases.lap("products32");
   cholesky_solve_in_place(l32, x32, threads);
   phases.lap("solve32");

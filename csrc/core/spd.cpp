@@ -9,6 +9,7 @@
 #include "core/checks.hpp"
 #include "core/parallel.hpp"
 #include "core/reduction.hpp"
+#include "core/workspace.hpp"
 
 LMDX_NAMESPACE_BEGIN
 
@@ -153,6 +154,7 @@ SolveInfo spd_factor(const Eigen::Ref<const MatrixXd>& a, MatrixXd& l, const Sol
   }
   double ridge = opt.ridge;
   l.resize(d, d);
+  prefer_huge_pages(l);
   while (true) {
     ++info.attempts;
     l.triangularView<Eigen::Lower>() = a;

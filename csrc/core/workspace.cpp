@@ -6,6 +6,10 @@
 #include <new>
 #include <vector>
 
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
+
 LMDX_NAMESPACE_BEGIN
 
 namespace {
@@ -23,6 +27,19 @@ Pool& pool() {
 }
 
 }  // namespace
+
+void prefer_huge_pages(void* data, size_t bytes) noexcept {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t{1} << 21;
+  if (data == nullptr || bytes < 2 * kHuge) return;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kHuge - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#else
+  (void)data;
+  (void)bytes;
+#endif
+}
 
 struct PooledBuffer {
   void* ptr = nullptr;
