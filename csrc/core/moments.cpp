@@ -5,6 +5,7 @@
 #include <string>
 
 #include "core/checks.hpp"
+#include "core/workspace.hpp"
 
 LMDX_NAMESPACE_BEGIN
 
@@ -43,10 +44,12 @@ void check_weights(const ArrayView* w, Index rows) {
 Moments::Moments(Index dim, Index chunk_rows)
     : dim_(dim),
       chunk_rows_(chunk_rows),
-      sum_(VectorXd::Zero(dim)),
-      gram_(MatrixXd::Zero(dim, dim)) {
+      sum_(VectorXd::Zero(dim)) {
   if (dim < 1) throw std::invalid_argument("dim: must be >= 1, got " + std::to_string(dim));
   check_chunk_rows(chunk_rows);
+  gram_.resize(dim, dim);
+  prefer_huge_pages(gram_);  // before the first touch (zeroing)
+  gram_.setZero();
 }
 
 std::unique_ptr<Moments> Moments::from_state(double count, const ArrayView& sum,
