@@ -72,8 +72,7 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
 
   // W-^T = W_p^T + sum_{i != p} (c_i / C) (W_i - W_p)^T: exactly W_p^T where all agree.
   // The spread max_i max |W_i - W-| / max |W-| is taken on the way.
-  MatrixXd mean_t(d_in, d_out);
-  prefer_huge_pages(mean_t);
+  PooledMatrixXd mean_t(d_in, d_out);
   double spread = 0.0, scale = 0.0;
   {
     const Index n_blocks = (d_out + kWidenColumns - 1) / kWidenColumns;
@@ -111,8 +110,7 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
   // lhs = sum_i s_i G_i (lower triangle), s_i = c_i / n_i, one column a task.
   std::vector<double> s(k);
   for (size_t i = 0; i < k; ++i) s[i] = coef[i] / models[i].count;
-  MatrixXd lhs(d_in, d_in);
-  prefer_huge_pages(lhs);
+  PooledMatrixXd lhs(d_in, d_in);
   std::vector<GramSource> grams(k);
   for (size_t i = 0; i < k; ++i) grams[i] = models[i].gram;
   sum_lower(grams, s, threads, lhs);
@@ -132,7 +130,7 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
   info.output_error_estimate = 0.0;
   phases.restart();
 
-  MatrixXd l;
+  PooledMatrixXd l(d_in, d_in);
   static_cast<SolveInfo&>(info) = spd_factor(lhs, l, solve_opt);
   // The condition estimate at every size: a few solves with one vector, O(d^2) each
   // against the factorization's O(d^3) (measured on 2 loaded Zen 4 cores: 0.034 s against
@@ -146,10 +144,9 @@ RegMeanInfo merge_transposed(const std::vector<RegMeanModel>& models, Index d_in
   // such directions worth the eigendecomposition: every eigenvalue is <= the smallest
   // squared pivot.
   const double floor = noise_floor * std::sqrt(static_cast<double>(d_in)) * info.mean_diagonal;
-  MatrixXd system;
+  PooledMatrixXd system;
   const auto form_system = [&] {
     system.resize(d_in, d_in);
-    prefer_huge_pages(system);
     system.triangularView<Eigen::Lower>() = lhs;
     reduce_lower_triangle(system, alpha);
     system.diagonal().array() += opt.ridge * info.mean_diagonal;
@@ -276,8 +273,7 @@ RegMeanInfo regmean_merge_layer(const std::vector<ArrayView>& grams,
   // Solved in a buffer of our own: Eigen's vectorized kernels fuse multiply-adds only where
   // data is aligned, so working in the caller's buffer would make the last bits depend on
   // its address.
-  MatrixXd merged_t(d_in, d_out);
-  prefer_huge_pages(merged_t);
+  PooledMatrixXd merged_t(d_in, d_out);
   const RegMeanInfo info =
       merge_transposed(models, d_in, d_out, coefficients, lay, mode, noise_floor, checked,
                        merged_t);

@@ -150,7 +150,6 @@ void Float32Merge::form_rhs_inputs(int threads, PhaseLog& phases) {
   z = gaussian_probes(d_out, kProbes);
   y = MatrixXd::Zero(d_in, m * kProbes);
   dev32.resize(m * d_in, d_out);
-  prefer_huge_pages(dev32);
   {
     MatrixXd delta(d_in, std::min(kRhsChunk, d_out));
     for (Index j = 0; j < m; ++j) {
@@ -171,7 +170,6 @@ void Float32Merge::form_rhs_inputs(int threads, PhaseLog& phases) {
   const bool held = m <= kHeldDifferences;
   bz = MatrixXd::Zero(d_in, kProbes);
   diff32.resize(held ? d_in : 0, held ? m * d_in : 0);
-  prefer_huge_pages(diff32);
   {
     const Index n_tiles = (d_in + kTile - 1) / kTile;
     LMDX_PRAGMA(omp parallel num_threads(threads)) {
@@ -312,12 +310,10 @@ bool Float32Merge::rhs32(const MatrixXd& l, double ridge, int threads, bool forc
       return false;  // the float32 products would not certify: float64 ones at once
     }
   }
-  Eigen::MatrixXf x32;
+  PooledMatrixXf x32(d_in, d_out);
   if (kept) {
     x32 = merged_t.cast<float>();  // (exactly: merged_t holds B_32's values)
   } else {
-    x32.resize(d_in, d_out);
-    prefer_huge_pages(x32);
     products32(threads, x32);
   }
   const MatrixXd b32z = probes_of(x32, z, threads);  // B_32 z, exactly
@@ -352,8 +348,7 @@ bool Float32Merge::run(const SolveOptions& opt, bool forced, RegMeanInfo& info,
     return false;  // the float64 path reports it
   }
   const double ridge = opt.ridge * mean_diagonal;
-  Eigen::MatrixXf l32(d_in, d_in);
-  prefer_huge_pages(l32);
+  PooledMatrixXf l32(d_in, d_in);
   LMDX_PRAGMA(omp parallel num_threads(threads)) {
     VectorXd column(d_in);
     LMDX_PRAGMA(omp for schedule(dynamic, 16))
@@ -391,16 +386,13 @@ bool Float32Merge::run(const SolveOptions& opt, bool forced, RegMeanInfo& info,
   }
   phases.lap("precheck");
 
-  Eigen::MatrixXf x32(d_in, d_out);
-  prefer_huge_pages(x32);
+  PooledMatrixXf x32(d_in, d_out);
   products32(threads, x32);
   // Kept for the float32-rhs tier should the final certificate refuse this attempt (moved
-  // into merged_t then): within the memory the deviations and differences products32 has
-  // released (m >= 1 of each).
-  Eigen::MatrixXf b32;
+  // into merged_t then).
+  PooledMatrixXf b32;
   if (!forced && !others.empty()) {
     b32.resize(d_in, d_out);
-    prefer_huge_pages(b32);
     b32 = x32;
   }
   phases.lap("products32");

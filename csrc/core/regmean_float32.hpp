@@ -24,15 +24,18 @@
 // d_out bytes), and for the differences 4 (K - 1) d_in^2 bytes with K <= 3 (K: the models
 // with c_i > 0), otherwise at most 4 d_in^2 bytes whatever K (a float32 block of rows per
 // thread, at most one per block of rows) plus 512 d_in bytes per thread (a float64 tile).
-// After the products, a copy of the float32 right-hand side (4 d_in d_out bytes, within
-// what the released deviations and differences held) until the final certificate; where
-// that refuses the layer, the copy moves into the caller's merged_t for rhs32.
+// After the products, a copy of the float32 right-hand side (4 d_in d_out bytes) until the
+// final certificate; where that refuses the layer, the copy moves into the caller's
+// merged_t for rhs32. The large matrices are PooledMatrix (core/workspace.hpp): what one
+// layer gives back stays in the process for the next layer of that shape, up to
+// kMatrixPoolBytes in all.
 #pragma once
 
 #include <vector>
 
 #include "core/phases.hpp"
 #include "core/regmean_kernels.hpp"
+#include "core/workspace.hpp"
 
 LMDX_NAMESPACE_BEGIN
 
@@ -58,7 +61,7 @@ struct Float32Merge {
   // run() stopped at the a-priori predictor: the layer is far from float32's tolerance.
   bool predicted_far = false;
   MatrixXd z{}, y{}, bz{};
-  Eigen::MatrixXf dev32{}, diff32{};
+  PooledMatrixXf dev32, diff32;
   // run()'s final certificate refused the layer after the products: merged_t holds the
   // float32 right-hand side B_32 (widened, exactly) for rhs32, which then skips its
   // predictor and products.

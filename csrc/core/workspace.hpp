@@ -1,9 +1,10 @@
-// Reusable scratch buffers for the threaded kernels.
+// Reusable scratch buffers for the threaded kernels, and pooled matrices for the merge.
 //
 // Statistics collection calls the same kernel thousands of times (once per module per
 // batch); allocating (and page-faulting) a packing buffer of a few MB per call would cost
 // more than the arithmetic for small batches. Buffers are checked out of a process-wide
 // pool (safe for concurrent callers, since the GIL is released) and returned on release.
+// A merge's large matrices (PooledMatrix) are kept in the same pool between layers.
 #pragma once
 
 #include <cstddef>
@@ -46,9 +47,48 @@ void prefer_huge_pages(Eigen::PlainObjectBase<Derived>& m) noexcept {
   prefer_huge_pages(m.data(), static_cast<size_t>(m.size()) * sizeof(typename Derived::Scalar));
 }
 
-/// Drop every pooled buffer (frees memory after a large collection).
+/// A dense matrix whose storage comes from, and goes back to, a process-wide pool of
+/// matrices (the one release_scratch() empties). A merge solves layer after layer of the
+/// same few shapes; a freed matrix of tens of MB would go back to the system, and the next
+/// layer's would fault and zero every page again (a BERT-base merge on Zen 4, 2 cores:
+/// 10.3 s pooled against 11.7 s, bench/RESULTS.md). resize() takes a pooled matrix with the
+/// same number of elements where one is free (its values are left as they were: like
+/// Eigen's resize, uninitialized), otherwise allocates and asks for huge pages
+/// (prefer_huge_pages); the destructor gives the storage back. Matrices under 4 MB are not
+/// pooled (the allocator reuses them), and the pool keeps at most kMatrixPoolBytes, the
+/// oldest matrices leaving first. Anything else behaves as the Eigen matrix: an
+/// assignment of another size reallocates through Eigen, outside the pool.
+template <typename Scalar>
+class PooledMatrix : public Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic> {
+ public:
+  using Base = Eigen::Matrix<Scalar, Eigen::Dynamic, Eigen::Dynamic>;
+  PooledMatrix() = default;
+  PooledMatrix(Index rows, Index cols) { resize(rows, cols); }
+  ~PooledMatrix() { give_back(); }
+  PooledMatrix(const PooledMatrix&) = delete;
+  PooledMatrix& operator=(const PooledMatrix& other) {
+    Base::operator=(other);
+    return *this;
+  }
+  template <typename Other>
+  PooledMatrix& operator=(const Eigen::DenseBase<Other>& other) {
+    Base::operator=(other);
+    return *this;
+  }
+  void resize(Index rows, Index cols);
+
+ private:
+  void give_back() noexcept;
+};
+using PooledMatrixXd = PooledMatrix<double>;
+using PooledMatrixXf = PooledMatrix<float>;
+
+/// Most bytes of matrices the pool keeps between uses (1 GiB).
+inline constexpr size_t kMatrixPoolBytes = size_t{1} << 30;
+
+/// Drop every pooled buffer and matrix (frees memory after a large collection or a merge).
 void release_scratch() noexcept;
-/// Bytes currently held by the pool.
+/// Bytes currently held by the pool (buffers and matrices).
 size_t scratch_bytes() noexcept;
 
 LMDX_NAMESPACE_END

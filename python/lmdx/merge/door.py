@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._core import core
 from .._errors import MergeError
 from .cost import CostMeter, open_cost
 from .engine import Executor, RemoteSolver, Sink, run
@@ -76,8 +77,13 @@ class PreparedMerge:
         observe = None if self.cost is None else self.cost.observe
         executor = Executor(self.inputs, self.plan, report, remote, observe)
         desc = f"merge ({method.name}{', streaming' if streaming else ''})"
-        run(self.plan, executor.result, sink, desc, progress and not method.shows_progress)
-        executor.record(method.finish(self.inputs))
+        try:
+            run(self.plan, executor.result, sink, desc, progress and not method.shows_progress)
+            executor.record(method.finish(self.inputs))
+        finally:
+            # The core keeps a merge's large matrices between layers (PooledMatrix in
+            # core/workspace.hpp); the memory goes back when the merge ends.
+            core.release_scratch()
         if self.cost is not None:
             report["cost"] = self.cost.report()
 

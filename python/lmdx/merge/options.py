@@ -274,7 +274,8 @@ class SharedOptions(_Section):
         validate_default=True,
         description="memory budget of one merge step, e.g. 8GB (default "
         f"{SOLVE_MEMORY_ENV} or 4GB): larger RegMean groups are solved, larger tensors "
-        "averaged, in blocks of rows",
+        "averaged, in blocks of rows (the core keeps up to 1 GiB of matrices between "
+        "layers on top)",
         json_schema_extra={"flag": True, "metavar": "SIZE"},
     )
 

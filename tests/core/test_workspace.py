@@ -1,0 +1,53 @@
+"""The merge's pooled matrices (core/workspace.hpp, PooledMatrix): a layer's merge gives the
+same bits whether the pool is empty or holds another layer's values, and release_scratch()
+gives the memory back."""
+
+from __future__ import annotations
+
+import lmdx
+import numpy as np
+import pytest
+from lmdx._core import core
+
+K, D, N = 3, 1024, 3000  # every system matrix 8 MB, over the 4 MB the pool starts at
+
+
+def layer(seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """K Grams of correlated inputs and K float32 weights 2 % apart (D x D)."""
+    rng = np.random.default_rng(seed)
+    mix = np.eye(D) + 0.05 * rng.standard_normal((D, D))
+    grams = []
+    for _ in range(K):
+        x = rng.standard_normal((N, D)) @ mix
+        grams.append(x.T @ x)
+    w0 = rng.standard_normal((D, D))
+    weights = [(w0 + 0.02 * rng.standard_normal((D, D))).astype(np.float32) for _ in range(K)]
+    return grams, weights
+
+
+@pytest.mark.parametrize("precision", ["auto", "float32", "float32-rhs", "float64"])
+def test_a_merge_does_not_depend_on_what_the_pool_holds(precision):
+    """A layer merged with the pool empty, and again after a merge of other values of the
+    same shapes left its matrices there (so the second merge works in memory holding them):
+    the same bits and the same report; then release_scratch() empties the pool."""
+    grams, weights = layer(1)
+    other_grams, other_weights = layer(2)
+
+    def merge(g, w):
+        return lmdx.regmean_merge_layer(
+            g, w, [float(N)] * K, alpha=0.9, precision=precision, n_threads=2
+        )
+
+    core.release_scratch()
+    assert core.scratch_bytes() == 0
+    cold = merge(grams, weights)
+    assert core.scratch_bytes() >= 4 * D * D  # the layer's matrices, kept for the next
+    merge(other_grams, other_weights)
+    warm = merge(grams, weights)
+    assert np.array_equal(cold.weight, warm.weight)
+    assert cold.info.precision == warm.info.precision
+    assert cold.info.output_error_estimate == warm.info.output_error_estimate
+    if precision != "auto":
+        assert cold.info.precision == precision
+    core.release_scratch()
+    assert core.scratch_bytes() == 0
