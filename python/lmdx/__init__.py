@@ -27,7 +27,12 @@ from ._errors import (
     SampleSizeWarning,
     StatisticsFileError,
 )
-from .config import config, default_threads, show_config  # before lmdx.config, the module
+from .config import (  # before lmdx.config, the module
+    config,
+    default_threads,
+    release_memory,
+    show_config,
+)
 
 if TYPE_CHECKING:
     from . import data, files, lmd, merge, stats
@@ -160,6 +165,7 @@ __all__ = [
     "plot_group_r2",
     "plot_pairwise_heatmap",
     "regmean_merge_layer",
+    "release_memory",
     "run_merge",
     "save_merged",
     "show_config",

@@ -8,7 +8,7 @@ from typing import Any, TextIO
 
 from . import _core
 
-__all__ = ["config", "default_threads", "resolve_threads", "show_config"]
+__all__ = ["config", "default_threads", "release_memory", "resolve_threads", "show_config"]
 
 # GNU OpenMP (lmdx's runtime, and torch's) cannot start a parallel region in a child made by
 # fork() once its parent has run one: the child waits for ever for pool threads that fork did
@@ -46,6 +46,15 @@ def default_threads() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+def release_memory() -> None:
+    """Free the memory the core keeps between calls: the kernels' scratch buffers and the
+    large matrices of the RegMean solves, kept for the next layer of the same shapes (at
+    most 1 GiB of them). Every merge (:func:`lmdx.merge_models`, :func:`lmdx.stream_merge`,
+    ``lmdx merge``) frees it when it ends; after calling :func:`lmdx.regmean_merge_layer`
+    yourself, call this to give the memory back."""
+    _core.core.release_scratch()
 
 
 def resolve_threads(n_threads: int | None) -> int:

@@ -71,6 +71,11 @@ def regmean_merge_layer(
     weights equal in every model come back bit-exact, and input directions no statistics
     reached keep the average (a ridge does not pull them toward zero).
 
+    The core keeps a layer's large matrices (4 MB and more, at most 1 GiB in all) for the
+    next call with the same shapes, which then faults no fresh memory; results never
+    depend on it. A merge frees them when it ends; after merging layers yourself,
+    :func:`lmdx.release_memory` does.
+
     Parameters
     ----------
     grams

@@ -1,6 +1,6 @@
 """The merge's pooled matrices (core/workspace.hpp, PooledMatrix): a layer's merge gives the
-same bits whether the pool is empty or holds another layer's values, and release_scratch()
-gives the memory back."""
+same bits whether the pool is empty or holds another layer's values, and
+lmdx.release_memory() gives the memory back."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def layer(seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
 def test_a_merge_does_not_depend_on_what_the_pool_holds(precision):
     """A layer merged with the pool empty, and again after a merge of other values of the
     same shapes left its matrices there (so the second merge works in memory holding them):
-    the same bits and the same report; then release_scratch() empties the pool."""
+    the same bits and the same report; then lmdx.release_memory() empties the pool."""
     grams, weights = layer(1)
     other_grams, other_weights = layer(2)
 
@@ -38,7 +38,7 @@ def test_a_merge_does_not_depend_on_what_the_pool_holds(precision):
             g, w, [float(N)] * K, alpha=0.9, precision=precision, n_threads=2
         )
 
-    core.release_scratch()
+    lmdx.release_memory()
     assert core.scratch_bytes() == 0
     cold = merge(grams, weights)
     assert core.scratch_bytes() >= 4 * D * D  # the layer's matrices, kept for the next
@@ -49,5 +49,5 @@ def test_a_merge_does_not_depend_on_what_the_pool_holds(precision):
     assert cold.info.output_error_estimate == warm.info.output_error_estimate
     if precision != "auto":
         assert cold.info.precision == precision
-    core.release_scratch()
+    lmdx.release_memory()
     assert core.scratch_bytes() == 0

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._core import core
 from .._errors import MergeError
+from ..config import release_memory
 from .cost import CostMeter, open_cost
 from .engine import Executor, RemoteSolver, Sink, run
 from .method import MergeInputs
@@ -81,9 +81,7 @@ class PreparedMerge:
             run(self.plan, executor.result, sink, desc, progress and not method.shows_progress)
             executor.record(method.finish(self.inputs))
         finally:
-            # The core keeps a merge's large matrices between layers (PooledMatrix in
-            # core/workspace.hpp); the memory goes back when the merge ends.
-            core.release_scratch()
+            release_memory()  # the matrices the core kept between layers
         if self.cost is not None:
             report["cost"] = self.cost.report()
 
