@@ -51,3 +51,37 @@ def test_a_merge_does_not_depend_on_what_the_pool_holds(precision):
         assert cold.info.precision == precision
     lmdx.release_memory()
     assert core.scratch_bytes() == 0
+
+
+def test_a_merge_gives_the_pooled_matrices_back_when_it_ends():
+    """lmdx.merge_models on models with a 1024-input layer: a layer merged alone leaves its
+    matrices in the pool; the whole merge, which solves the same layer, leaves it empty."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+
+    def model():
+        return torch.nn.Sequential(
+            torch.nn.Linear(D, D), torch.nn.Tanh(), torch.nn.Linear(D, 8)
+        ).requires_grad_(False)
+
+    base, models = model(), []
+    for _ in range(K):
+        m = model()
+        m.load_state_dict(base.state_dict())
+        for p in m.parameters():
+            p.add_(0.02 * p.std() * torch.randn_like(p))
+        models.append(m)
+    mix = torch.eye(D) + 0.05 * torch.randn(D, D)
+    stats = [
+        lmdx.collect_regmean_stats(m, [{"input": torch.randn(N, D) @ mix}], progress=False)
+        for m in models
+    ]
+    lmdx.release_memory()
+    weights = [m[0].weight.numpy() for m in models]
+    lmdx.regmean_merge_layer(
+        [s.gram("0") for s in stats], weights, [s.count("0") for s in stats], alpha=0.9
+    )
+    assert core.scratch_bytes() >= 4 * D * D
+    result = lmdx.merge_models(models, stats=stats, alpha=0.9, progress=False)
+    assert result.report["layers"]["0"]["precision"] == "float32"
+    assert core.scratch_bytes() == 0
