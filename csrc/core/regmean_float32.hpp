@@ -61,7 +61,7 @@ struct Float32Merge {
   // run() stopped at the a-priori predictor: the layer is far from float32's tolerance.
   bool predicted_far = false;
   MatrixXd z{}, y{}, bz{};
-  PooledMatrixXf dev32, diff32;
+  PooledMatrixXf dev32{}, diff32{};
   // run()'s final certificate refused the layer after the products: merged_t holds the
   // float32 right-hand side B_32 (widened, exactly) for rhs32, which then skips its
   // predictor and products.

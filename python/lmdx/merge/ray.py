@@ -20,6 +20,7 @@ from typing import Any
 
 from .. import _ray
 from .._errors import LmdxError, MergeError, MissingFileError, RayClusterError
+from ..config import release_memory
 from ..files.checkpoint import Checkpoint
 from ..stats.file import Statistics
 from ..stats.join import join_statistics
@@ -69,7 +70,12 @@ def _solve(
     (bfloat16 too) cross Ray's object store as they are."""
     models, stats, labels, options = inputs
     ckpts, st = _open(models, stats, labels)
-    return step.method.compute(step, MergeInputs(step.method, options, list(ckpts), labels, st))
+    try:
+        return step.method.compute(step, MergeInputs(step.method, options, list(ckpts), labels, st))
+    finally:
+        # A worker outlives its task: it keeps no pooled matrices beyond the memory its
+        # task asked Ray for.
+        release_memory()
 
 
 class RayGroupSolver:

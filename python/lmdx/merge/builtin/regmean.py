@@ -388,13 +388,14 @@ def solve_step(step: Step, inputs: MergeInputs) -> Merged:
                 lora.add_update(w, update)
     else:
         # The K models' weights and Grams are read, and the Grams checked against their
-        # SHA-256, a thread per model: reading and hashing release the GIL, and with more
-        # models than CPUs the system shares the CPUs among them evenly (3 Grams on 2
-        # threads would leave one thread hashing two: BERT-base's 48 groups read in 0.83 s
-        # instead of 1.0 s on 2 Zen 4 cores). A group too large for the solve's memory
-        # budget is read and solved in blocks of output rows.
+        # SHA-256, a thread per model up to twice the CPUs: reading and hashing release the
+        # GIL, and with a few more models than CPUs the system shares the CPUs among them
+        # evenly (3 Grams on 2 threads would leave one thread hashing two: BERT-base's 48
+        # groups read in 0.83 s instead of 1.0 s on 2 Zen 4 cores). A group too large for
+        # the solve's memory budget is read and solved in blocks of output rows.
         block = None if lora is not None else output_block_size(step, sources, options)
-        with ThreadPoolExecutor(max(len(stats), 1), "lmdx-read") as pool:
+        readers = max(1, min(len(stats), 2 * default_threads()))
+        with ThreadPoolExecutor(readers, "lmdx-read") as pool:
             grams_read = pool.map(lambda s: s.gram_stored(step.modules[0]), stats)
             weights = [] if block else [[s.read(w) for w in step.tensors] for s in sources]
             grams = list(grams_read)

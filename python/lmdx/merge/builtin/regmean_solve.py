@@ -208,7 +208,9 @@ def group_memory(
     float32 path: all K − 1 in float32), the result and its copy out of the core; the
     cast result (``out`` bytes per weight, default ``stored``). Measured
     (``regmean_merge_layer``, d_in 2048, 64 output rows): 15–18 d² bytes above the inputs
-    in either precision at K = 2–8, 22 d² on the float32 path at K = 3."""
+    in either precision at K = 2–8, 22 d² on the float32 path at K = 3. Not counted: the
+    matrices the core keeps between layers (at most 1 GiB, :func:`lmdx.release_memory`),
+    which a layer that falls back from float32 to float64 also holds while it solves."""
     n = d_in * rows
     per_weight = stored + (4 if stored < 4 else 0) + (4 if members > 1 else 0)
     gram = 4 * d_in * (d_in + 1) if packed else 8 * d_in * d_in
