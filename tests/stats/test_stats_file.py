@@ -422,6 +422,40 @@ def test_truncated_file_given_to_merge_is_an_error_and_writes_nothing(good_file,
     assert sorted(os.listdir(tmp_path)) == before
 
 
+def _open_descriptors(path):
+    """This process's file descriptors open on ``path`` (Linux /proc)."""
+    fds = Path("/proc/self/fd")
+    return [fd for fd in fds.iterdir() if os.path.realpath(fd) == os.path.realpath(path)]
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs Linux /proc")
+def test_a_merge_reads_grams_mapped_read_only_and_lets_go_of_the_file(good_file, tmp_path):
+    path = _variant(tmp_path, "s.safetensors", good_file.read_bytes())
+    stats = Statistics.load(path)
+    module = next(iter(stats.modules))
+    g = stats.group_of(module)
+    _, by_hand = read_file(path)
+    mapped = stats.gram_stored(module)
+    assert not mapped.flags.writeable
+    np.testing.assert_array_equal(mapped, by_hand[f"gram/{g}"])
+    copy = stats.tensor(f"gram/{g}")  # the public read stays a writable copy
+    assert copy.flags.writeable
+    np.testing.assert_array_equal(copy, mapped)
+    assert _open_descriptors(path)  # the mapping holds the file while the array lives
+    del mapped
+    assert not _open_descriptors(path)
+
+
+def test_a_file_cut_short_after_loading_is_one_line_at_the_mapped_read(good_file, tmp_path):
+    path = _variant(tmp_path, "late.safetensors", good_file.read_bytes())
+    stats = Statistics.load(path)
+    os.truncate(path, path.stat().st_size // 2)
+    with pytest.raises(StatisticsFileError, match=r"late\.safetensors.*truncated") as err:
+        for module in stats.modules:
+            stats.gram_stored(module)
+    assert "\n" not in str(err.value)
+
+
 # --------------------------------------------------------------------------- io atomicity
 
 

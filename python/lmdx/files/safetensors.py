@@ -239,8 +239,9 @@ def write_safetensors(
 
 
 class SafetensorsFile:
-    """A safetensors file read with plain reads (no memory map, so tensors read and
-    dropped do not stay resident), its header validated against the file size."""
+    """A safetensors file read with plain reads (no memory map of the whole file, so
+    tensors read and dropped do not stay resident), its header validated against the file
+    size. :meth:`get_mapped` maps one tensor alone, for as long as its array lives."""
 
     def __init__(self, path: Path, entries: dict[str, Any], data_start: int, meta: Any) -> None:
         self.path = path
@@ -283,6 +284,23 @@ class SafetensorsFile:
         # the native dtype object itself (the core checks dtypes by identity)
         arr = arr.view(stored) if little == stored else arr.astype(stored)
         out: NDArray[Any] = arr.reshape(e["shape"])
+        return out
+
+    def get_mapped(self, name: str) -> NDArray[Any]:
+        """The values as :meth:`get_tensor` gives them, read-only and without a copy: the
+        tensor's bytes memory-mapped (pages read from the page cache on first touch; the
+        mapping, and the file descriptor it holds, go when the array and its views are
+        dropped). A tensor of another byte order, bfloat16 or no elements is read as
+        :meth:`get_tensor` reads it. A file cut short after it was opened raises
+        ``ValueError``."""
+        e = self._entries[name]
+        stored = numpy_dtype(ST_NUMPY[e["dtype"]])
+        count = int(np.prod(e["shape"], dtype=np.int64))
+        if count == 0 or is_bfloat16(stored) or stored.newbyteorder("<") != stored:
+            return self.get_tensor(name)
+        offset = self._data_start + e["data_offsets"][0]
+        mapped = np.memmap(self.path, dtype=stored, mode="r", offset=offset, shape=(count,))
+        out: NDArray[Any] = np.asarray(mapped).reshape(e["shape"])
         return out
 
     def get_rows(self, name: str, start: int, stop: int) -> NDArray[Any]:

@@ -204,8 +204,9 @@ class Statistics:
 
     def gram_stored(self, module: str) -> NDArray[np.float64]:
         """A module's input Gram as held: its upper triangle packed row by row (1-D, as
-        files store it) when read from a file, the full (d, d) matrix when accumulated in
-        memory. :func:`lmdx.regmean_merge_layer` takes either, so a merge never unpacks."""
+        files store it; read-only, mapped from the file) when read from a file, the full
+        (d, d) matrix when accumulated in memory. :func:`lmdx.regmean_merge_layer` takes
+        either, so a merge never unpacks."""
         g = self.group_of(module)
         if g in self._moments:
             return self._moments[g].gram()
@@ -227,12 +228,18 @@ class Statistics:
     def tensor(self, name: str) -> NDArray[Any]:
         """A stored tensor by its file name (``gram/<group>``, ``sum/<group>``,
         ``fisher/<parameter>``), as held in memory or read from the file."""
+        return self._stored(name, mapped=False)
+
+    def _stored(self, name: str, *, mapped: bool) -> NDArray[Any]:
+        """:meth:`tensor`; with ``mapped``, a tensor of the file read-only and mapped
+        rather than copied (``SafetensorsFile.get_mapped``)."""
         if name in self._tensors:
             v = self._tensors[name]
             return np.asarray(v() if callable(v) else v)
         if self._file is not None and name in self._sha256:
             try:
-                arr = np.asarray(self._file.get_tensor(name))
+                read = self._file.get_mapped if mapped else self._file.get_tensor
+                arr = np.asarray(read(name))
             except (OSError, ValueError) as exc:
                 raise StatisticsFileError(
                     f"{self._where()}: cannot read tensor {name!r} ({exc}); the file may be "
@@ -335,12 +342,13 @@ class Statistics:
         return specs
 
     def packed(self, name: str) -> NDArray[Any]:
-        """Tensor ``name`` as stored in the file (a Gram as its packed triangle)."""
+        """Tensor ``name`` as stored in the file (a Gram as its packed triangle); read
+        from a file, a read-only array mapped from it (no copy)."""
         kind, _, key = name.partition("/")
         if key in self._moments:
             m = self._moments[key]
             return pack_upper(m.gram()) if kind == "gram" else m.sum
-        return np.asarray(self.tensor(name), dtype=np.float64)
+        return np.asarray(self._stored(name, mapped=True), dtype=np.float64)
 
     def save(
         self, path: str | os.PathLike[str], *, max_shard_size: int | str | None = None
@@ -462,3 +470,6 @@ class _ShardedStatistics:
 
     def get_tensor(self, name: str) -> NDArray[Any]:
         return self._where[name].get_tensor(name)
+
+    def get_mapped(self, name: str) -> NDArray[Any]:
+        return self._where[name].get_mapped(name)
