@@ -204,13 +204,13 @@ class Statistics:
 
     def gram_stored(self, module: str) -> NDArray[np.float64]:
         """A module's input Gram as held: its upper triangle packed row by row (1-D, as
-        files store it; read-only, mapped from the file) when read from a file, the full
-        (d, d) matrix when accumulated in memory. :func:`lmdx.regmean_merge_layer` takes
-        either, so a merge never unpacks."""
+        files store it; read-only, mapped from the file, which stays open while the array
+        lives) when read from a file, the full (d, d) matrix when accumulated in memory.
+        :func:`lmdx.regmean_merge_layer` takes either, so a merge never unpacks."""
         g = self.group_of(module)
         if g in self._moments:
             return self._moments[g].gram()
-        return self.packed(f"gram/{g}")
+        return np.asarray(self._stored(f"gram/{g}", mapped=True), dtype=np.float64)
 
     def sum(self, module: str) -> NDArray[np.float64]:
         """The (d,) float64 sum ``Σ x`` of a module's input."""
@@ -342,13 +342,12 @@ class Statistics:
         return specs
 
     def packed(self, name: str) -> NDArray[Any]:
-        """Tensor ``name`` as stored in the file (a Gram as its packed triangle); read
-        from a file, a read-only array mapped from it (no copy)."""
+        """Tensor ``name`` as stored in the file (a Gram as its packed triangle)."""
         kind, _, key = name.partition("/")
         if key in self._moments:
             m = self._moments[key]
             return pack_upper(m.gram()) if kind == "gram" else m.sum
-        return np.asarray(self._stored(name, mapped=True), dtype=np.float64)
+        return np.asarray(self.tensor(name), dtype=np.float64)
 
     def save(
         self, path: str | os.PathLike[str], *, max_shard_size: int | str | None = None
