@@ -423,18 +423,26 @@ def test_truncated_file_given_to_merge_is_an_error_and_writes_nothing(good_file,
 
 
 def _open_descriptors(path):
-    """This process's file descriptors open on ``path`` (Linux /proc)."""
-    fds = Path("/proc/self/fd")
-    return [fd for fd in fds.iterdir() if os.path.realpath(fd) == os.path.realpath(path)]
+    """This process's file descriptors open on ``path`` or on a file inside it (Linux
+    /proc)."""
+    where = os.path.realpath(path)
+    return [
+        fd
+        for fd in Path("/proc/self/fd").iterdir()
+        if os.path.realpath(fd) == where or os.path.realpath(fd).startswith(where + os.sep)
+    ]
 
 
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs Linux /proc")
-def test_a_merge_reads_grams_mapped_read_only_and_lets_go_of_the_file(good_file, tmp_path):
+@pytest.mark.parametrize("sharded", [False, True], ids=["file", "sharded-folder"])
+def test_a_merge_reads_grams_mapped_read_only_and_lets_go_of_the_file(good_file, tmp_path, sharded):
     path = _variant(tmp_path, "s.safetensors", good_file.read_bytes())
+    if sharded:  # the same statistics as a folder of shards (a Gram alone in a shard)
+        path = Statistics.load(path).save(tmp_path / "shards", max_shard_size=1)
     stats = Statistics.load(path)
     module = next(iter(stats.modules))
     g = stats.group_of(module)
-    _, by_hand = read_file(path)
+    _, by_hand = read_file(good_file)
     mapped = stats.gram_stored(module)
     assert not mapped.flags.writeable
     np.testing.assert_array_equal(mapped, by_hand[f"gram/{g}"])

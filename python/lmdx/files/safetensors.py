@@ -6,8 +6,9 @@ Because every shape is known before any data exists, :class:`SafetensorsWriter` 
 the header first, reserves the whole file on disk (so a full disk is reported before
 any work, not after) and then takes tensors one at a time, in any order, at their
 offsets; a file of many large tensors never needs them all in memory. Files are read
-back tensor by tensor with plain reads (:func:`read_safetensors_header`), not memory
-maps, so what was read and dropped does not stay resident.
+back tensor by tensor with plain reads (:func:`read_safetensors_header`), not a memory map
+of the whole file, so what was read and dropped does not stay resident;
+:meth:`SafetensorsFile.get_mapped` maps one tensor alone, for as long as its array lives.
 """
 
 from __future__ import annotations
@@ -290,16 +291,27 @@ class SafetensorsFile:
         """The values as :meth:`get_tensor` gives them, read-only and without a copy: the
         tensor's bytes memory-mapped (pages read from the page cache on first touch; the
         mapping, and the file descriptor it holds, go when the array and its views are
-        dropped). A tensor of another byte order, bfloat16 or no elements is read as
-        :meth:`get_tensor` reads it. A file cut short after it was opened raises
-        ``ValueError``."""
+        dropped). A tensor of another byte order, bfloat16, no elements or an offset its
+        dtype does not divide, and a file system that cannot map, are read as
+        :meth:`get_tensor` reads them. A file cut short before the mapping raises
+        ``ValueError``; one truncated in place while the array lives ends the process
+        (SIGBUS), and bytes rewritten in place show through: files are to be replaced by
+        renaming (as lmdx writes them), which a mapping does not see."""
         e = self._entries[name]
         stored = numpy_dtype(ST_NUMPY[e["dtype"]])
         count = int(np.prod(e["shape"], dtype=np.int64))
-        if count == 0 or is_bfloat16(stored) or stored.newbyteorder("<") != stored:
-            return self.get_tensor(name)
         offset = self._data_start + e["data_offsets"][0]
-        mapped = np.memmap(self.path, dtype=stored, mode="r", offset=offset, shape=(count,))
+        if (
+            count == 0
+            or is_bfloat16(stored)
+            or stored.newbyteorder("<") != stored
+            or offset % stored.alignment
+        ):
+            return self.get_tensor(name)
+        try:
+            mapped = np.memmap(self.path, dtype=stored, mode="r", offset=offset, shape=(count,))
+        except OSError:  # no mmap here (some FUSE mounts), or out of descriptors
+            return self.get_tensor(name)
         out: NDArray[Any] = np.asarray(mapped).reshape(e["shape"])
         return out
 

@@ -15,8 +15,8 @@ which module reads which group and in which layout. Sums (not means) are stored,
 statistics of disjoint data shards add exactly: :func:`add_statistics`.
 
 Loading (:meth:`Statistics.load`) validates the whole header against the file; tensors
-are read one group at a time when merging (plain reads, nothing stays resident). No
-pickle is involved.
+are read one group at a time when merging (each Gram memory-mapped while the merge holds
+it, :meth:`Statistics.gram_stored`; nothing stays resident after). No pickle is involved.
 """
 
 from __future__ import annotations
@@ -204,9 +204,11 @@ class Statistics:
 
     def gram_stored(self, module: str) -> NDArray[np.float64]:
         """A module's input Gram as held: its upper triangle packed row by row (1-D, as
-        files store it; read-only, mapped from the file, which stays open while the array
-        lives) when read from a file, the full (d, d) matrix when accumulated in memory.
-        :func:`lmdx.regmean_merge_layer` takes either, so a merge never unpacks."""
+        files store it) when read from a file, the full (d, d) matrix when accumulated in
+        memory. :func:`lmdx.regmean_merge_layer` takes either, so a merge never unpacks.
+        From a file it is read as ``SafetensorsFile.get_mapped`` reads it: little-endian
+        float64, as lmdx writes it, comes read-only and mapped, the file held open while
+        the array lives."""
         g = self.group_of(module)
         if g in self._moments:
             return self._moments[g].gram()
