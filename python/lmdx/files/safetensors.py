@@ -270,21 +270,27 @@ class SafetensorsFile:
         begin, end = self._entries[name]["data_offsets"]
         return int(end - begin)
 
+    def _located(self, name: str) -> tuple[dict[str, Any], np.dtype[Any], int]:
+        """A tensor's header entry, its stored dtype (the native dtype object: the core
+        checks dtypes by identity) and the file offset of its first byte."""
+        e = self._entries[name]
+        return e, numpy_dtype(ST_NUMPY[e["dtype"]]), self._data_start + e["data_offsets"][0]
+
+    def _read(self, name: str, stored: np.dtype[Any], offset: int, count: int) -> NDArray[Any]:
+        """``count`` little-endian values of ``stored`` at ``offset``, read (1-D)."""
+        little = stored.newbyteorder("<")
+        arr = np.fromfile(self.path, dtype=little, count=count, offset=offset)
+        if arr.size != count:
+            raise ValueError(f"{self.path}: tensor {name!r} is cut short")
+        out: NDArray[Any] = arr.view(stored) if little == stored else arr.astype(stored)
+        return out
+
     def get_raw(self, name: str) -> NDArray[Any]:
         """The stored values as a NumPy array of the stored dtype (bfloat16 as
         :func:`lmdx._tensors.bfloat16_dtype`)."""
-        e = self._entries[name]
-        stored = numpy_dtype(ST_NUMPY[e["dtype"]])
-        little = stored.newbyteorder("<")
+        e, stored, offset = self._located(name)
         count = int(np.prod(e["shape"], dtype=np.int64))
-        arr = np.fromfile(
-            self.path, dtype=little, count=count, offset=self._data_start + e["data_offsets"][0]
-        )
-        if arr.size != count:
-            raise ValueError(f"{self.path}: tensor {name!r} is cut short")
-        # the native dtype object itself (the core checks dtypes by identity)
-        arr = arr.view(stored) if little == stored else arr.astype(stored)
-        out: NDArray[Any] = arr.reshape(e["shape"])
+        out: NDArray[Any] = self._read(name, stored, offset, count).reshape(e["shape"])
         return out
 
     def get_mapped(self, name: str) -> NDArray[Any]:
@@ -297,10 +303,8 @@ class SafetensorsFile:
         ``ValueError``; one truncated in place while the array lives ends the process
         (SIGBUS), and bytes rewritten in place show through: files are to be replaced by
         renaming (as lmdx writes them), which a mapping does not see."""
-        e = self._entries[name]
-        stored = numpy_dtype(ST_NUMPY[e["dtype"]])
+        e, stored, offset = self._located(name)
         count = int(np.prod(e["shape"], dtype=np.int64))
-        offset = self._data_start + e["data_offsets"][0]
         if (
             count == 0
             or is_bfloat16(stored)
@@ -318,19 +322,13 @@ class SafetensorsFile:
     def get_rows(self, name: str, start: int, stop: int) -> NDArray[Any]:
         """Rows ``start:stop`` of a tensor's first axis as :meth:`get_raw` returns them,
         read alone (a contiguous range of the file)."""
-        e = self._entries[name]
+        e, stored, offset = self._located(name)
         shape = [int(n) for n in e["shape"]]
         if not shape or not 0 <= start <= stop <= shape[0]:
             raise ValueError(f"{self.path}: tensor {name!r} has no rows {start}:{stop}")
-        stored = numpy_dtype(ST_NUMPY[e["dtype"]])
-        little = stored.newbyteorder("<")
         row = int(np.prod(shape[1:], dtype=np.int64))
-        count = (stop - start) * row
-        offset = self._data_start + e["data_offsets"][0] + start * row * little.itemsize
-        arr = np.fromfile(self.path, dtype=little, count=count, offset=offset)
-        if arr.size != count:
-            raise ValueError(f"{self.path}: tensor {name!r} is cut short")
-        arr = arr.view(stored) if little == stored else arr.astype(stored)
+        first = offset + start * row * stored.itemsize
+        arr = self._read(name, stored, first, (stop - start) * row)
         out: NDArray[Any] = arr.reshape([stop - start, *shape[1:]])
         return out
 
