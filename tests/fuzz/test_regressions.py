@@ -112,7 +112,7 @@ def test_deeply_nested_checkpoint_index(ws: Path) -> None:
 @pytest.mark.parametrize(
     ("edit", "match"),
     [
-        (lambda m: next(iter(m["model"]["parameters"].values())).pop("sha256"), "sha256"),
+        (lambda m: next(iter(m["model"]["parameters"].values())).pop("blake3"), "blake3"),
         (lambda m: m["model"].pop("architecture"), "architecture"),
         (lambda m: next(iter(m["modules"].values())).pop("weight"), "weight"),
         (lambda m: next(iter(m["model"]["parameters"].values())).pop("shape"), "shape"),
@@ -163,7 +163,7 @@ def test_version_1_statistics_get_a_clear_message(ws: Path) -> None:
 
     def v1(meta: dict) -> None:
         meta["format_version"] = 1
-        meta.pop("sha256")
+        meta.pop("blake3")
 
     _edit_meta(path, v1)
     with pytest.raises(StatisticsFileError, match=r"format version 1 .* collect the statistics"):

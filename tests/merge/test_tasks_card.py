@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import blake3
 import hf_models as H
 import numpy as np
 import pytest
@@ -50,12 +51,12 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def _content_sha256(folder: Path) -> str:
-    """SHA-256 over ``name:dtype:shape:sha256;`` of every stored tensor, in name order."""
+    """SHA-256 over ``name:dtype:shape:blake3;`` of every stored tensor, in name order."""
     total = hashlib.sha256()
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
         for name in sorted(f.keys()):
             t = f.get_tensor(name)
-            h = hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+            h = blake3.blake3(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
             dtype = str(t.dtype).removeprefix("torch.")
             total.update(f"{name}:{dtype}:{list(t.shape)}:{h};".encode())
     return total.hexdigest()
@@ -67,11 +68,11 @@ def _stats_identity(path: Path) -> str:
     with safe_open(str(path), "np") as f:
         meta = json.loads(f.metadata()["lmdx"])
         tensors = {name: f.get_tensor(name) for name in f.keys()}
-    hashes = meta["sha256"]
+    hashes = meta["blake3"]
     total = hashlib.sha256(f"metadata:{hashes['metadata']};".encode())
     for name in sorted(tensors):
         assert (
-            hashlib.sha256(tensors[name].astype("<f8").tobytes()).hexdigest()
+            blake3.blake3(tensors[name].astype("<f8").tobytes()).hexdigest()
             == (hashes["tensors"][name])
         )
         total.update(f"{name}:{hashes['tensors'][name]};".encode())

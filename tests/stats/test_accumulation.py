@@ -22,7 +22,7 @@ from lmdx.cli import main
 from lmdx.stats import Statistics, add_statistics
 from lmdx.stats.collect import collect_regmean_stats
 from lmdx.stats.collector import GramCollector
-from lmdx.stats.format import metadata_sha256
+from lmdx.stats.format import metadata_hash
 from lmdx.stats.sites import find_linear_modules
 from lmdx.stats.stop import run_until_stopped, stop_before, stop_forward
 from tiny_bert import build_tiny_bert, random_texts
@@ -80,7 +80,7 @@ def _as_older_file(path: Path, out: Path) -> None:
     header = json.loads(raw[8 : 8 + n])
     meta = json.loads(header["__metadata__"]["lmdx"])
     meta["extra"]["precision"] = meta["extra"].pop("accumulation")
-    meta["sha256"]["metadata"] = metadata_sha256(meta)
+    meta["blake3"]["metadata"] = metadata_hash(meta)
     header["__metadata__"]["lmdx"] = json.dumps(meta)
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)

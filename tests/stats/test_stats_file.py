@@ -12,6 +12,7 @@ import os
 import re
 from pathlib import Path
 
+import blake3
 import hf_models as H
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ import transformers  # noqa: F401
 from hypothesis import given
 from hypothesis import strategies as st
 from lmdx import ModelMismatchError, StatisticsFileError
+from lmdx.cli import main
 from lmdx.files.atomic import atomic_directory
 from lmdx.files.identity import model_identity
 from lmdx.files.safetensors import TensorSpec, write_safetensors
@@ -80,8 +82,8 @@ def test_unpack_upper_rejects_a_wrong_length():
 # --------------------------------------------------------------------------- metadata
 
 
-def sha256_of(t):
-    return hashlib.sha256(t.detach().contiguous().numpy().tobytes()).hexdigest()
+def blake3_of(t):
+    return blake3.blake3(t.detach().contiguous().numpy().tobytes()).hexdigest()
 
 
 @pytest.mark.parametrize("include_padding", [False, True])
@@ -94,7 +96,7 @@ def test_regmean_file_holds_metadata_and_the_reference_statistics(arch, include_
     meta_raw, tensors = read_file(path)
     meta = json.loads(meta_raw["lmdx"])
 
-    assert meta["format"] == "lmdx-stats" and meta["format_version"] == 2
+    assert meta["format"] == "lmdx-stats" and meta["format_version"] == 3
     assert meta["kind"] == "regmean-gram" and meta["dtype"] == "float64"
     assert meta["data"] == "40 random seqs"
     assert meta["padding"] == ("included" if include_padding else "excluded")
@@ -106,7 +108,7 @@ def test_regmean_file_holds_metadata_and_the_reference_statistics(arch, include_
     assert set(identity["parameters"]) == set(state)
     for name, t in state.items():
         entry = identity["parameters"][name]
-        assert entry == {"shape": list(t.shape), "dtype": "float64", "sha256": sha256_of(t)}
+        assert entry == {"shape": list(t.shape), "dtype": "float64", "blake3": blake3_of(t)}
 
     ref = H.reference_grams(model, data, include_padding)
     layouts = {n: lay for n, (_, lay) in H.linear_modules(model).items()}
@@ -121,14 +123,15 @@ def test_regmean_file_holds_metadata_and_the_reference_statistics(arch, include_
         assert H.rel_err(unpack_by_hand(tensors[f"gram/{group}"], d), ref[name]["gram"]) <= 1e-12
         assert H.rel_err(tensors[f"sum/{group}"], ref[name]["sum"]) <= 1e-12
     assert set(tensors) == {f"{k}/{g}" for g in meta["groups"] for k in ("gram", "sum")}
-    # content hashes: every tensor's little-endian float64 bytes, and the metadata without
-    # its hashes as canonical JSON
+    # content hashes (BLAKE3): every tensor's little-endian float64 bytes, and the metadata
+    # without its hashes as canonical JSON
+    assert "sha256" not in meta
     for name, arr in tensors.items():
-        digest = hashlib.sha256(arr.astype("<f8").tobytes()).hexdigest()
-        assert meta["sha256"]["tensors"][name] == digest
-    body = {k: v for k, v in meta.items() if k != "sha256"}
+        digest = blake3.blake3(arr.astype("<f8").tobytes()).hexdigest()
+        assert meta["blake3"]["tensors"][name] == digest
+    body = {k: v for k, v in meta.items() if k != "blake3"}
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    assert meta["sha256"]["metadata"] == hashlib.sha256(canonical.encode()).hexdigest()
+    assert meta["blake3"]["metadata"] == blake3.blake3(canonical.encode()).hexdigest()
 
 
 def test_weights_hash_follows_the_weights_not_the_container():
@@ -184,9 +187,10 @@ def test_save_load_round_trip_is_exact(tmp_path):
 def identity_by_hand(meta):
     """SHA-256 over a statistics file's own content hashes: its metadata's, then every
     tensor's ``name:hash;`` in name order (recomputed here from the tensors themselves)."""
-    total = hashlib.sha256(f"metadata:{meta['sha256']['metadata']};".encode())
-    for name in sorted(meta["sha256"]["tensors"]):
-        total.update(f"{name}:{meta['sha256']['tensors'][name]};".encode())
+    key = {2: "sha256", 3: "blake3"}[meta["format_version"]]
+    total = hashlib.sha256(f"metadata:{meta[key]['metadata']};".encode())
+    for name in sorted(meta[key]["tensors"]):
+        total.update(f"{name}:{meta[key]['tensors'][name]};".encode())
     return total.hexdigest()
 
 
@@ -201,7 +205,7 @@ def test_content_hash_is_the_statistics_identity_in_a_file_or_folder(tmp_path):
     meta, tensors = read_file(path)
     meta = json.loads(meta["lmdx"])
     for name, arr in tensors.items():
-        assert meta["sha256"]["tensors"][name] == hashlib.sha256(arr.tobytes()).hexdigest()
+        assert meta["blake3"]["tensors"][name] == blake3.blake3(arr.tobytes()).hexdigest()
     loaded = Statistics.load(path)
     assert loaded.content_sha256 == identity_by_hand(meta)
     folder = Statistics.load(path).save(tmp_path / "sharded", max_shard_size=5000)
@@ -398,6 +402,90 @@ def test_bad_statistics_file_is_a_clear_error(case, good_file, tmp_path):
     with pytest.raises(StatisticsFileError, match=re.escape(str(path))) as info:
         Statistics.load(path)
     assert what in str(info.value)
+
+
+def _as_version_2(raw, state):
+    """A file as lmdx wrote format 2: the same tensors, their content hashes and the
+    metadata's SHA-256 (computed here from the bytes) under ``sha256``, and a model
+    identity of SHA-256 hashes of the model's tensors ``state``."""
+    n, header = _header(raw)
+    meta = json.loads(header["__metadata__"]["lmdx"])
+    del meta["blake3"]
+    meta["format_version"] = 2
+    total = hashlib.sha256()
+    for name, entry in sorted(meta["model"]["parameters"].items()):
+        del entry["blake3"]
+        t = state[name].detach().contiguous()
+        entry["sha256"] = hashlib.sha256(t.numpy().tobytes()).hexdigest()
+        total.update(f"{name}:{entry['dtype']}:{entry['shape']}:{entry['sha256']};".encode())
+    meta["model"]["weights_sha256"] = total.hexdigest()
+    tensors = {}
+    for name, entry in header.items():
+        if name != "__metadata__":
+            begin, end = entry["data_offsets"]
+            tensors[name] = hashlib.sha256(raw[8 + n + begin : 8 + n + end]).hexdigest()
+    canonical = json.dumps(meta, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    meta["sha256"] = {
+        "tensors": tensors,
+        "metadata": hashlib.sha256(canonical.encode()).hexdigest(),
+    }
+    header["__metadata__"]["lmdx"] = json.dumps(meta)
+    return _rewrite(raw, header), meta
+
+
+def test_format_2_files_are_read_and_checked_with_sha256(good_file, tmp_path, capsys):
+    """Statistics written by an lmdx of format 2 (SHA-256 content hashes and model
+    identity) read as before: the same tensors, their identity over the hashes they hold,
+    a changed byte refused, a merge checks the model with SHA-256;
+    ``lmdx stats add OLD --out NEW`` rewrites them in format 3 (BLAKE3 content hashes,
+    the identity as it was); they do not add to statistics with a BLAKE3 identity; the
+    hashes of one format in the other's entry, or both entries, are refused."""
+    _, models, _ = H.cached_family("bert")
+    raw = good_file.read_bytes()
+    data, meta = _as_version_2(raw, models[0].state_dict())
+    old = _variant(tmp_path, "v2.safetensors", data)
+    new, loaded = Statistics.load(good_file), Statistics.load(old)
+    assert loaded.content_sha256 == identity_by_hand(meta) != new.content_sha256
+    merged = merge_models([models[0], models[0]], method="regmean", stats=[loaded, loaded])
+    reference = merge_models([models[0], models[0]], method="regmean", stats=[new, new])
+    for name, value in reference.state_dict.items():
+        assert np.array_equal(np.asarray(merged.state_dict[name]), np.asarray(value)), name
+    with pytest.raises(ModelMismatchError, match=r"has different values \(sha256 "):
+        merge_models([models[1], models[0]], method="regmean", stats=[loaded, new])
+    with pytest.raises(ModelMismatchError, match=r"different content hashes \(sha256 there"):
+        add_statistics([loaded, new])
+    for module in new.modules:
+        assert np.array_equal(loaded.gram_stored(module), new.gram_stored(module))
+        assert np.array_equal(loaded.sum(module), new.sum(module))
+    again = tmp_path / "v3.safetensors"
+    assert main(["stats", "add", str(old), "--out", str(again)]) == 0
+    assert f"lmdx stats add: 1 file -> {again}" in capsys.readouterr().out
+    meta3 = json.loads(_header(again.read_bytes())[1]["__metadata__"]["lmdx"])
+    assert meta3["format_version"] == 3 and "sha256" not in meta3
+    assert (
+        meta3["blake3"]["tensors"]
+        == json.loads(_header(raw)[1]["__metadata__"]["lmdx"])["blake3"]["tensors"]
+    )
+
+    n, header = _header(data)
+    module = next(iter(new.modules))
+    begin, _ = header[f"gram/{new.group_of(module)}"]["data_offsets"]
+    flipped = bytearray(data)
+    flipped[8 + n + begin] ^= 0x01
+    bad = Statistics.load(_variant(tmp_path, "flipped.safetensors", bytes(flipped)))
+    with pytest.raises(StatisticsFileError, match="does not match its content hash"):
+        bad.gram_stored(module)
+
+    def both(m):
+        m["blake3"] = m["sha256"]
+
+    def as_v3(m):
+        m["format_version"] = 3
+
+    for name, edit in (("both", both), ("as-v3", as_v3)):
+        path = _variant(tmp_path, f"{name}.safetensors", _with_meta(data, edit))
+        with pytest.raises(StatisticsFileError, match="content hashes are missing or malformed"):
+            Statistics.load(path)
 
 
 def test_foreign_safetensors_file_without_lmdx_metadata(tmp_path):

@@ -218,7 +218,8 @@ def add_stats_parser(sub: Any) -> None:
 def _stats_add_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lmdx stats add",
-        description="Add statistics of disjoint data shards of one model into one file.",
+        description="Add statistics of disjoint data shards of one model into one file "
+        "(one file given: rewrite it in this lmdx's format, e.g. a format 2 file as 3).",
         formatter_class=HelpFormatter,
     )
     p.add_argument("files", nargs="+", metavar="FILE", help="statistics files or folders")
@@ -510,7 +511,8 @@ def _stats_add(args: argparse.Namespace, claimed: Claimed) -> int:
     parts = [Statistics.load(f) for f in args.files]
     total = add_statistics(parts, data=args.description)
     total.save(out, max_shard_size=args.max_shard_size)
-    print(f"lmdx stats add: {len(parts)} files -> {out} ({total!r})")
+    files = "1 file" if len(parts) == 1 else f"{len(parts)} files"
+    print(f"lmdx stats add: {files} -> {out} ({total!r})")
     return 0
 
 

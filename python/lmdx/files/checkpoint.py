@@ -10,6 +10,7 @@ from numpy.typing import NDArray
 
 from .._errors import MergeError, MissingFileError
 from .._tensors import FLOAT_DTYPES, TORCH_OF_ST
+from .digest import DIGEST
 from .parse import read_json
 from .safetensors import SafetensorsFile, open_shards, read_safetensors_header
 
@@ -35,7 +36,7 @@ class Checkpoint:
         self.config: dict[str, Any] = {}
         self._files: dict[Path, SafetensorsFile] = {}
         self._where: dict[str, SafetensorsFile] = {}
-        self._sha: dict[str, str] = {}
+        self._digests: dict[tuple[str, str], str] = {}
         if self.path.is_file():
             self._open_single(self.path)
             return
@@ -144,10 +145,12 @@ class Checkpoint:
         except ValueError as exc:
             raise MergeError(f"model {self.label}: {exc}") from None
 
-    def sha256(self, name: str) -> str:
-        if name not in self._sha:
-            self._sha[name] = self._handle(name).sha256(name)
-        return self._sha[name]
+    def digest(self, name: str, algorithm: str = DIGEST) -> str:
+        """The content hash of tensor ``name`` as stored (:mod:`lmdx.files.digest`)."""
+        key = (algorithm, name)
+        if key not in self._digests:
+            self._digests[key] = self._handle(name).digest(name, algorithm)
+        return self._digests[key]
 
     def architecture(self) -> str | None:
         archs = self.config.get("architectures") or []

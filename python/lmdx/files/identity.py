@@ -1,7 +1,10 @@
 """Who a tensor file belongs to: per-tensor content hashes of a model, file hashes.
 
 :func:`model_identity` is what a statistics file records about the model it was
-collected on; :func:`describe_mismatch` says in words how two identities differ.
+collected on; :func:`describe_mismatch` says in words how two identities differ. The
+per-tensor hashes are :mod:`lmdx.files.digest`'s (BLAKE3; SHA-256 in identities an lmdx
+before statistics format 3 recorded); the identity's own ``weights_sha256`` is SHA-256
+over them.
 """
 
 from __future__ import annotations
@@ -11,8 +14,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
+from .digest import DIGEST, identity_digest, tensor_digest
 from .peft import adapter_identity, is_peft_model, peft_parts
 from .saved import saved_state
 
@@ -21,55 +23,52 @@ __all__ = [
     "file_sha256",
     "model_identity",
     "state_identity",
-    "tensor_sha256",
 ]
 
 
-def tensor_bytes(t: Any) -> memoryview:
-    """Raw bytes of a CPU tensor or array, without a copy when it is contiguous."""
-    if hasattr(t, "detach"):
-        import torch
-
-        t = t.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-    return memoryview(np.ascontiguousarray(t).reshape(-1).view(np.uint8))  # type: ignore[arg-type]
-
-
-def model_identity(model: Any) -> dict[str, Any]:
-    """Architecture and per-parameter name, shape, dtype and SHA-256 of a model.
+def model_identity(model: Any, algorithm: str = DIGEST) -> dict[str, Any]:
+    """Architecture and per-parameter name, shape, dtype and content hash of a model.
 
     ``model`` is a torch module (its tensors as ``save_pretrained`` stores them:
-    :func:`lmdx.files.saved.saved_state`) or a mapping name -> tensor.
-    ``weights_sha256`` hashes the per-parameter hashes in name order. A PEFT LoRA model
-    is its base model's tensors under their own names (each as the adapter leaves it)
-    plus its adapter (:func:`lmdx.files.peft.adapter_identity` of the tensors PEFT
-    saves), with ``weights_sha256`` over both.
+    :func:`lmdx.files.saved.saved_state`) or a mapping name -> tensor. Each parameter's
+    hash is ``algorithm``'s (:mod:`lmdx.files.digest`: BLAKE3 unless an older identity
+    is to be reproduced), under that name; ``weights_sha256`` is SHA-256 over the
+    per-parameter hashes in name order. A PEFT LoRA model is its base model's tensors
+    under their own names (each as the adapter leaves it) plus its adapter
+    (:func:`lmdx.files.peft.adapter_identity` of the tensors PEFT saves), with
+    ``weights_sha256`` over both.
     """
     if is_peft_model(model):
         inner, state, config, saved = peft_parts(model)
         ident = state_identity(
-            state, type(inner).__name__, getattr(inner.config, "model_type", None)
+            state, type(inner).__name__, getattr(inner.config, "model_type", None), algorithm
         )
         ident["adapter"] = adapter_identity(
             config,
             {
-                k: (tuple(t.shape), str(t.dtype).removeprefix("torch."), tensor_sha256(t))
+                k: (
+                    tuple(t.shape),
+                    str(t.dtype).removeprefix("torch."),
+                    tensor_digest(t, algorithm),
+                )
                 for k, t in saved.items()
             },
+            algorithm,
         )
         combined = f"{ident['weights_sha256']}:{ident['adapter']['sha256']}"
         ident["weights_sha256"] = hashlib.sha256(combined.encode()).hexdigest()
         return ident
     if hasattr(model, "state_dict") and not isinstance(model, Mapping):
         model_type = getattr(getattr(model, "config", None), "model_type", None)
-        return state_identity(saved_state(model), type(model).__name__, model_type)
-    return state_identity(dict(model), "state_dict", None)
+        return state_identity(saved_state(model), type(model).__name__, model_type, algorithm)
+    return state_identity(dict(model), "state_dict", None, algorithm)
 
 
 def state_identity(
-    state: Mapping[str, Any], architecture: str, model_type: str | None
+    state: Mapping[str, Any],
+    architecture: str,
+    model_type: str | None,
+    algorithm: str = DIGEST,
 ) -> dict[str, Any]:
     """:func:`model_identity` of the tensors ``state`` (name -> tensor) of a model of class
     ``architecture``."""
@@ -78,8 +77,8 @@ def state_identity(
     for name in sorted(state):
         t = state[name]
         dtype = str(t.dtype).removeprefix("torch.")
-        h = hashlib.sha256(tensor_bytes(t)).hexdigest()
-        params[name] = {"shape": list(t.shape), "dtype": dtype, "sha256": h}
+        h = tensor_digest(t, algorithm)
+        params[name] = {"shape": list(t.shape), "dtype": dtype, algorithm: h}
         total.update(f"{name}:{dtype}:{list(t.shape)}:{h};".encode())
     return {
         "architecture": architecture,
@@ -91,6 +90,13 @@ def state_identity(
 
 def describe_mismatch(expected: Mapping[str, Any], actual: Mapping[str, Any]) -> str:
     """First difference between two :func:`model_identity` dicts, in words."""
+    hashed, here = identity_digest(expected), identity_digest(actual)
+    if hashed != here:
+        return (
+            f"their model identities hold different content hashes ({hashed} there, {here} "
+            "here; an lmdx before statistics format 3 recorded sha256): collect the older "
+            "statistics again with this lmdx"
+        )
     if expected.get("architecture") != actual.get("architecture"):
         return (
             f"architecture {expected.get('architecture')} (statistics) vs "
@@ -114,10 +120,10 @@ def describe_mismatch(expected: Mapping[str, Any], actual: Mapping[str, Any]) ->
             return f"parameter {name!r} has shape {a['shape']} there and {b['shape']} here"
         if a["dtype"] != b["dtype"]:
             return f"parameter {name!r} has dtype {a['dtype']} there and {b['dtype']} here"
-        if a["sha256"] != b["sha256"]:
+        if a[hashed] != b[hashed]:
             return (
-                f"parameter {name!r} has different values (sha256 {a['sha256'][:12]}… there, "
-                f"{b['sha256'][:12]}… here)"
+                f"parameter {name!r} has different values ({hashed} {a[hashed][:12]}… there, "
+                f"{b[hashed][:12]}… here)"
             )
     return "content hashes differ"
 
@@ -134,11 +140,6 @@ def _adapter_mismatch(expected: Mapping[str, Any], actual: Mapping[str, Any]) ->
         if t_exp.get(name) != t_act.get(name):
             return f"the LoRA adapters differ in tensor {name!r}"
     return "the LoRA adapters differ"
-
-
-def tensor_sha256(t: Any) -> str:
-    """Hex SHA-256 of a tensor's (or array's) bytes in C order."""
-    return hashlib.sha256(tensor_bytes(t)).hexdigest()
 
 
 def file_sha256(path: str | os.PathLike[str], chunk: int = 1 << 22) -> str:

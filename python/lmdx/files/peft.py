@@ -37,6 +37,7 @@ from numpy.typing import NDArray
 from .._errors import MergeError, MissingFileError
 from .._tensors import as_float64
 from .checkpoint import Checkpoint
+from .digest import DIGEST
 from .parse import read_json
 
 __all__ = [
@@ -234,7 +235,7 @@ class LoraAdapter:
     tensors
         The adapter's tensors: a :class:`~lmdx.files.Checkpoint` of
         ``adapter_model.safetensors`` (or anything with ``names``, ``shape``, ``dtype``,
-        ``read`` and ``sha256``).
+        ``read`` and ``digest``).
     label
         The adapter in messages (its folder).
     path
@@ -376,14 +377,14 @@ class LoraAdapter:
         """The tensor that replaces base tensor ``name``."""
         return self.tensors.read(self.overrides[name])
 
-    def identity(self) -> dict[str, Any]:
-        """What a statistics file records of this adapter (:func:`adapter_identity`)."""
+    def identity(self, algorithm: str = DIGEST) -> dict[str, Any]:
+        """What a statistics file records of this adapter (:func:`adapter_identity`), its
+        tensors hashed with ``algorithm`` (:mod:`lmdx.files.digest`)."""
+        t = self.tensors
         return adapter_identity(
             self.config,
-            {
-                k: (tuple(self.tensors.shape(k)), self.tensors.dtype(k), self.tensors.sha256(k))
-                for k in self.tensors.names()
-            },
+            {k: (tuple(t.shape(k)), t.dtype(k), t.digest(k, algorithm)) for k in t.names()},
+            algorithm,
         )
 
     def total_bytes(self) -> int:
@@ -391,17 +392,20 @@ class LoraAdapter:
 
 
 def adapter_identity(
-    config: Mapping[str, Any], tensors: Mapping[str, tuple[tuple[int, ...], str, str]]
+    config: Mapping[str, Any],
+    tensors: Mapping[str, tuple[tuple[int, ...], str, str]],
+    algorithm: str = DIGEST,
 ) -> dict[str, Any]:
     """An adapter's identity: its type, the configuration entries that decide the
-    adapted weights, and every tensor's shape, dtype and SHA-256 (``tensors``: name ->
-    (shape, dtype, sha256)), with ``sha256`` over all of it."""
+    adapted weights, and every tensor's shape, dtype and content hash (``tensors``: name
+    -> (shape, dtype, hash), the hash ``algorithm``'s, recorded under that name), with
+    ``sha256`` (SHA-256) over all of it."""
     out: dict[str, Any] = {
         "peft_type": "LORA",
         "scaling": {k: config.get(k) for k in SCALING_KEYS},
         "tensors": {
-            k: {"shape": list(shape), "dtype": dtype, "sha256": sha}
-            for k, (shape, dtype, sha) in sorted(tensors.items())
+            k: {"shape": list(shape), "dtype": dtype, algorithm: h}
+            for k, (shape, dtype, h) in sorted(tensors.items())
         },
     }
     text = json.dumps(out, sort_keys=True, separators=(",", ":"))

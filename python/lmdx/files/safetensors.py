@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -28,6 +27,7 @@ from numpy.typing import NDArray
 from .._errors import MissingFileError
 from .._tensors import ST_NUMPY, is_bfloat16, itemsize, numpy_dtype, widen
 from .atomic import atomic_file, disk_full, is_disk_full
+from .digest import DIGEST, hasher
 from .parse import parse_json
 
 __all__ = [
@@ -337,11 +337,12 @@ class SafetensorsFile:
         arr = self.get_raw(name)
         return widen(arr) if is_bfloat16(arr.dtype) else arr
 
-    def sha256(self, name: str) -> str:
-        """SHA-256 of a tensor's stored bytes (equal to hashing the tensor in memory)."""
+    def digest(self, name: str, algorithm: str = DIGEST) -> str:
+        """The content hash (:mod:`lmdx.files.digest`) of a tensor's stored bytes (equal
+        to hashing the tensor in memory)."""
         e = self._entries[name]
         begin, end = e["data_offsets"]
-        h = hashlib.sha256()
+        h = hasher(algorithm)
         with open(self.path, "rb") as f:
             f.seek(self._data_start + begin)
             left = end - begin

@@ -23,6 +23,7 @@ from .._tensors import FLOAT_DTYPES, itemsize
 from .._util import current_rss_bytes, matches, split_in_order
 from ..config import default_threads
 from ..files.checkpoint import SINGLE_FILE
+from ..files.digest import DIGEST, DIGESTS, identity_digest
 from ..files.hf import base_model_info, model_files
 from ..files.identity import describe_mismatch
 from ..stats.file import Statistics
@@ -156,8 +157,9 @@ def check_same_layout(
 
 
 def check_stats_model(source: TensorSource, stats: Statistics) -> dict[str, str]:
-    """Verify ``stats`` were computed on the weights of ``source`` (per-tensor SHA-256 of
-    the stored bytes, in name order; integer tensors the statistics' model does not have,
+    """Verify ``stats`` were computed on the weights of ``source`` (per-tensor content
+    hashes of the stored bytes, with the hash the statistics' identity holds:
+    :func:`lmdx.files.digest.identity_digest`; integer tensors the statistics' model does not have,
     such as a ``position_ids`` buffer older checkpoints store, are not checked); return
     the tied weights the statistics reveal:
     parameters of the statistics' model that the source does not store because they
@@ -175,7 +177,10 @@ def check_stats_model(source: TensorSource, stats: Statistics) -> dict[str, str]
 
     if arch and ident.get("architecture") not in (arch, "state_dict"):
         raise fail(f"architecture {ident.get('architecture')} (statistics) vs {arch} (model)")
-    adapter = source.adapter.identity() if isinstance(source, AdapterSource) else None
+    algorithm = identity_digest(ident)
+    if algorithm not in DIGESTS:
+        raise fail("its model identity mixes content hashes of different kinds")
+    adapter = source.adapter.identity(algorithm) if isinstance(source, AdapterSource) else None
     if (adapter or {}).get("sha256") != (ident.get("adapter") or {}).get("sha256"):
         with_adapter = {"architecture": arch, "adapter": adapter}
         raise fail(describe_mismatch({**ident, "architecture": arch}, with_adapter))
@@ -190,41 +195,41 @@ def check_stats_model(source: TensorSource, stats: Statistics) -> dict[str, str]
         p = params[name]
         here = {"shape": list(source.shape(name)), "dtype": source.dtype(name)}
         if p["shape"] != here["shape"] or p["dtype"] != here["dtype"]:
-            here["sha256"] = p["sha256"]
+            here[algorithm] = p[algorithm]
             raise fail(describe_mismatch({"parameters": {name: p}}, {"parameters": {name: here}}))
-    hashes = tensor_hashes(source, names)
+    hashes = tensor_hashes(source, names, algorithm)
     stored = {}
     for name, h in zip(names, hashes, strict=True):
         p = params[name]
-        if h != p["sha256"]:
+        if h != p[algorithm]:
             raise fail(
-                f"parameter {name!r} has different values (sha256 {p['sha256'][:12]}… there, "
-                f"{h[:12]}… here)"
+                f"parameter {name!r} has different values ({algorithm} {p[algorithm][:12]}… "
+                f"there, {h[:12]}… here)"
             )
         stored[h] = name
     tied = {}
     for name, p in params.items():
         if name in source:
             continue
-        if p["sha256"] in stored:
-            tied[name] = stored[p["sha256"]]
+        if p[algorithm] in stored:
+            tied[name] = stored[p[algorithm]]
         elif p["dtype"] in FLOAT_DTYPES:
             raise fail(f"parameter {name!r} is in the statistics' model but not in this model")
     return tied
 
 
-def tensor_hashes(source: TensorSource, names: Sequence[str]) -> list[str]:
-    """SHA-256 of tensors ``names`` of ``source``, in that order, hashed on the CPUs
-    available (SHA-256 releases the GIL)."""
+def tensor_hashes(source: TensorSource, names: Sequence[str], algorithm: str = DIGEST) -> list[str]:
+    """Content hashes (``algorithm``'s) of tensors ``names`` of ``source``, in that order,
+    hashed on the CPUs available (both hashes release the GIL)."""
     with ThreadPoolExecutor(min(default_threads(), 8), "lmdx-hash") as pool:
-        return list(pool.map(source.sha256, names))
+        return list(pool.map(lambda name: source.digest(name, algorithm), names))
 
 
 def content_sha256(source: TensorSource) -> str:
-    """A model's content hash: SHA-256 over ``name:dtype:shape:sha256;`` of every stored
-    tensor in name order (:func:`lmdx.files.identity.state_identity`'s
-    ``weights_sha256`` of the same tensors), then, for a LoRA adapter over a base, the
-    adapter's identity hash."""
+    """A model's content hash: SHA-256 over ``name:dtype:shape:hash;`` of every stored
+    tensor in name order, ``hash`` its BLAKE3 (:mod:`lmdx.files.digest`; the
+    ``weights_sha256`` :func:`lmdx.files.identity.state_identity` records of the same
+    tensors), then, for a LoRA adapter over a base, the adapter's identity hash."""
     names = sorted(source.names())
     total = hashlib.sha256()
     for name, h in zip(names, tensor_hashes(source, names), strict=True):

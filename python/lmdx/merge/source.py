@@ -19,8 +19,8 @@ import numpy as np
 from .._errors import MergeError
 from .._tensors import FLOAT_DTYPES, as_float64, dtype_name
 from ..files.checkpoint import Checkpoint
+from ..files.digest import DIGEST, tensor_digest
 from ..files.hf import base_model_info, load_model
-from ..files.identity import tensor_sha256
 from ..files.peft import LoraAdapter, is_peft_model
 from ..files.saved import saved_state
 
@@ -65,7 +65,7 @@ class TensorSource(Protocol):
 
     def read(self, name: str) -> Any: ...
 
-    def sha256(self, name: str) -> str: ...
+    def digest(self, name: str, algorithm: str = DIGEST) -> str: ...
 
     def architecture(self) -> str | None: ...
 
@@ -95,7 +95,7 @@ class StateDictSource:
         self._state = dict(state)
         self._architecture = architecture
         self._path = path
-        self._sha: dict[str, str] = {}
+        self._digests: dict[tuple[str, str], str] = {}
         self._aliases: dict[str, str] = {}
         first: dict[tuple[int, tuple[int, ...]], str] = {}
         for name, t in self._state.items():
@@ -169,10 +169,11 @@ class StateDictSource:
     def read(self, name: str) -> Any:
         return self._get(name)
 
-    def sha256(self, name: str) -> str:
-        if name not in self._sha:
-            self._sha[name] = tensor_sha256(self._get(name))
-        return self._sha[name]
+    def digest(self, name: str, algorithm: str = DIGEST) -> str:
+        key = (algorithm, name)
+        if key not in self._digests:
+            self._digests[key] = tensor_digest(self._get(name), algorithm)
+        return self._digests[key]
 
     def architecture(self) -> str | None:
         return self._architecture
@@ -268,7 +269,7 @@ class AdapterSource:
         layer computes with it, ``[out, in]`` (the stored weight for ``layout="linear"``,
         its transpose for ``"conv1d"``); factors of rank 0 where the adapter leaves the
         weight unchanged; None where the adapter replaces the base weight by another."""
-        if name in self.adapter.overrides and self.sha256(name) != self.base.sha256(name):
+        if name in self.adapter.overrides and self.digest(name) != self.base.digest(name):
             return None
         target = self.adapter.targets.get(name)
         if target is None:
@@ -283,10 +284,10 @@ class AdapterSource:
             )
         return self.adapter.factors(name)
 
-    def sha256(self, name: str) -> str:
+    def digest(self, name: str, algorithm: str = DIGEST) -> str:
         if name in self.adapter.overrides:
-            return str(self.adapter.tensors.sha256(self.adapter.overrides[name]))
-        return self.base.sha256(name)
+            return str(self.adapter.tensors.digest(self.adapter.overrides[name], algorithm))
+        return self.base.digest(name, algorithm)
 
     def architecture(self) -> str | None:
         return self.base.architecture()
@@ -354,8 +355,8 @@ class PrefixedSource:
     def read(self, name: str) -> Any:
         return self.inner.read(self._inner(name))
 
-    def sha256(self, name: str) -> str:
-        return self.inner.sha256(self._inner(name))
+    def digest(self, name: str, algorithm: str = DIGEST) -> str:
+        return self.inner.digest(self._inner(name), algorithm)
 
     def architecture(self) -> str | None:
         return self.inner.architecture()

@@ -47,7 +47,7 @@ from .format import (
     KINDS,
     check_content,
     content_sha256,
-    stored_sha256,
+    stored_hash,
     validate_metadata,
 )
 from .packing import pack_upper, unpack_upper
@@ -130,7 +130,8 @@ class Statistics:
         self._tensors: dict[str, Any] = dict(tensors or {})
         self._moments: dict[str, Moments] = dict(moments or {})
         self._file: Any = None
-        self._sha256: dict[str, str] = {}
+        self._hashes: dict[str, str] = {}  # a loaded file's tensors' content hashes
+        self._version = FORMAT_VERSION  # ... in the hash of this format version
         self._content_sha256: str | None = None
         self.source = source
         self._files = None if files is None else tuple(str(f) for f in files)
@@ -238,7 +239,7 @@ class Statistics:
         if name in self._tensors:
             v = self._tensors[name]
             return np.asarray(v() if callable(v) else v)
-        if self._file is not None and name in self._sha256:
+        if self._file is not None and name in self._hashes:
             try:
                 read = self._file.get_mapped if mapped else self._file.get_tensor
                 arr = np.asarray(read(name))
@@ -247,7 +248,7 @@ class Statistics:
                     f"{self._where()}: cannot read tensor {name!r} ({exc}); the file may be "
                     "truncated or corrupted"
                 ) from None
-            if stored_sha256(arr) != self._sha256[name]:
+            if stored_hash(arr, self._version) != self._hashes[name]:
                 raise StatisticsFileError(
                     f"{self._where()}: tensor {name!r} does not match its content hash; the "
                     "file was corrupted or edited after it was written: get an intact copy"
@@ -423,7 +424,8 @@ class Statistics:
         extra = sorted(set(present) - {spec.name for spec in stats.specs()})
         if extra:
             raise StatisticsFileError(f"{where}: tensor {extra[0]!r} is not in the metadata")
-        stats._sha256 = check_content(meta, set(present), where)
+        stats._hashes = check_content(meta, set(present), where)
+        stats._version = meta["format_version"]
         stats._content_sha256 = content_sha256(meta)
         return stats
 

@@ -1,9 +1,14 @@
 """The statistics file format: its names, version, metadata schema and content hashes.
 
-Version 2 (this lmdx) records a SHA-256 of every tensor's stored bytes and of the
-metadata itself (``sha256: {tensors: {name: hex}, metadata: hex}``); a file whose
-numbers or counts changed after it was written is refused when read. Version 1 files
-(no hashes) are refused with a message saying to collect them again.
+Version 3 (what this lmdx writes) records a BLAKE3 hash of every tensor's stored bytes
+and of the metadata itself (``blake3: {tensors: {name: hex}, metadata: hex}``); a file
+whose numbers or counts changed after it was written is refused when read. Version 2
+files, the same with SHA-256 (``sha256: {...}``), are read and checked with SHA-256
+(:mod:`lmdx.files.digest` says why BLAKE3; ``lmdx stats add OLD --out NEW`` rewrites a
+version 2 file as version 3). The model identity's per-tensor hashes are BLAKE3 too, or
+SHA-256 in identities an lmdx before format 3 recorded (kept as they are by such a
+rewrite). Version 1 files (no hashes) are refused with a message saying to collect them
+again.
 """
 
 from __future__ import annotations
@@ -15,16 +20,17 @@ from typing import Annotated, Any, Literal
 
 import numpy as np
 from numpy.typing import NDArray
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .._errors import StatisticsFileError
 from .._tensors import TORCH_OF_ST
-from ..files.identity import tensor_sha256
+from ..files.digest import DIGESTS, digest, identity_digest
 from ..files.parse import schema_message
 
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
+    "HASHES",
     "INDEX_FORMAT",
     "INDEX_NAME",
     "KINDS",
@@ -32,13 +38,16 @@ __all__ = [
     "PADDING_POLICIES",
     "check_content",
     "content_sha256",
-    "metadata_sha256",
-    "stored_sha256",
+    "metadata_hash",
+    "stored_hash",
     "validate_metadata",
 ]
 
 FORMAT = "lmdx-stats"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+#: The format versions this lmdx reads, each with the hash of its content hashes (also
+#: the name of the metadata entry that holds them).
+HASHES = {2: "sha256", 3: "blake3"}
 INDEX_FORMAT = "lmdx-stats-index"
 #: The index of a sharded statistics folder (shards ``stats-00001-of-0000N.safetensors``).
 INDEX_NAME = "lmdx_stats.index.json"
@@ -48,9 +57,11 @@ PADDING_POLICIES = ("excluded", "included")
 MAX_DIM = 2**24
 
 
-def stored_sha256(arr: NDArray[Any]) -> str:
-    """SHA-256 of a statistics tensor as stored: little-endian float64, C order."""
-    return tensor_sha256(np.ascontiguousarray(arr, dtype="<f8"))
+def stored_hash(arr: NDArray[Any], version: int = FORMAT_VERSION) -> str:
+    """The content hash of a statistics tensor as stored (little-endian float64, C order)
+    in format ``version``: BLAKE3 (3) or SHA-256 (2)."""
+    stored = np.ascontiguousarray(arr, dtype="<f8").reshape(-1).view(np.uint8)
+    return digest(memoryview(stored), HASHES[version])
 
 
 def content_sha256(meta: Mapping[str, Any]) -> str:
@@ -59,18 +70,20 @@ def content_sha256(meta: Mapping[str, Any]) -> str:
     formed from its tensors' hashes. Any change to the metadata or to a tensor changes it
     (a changed tensor also fails its own hash when read), whether the statistics are one
     file or a sharded folder; computed from the metadata alone, without reading a tensor."""
-    hashes = meta["sha256"]
+    hashes = meta[HASHES[meta["format_version"]]]
     total = hashlib.sha256(f"metadata:{hashes['metadata']};".encode())
     for name in sorted(hashes["tensors"]):
         total.update(f"{name}:{hashes['tensors'][name]};".encode())
     return total.hexdigest()
 
 
-def metadata_sha256(meta: Mapping[str, Any]) -> str:
-    """SHA-256 of the metadata without its ``sha256`` entry (canonical JSON)."""
-    body = {k: v for k, v in meta.items() if k != "sha256"}
+def metadata_hash(meta: Mapping[str, Any]) -> str:
+    """The hash of the metadata without its content hashes (canonical JSON), with the hash
+    of its ``format_version``."""
+    version = meta["format_version"]
+    body = {k: v for k, v in meta.items() if k != HASHES[version]}
     text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    return hashlib.sha256(text.encode()).hexdigest()
+    return digest(text.encode(), HASHES[version])
 
 
 class _Strict(BaseModel):
@@ -87,7 +100,15 @@ _TorchDtype = Literal[tuple(TORCH_OF_ST.values())]  # type: ignore[valid-type]  
 class _Parameter(_Strict):
     shape: list[_Size]
     dtype: _TorchDtype  # type: ignore[valid-type]
-    sha256: _Sha
+    # the content hash: BLAKE3, or SHA-256 in identities an lmdx before format 3 recorded
+    blake3: _Sha | None = None
+    sha256: _Sha | None = None
+
+    @model_validator(mode="after")
+    def _one_hash(self) -> _Parameter:
+        if (self.blake3 is None) == (self.sha256 is None):
+            raise ValueError("needs exactly one content hash (blake3 or sha256)")
+        return self
 
 
 class _Adapter(_Strict):
@@ -128,7 +149,7 @@ class _Hashes(_Strict):
 
 class _Metadata(_Strict):
     format: Literal["lmdx-stats"]
-    format_version: Literal[2]
+    format_version: Literal[2, 3]
     lmdx_version: str
     kind: Literal["regmean-gram", "fisher"]
     dtype: Literal["float64"]
@@ -140,12 +161,14 @@ class _Metadata(_Strict):
     groups: dict[str, _Group] | None = None
     count: _Count | None = None
     parameters: dict[str, _FisherParameter] | None = None
-    sha256: _Hashes
+    sha256: _Hashes | None = None  # format 2
+    blake3: _Hashes | None = None  # format 3
 
 
 _LABELS = {
     "model": "model identity (architecture, weights_sha256, parameters) is missing or malformed",
     "sha256": "content hashes are missing or malformed",
+    "blake3": "content hashes are missing or malformed",
 }
 
 
@@ -165,9 +188,15 @@ def validate_metadata(meta: Any, where: str) -> None:
             "no longer read; collect the statistics again with this lmdx (lmdx stats MODEL "
             "DATA --out FILE)"
         )
-    if not isinstance(version, int) or isinstance(version, bool) or version != FORMAT_VERSION:
+    if not isinstance(version, int) or isinstance(version, bool) or version not in HASHES:
         raise fail(
-            f"format version {version!r} is not supported (this lmdx reads {FORMAT_VERSION})"
+            f"format version {version!r} is not supported (this lmdx reads "
+            f"{' and '.join(map(str, HASHES))}; if a newer lmdx wrote it, upgrade lmdx)"
+        )
+    if set(HASHES.values()) & set(meta) != {HASHES[version]}:
+        raise fail(
+            f"content hashes are missing or malformed (format {version} keeps them in "
+            f"{HASHES[version]!r})"
         )
     if meta.get("kind") not in KINDS:
         raise fail(f"kind {meta.get('kind')!r} is not one of {KINDS}")
@@ -180,6 +209,8 @@ def validate_metadata(meta: Any, where: str) -> None:
         checked = _Metadata.model_validate(meta)
     except ValidationError as exc:
         raise fail(f"metadata field {schema_message(exc, _LABELS)}") from None
+    if identity_digest(meta["model"]) not in DIGESTS:
+        raise fail("model identity mixes content hashes of different kinds (blake3, sha256)")
     if checked.kind == "regmean-gram":
         if checked.groups is None or checked.modules is None:
             raise fail("groups/modules tables missing")
@@ -193,9 +224,9 @@ def validate_metadata(meta: Any, where: str) -> None:
 
 def check_content(meta: Mapping[str, Any], names: set[str], where: str) -> dict[str, str]:
     """Verify the metadata's own hash and that every tensor in ``names`` has one; return
-    tensor name -> SHA-256 of its stored bytes."""
-    hashes = meta["sha256"]
-    if hashes["metadata"] != metadata_sha256(meta):
+    tensor name -> hash of its stored bytes (:func:`stored_hash` in the file's version)."""
+    hashes = meta[HASHES[meta["format_version"]]]
+    if hashes["metadata"] != metadata_hash(meta):
         raise StatisticsFileError(
             f"{where}: the metadata (counts, shapes, identity) does not match its content "
             "hash; the file was corrupted or edited after it was written: get an intact copy"

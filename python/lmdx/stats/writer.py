@@ -16,7 +16,7 @@ from numpy.typing import NDArray
 from .._util import parse_size, split_in_order
 from ..files.atomic import atomic_directory
 from ..files.safetensors import SafetensorsWriter, TensorSpec
-from .format import INDEX_FORMAT, INDEX_NAME, metadata_sha256, stored_sha256
+from .format import FORMAT_VERSION, HASHES, INDEX_FORMAT, INDEX_NAME, metadata_hash, stored_hash
 
 __all__ = ["StatisticsWriter"]
 
@@ -44,7 +44,7 @@ class StatisticsWriter:
         self._writers: dict[str, SafetensorsWriter] = {}
         self._left: dict[str, int] = {}
         self._shard_of: dict[str, str] = {}
-        self._sha256: dict[str, str] = {}
+        self._hashes: dict[str, str] = {}
         try:
             if max_shard_size is None:
                 # room for the counts, the content hashes and anything else that grows by
@@ -81,7 +81,7 @@ class StatisticsWriter:
             raise
 
     def write(self, name: str, arr: NDArray[Any]) -> None:
-        self._sha256[name] = stored_sha256(arr)
+        self._hashes[name] = stored_hash(arr)
         if self._single is not None:
             self._single.write(name, arr)
             return
@@ -97,8 +97,13 @@ class StatisticsWriter:
         """``metadata`` with its content hashes (JSON round trip first, so the hash is of
         exactly what a reader will parse)."""
         meta: dict[str, Any] = json.loads(json.dumps(dict(metadata)))
-        meta.pop("sha256", None)
-        meta["sha256"] = {"tensors": dict(self._sha256), "metadata": metadata_sha256(meta)}
+        for key in HASHES.values():
+            meta.pop(key, None)
+        meta["format_version"] = FORMAT_VERSION  # the version whose hashes are written
+        meta[HASHES[FORMAT_VERSION]] = {
+            "tensors": dict(self._hashes),
+            "metadata": metadata_hash(meta),
+        }
         return meta
 
     def close(self, metadata: Mapping[str, Any]) -> Path:
