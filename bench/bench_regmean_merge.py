@@ -33,7 +33,9 @@ merge by each: on a loaded machine read the CPU time of a one-thread run (``--th
 With ``--baseline DIR`` (another build of lmdx, e.g. ``pip install --no-deps --target DIR``
 of an earlier commit), that build's ``auto`` merge (``lmdx_base``) is timed in the same
 rounds, between lmdx ``auto`` and ``float64``, and reported like them: a before/after
-comparison on the same machine and load.
+comparison on the same machine and load. With ``--baseline-workdir BASEWORK`` as well,
+that build reads its statistics from ``BASEWORK`` instead (the same Grams in a format it
+reads, e.g. files of an older statistics format next to ``lmdx stats add`` rewrites).
 
 With ``--real FOLDER ...`` (fine-tuned models, each folder with ``model.safetensors`` and
 the statistics the real example collected, ``stats-*/regmean.safetensors``), the same
@@ -311,6 +313,7 @@ def main() -> None:
     ap.add_argument("--verbose", action="store_true", help="print every system's phases")
     ap.add_argument("--real", nargs="*", default=None, help="fine-tuned model folders")
     ap.add_argument("--baseline", default=None, help="another lmdx build's folder (lmdx_base)")
+    ap.add_argument("--baseline-workdir", default=None, help="lmdx_base's Grams (else --workdir)")
     args = ap.parse_args()
     if not args.real and args.workdir is None:
         ap.error("--workdir is needed (or --real FOLDER ...)")
@@ -321,6 +324,7 @@ def main() -> None:
         real_finetunes(args, peaks)
         return
     workdir = Path(args.workdir)
+    where = {"lmdx_base": Path(args.baseline_workdir or workdir)}  # each impl's Grams
     from lmdx import Statistics
     from safetensors.numpy import load_file
 
@@ -332,7 +336,8 @@ def main() -> None:
     for r in range(args.rounds):
         for impl in impls:
             path = args.baseline if impl == "lmdx_base" else None
-            for alpha, res in bench.run_merges(one, impl, workdir, path).items():
+            folder = where.get(impl, workdir)
+            for alpha, res in bench.run_merges(one, impl, folder, path).items():
                 times[impl, alpha] += res["times"]
                 solver[impl, alpha] = res["solver"]
                 print(f"round {r}: {impl} α={alpha}: {res['times'][0]:.2f} s", flush=True)
@@ -340,7 +345,8 @@ def main() -> None:
     print(f"load average at the end: {list(os.getloadavg())}")
     for alpha in args.alphas if args.rounds > 0 else []:
         merged = {
-            impl: load_file(str(workdir / f"merged_{impl}_{alpha}.safetensors")) for impl in impls
+            impl: load_file(str(where.get(impl, workdir) / f"merged_{impl}_{alpha}.safetensors"))
+            for impl in impls
         }
         fb = bench.med(times["fusionbench", alpha])
         flops = model_flops(stats[0], merged["lmdx_f64"], args.models)
