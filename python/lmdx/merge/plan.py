@@ -158,12 +158,12 @@ def check_same_layout(
 
 def check_stats_model(source: TensorSource, stats: Statistics) -> dict[str, str]:
     """Verify ``stats`` were computed on the weights of ``source`` (per-tensor content
-    hashes of the stored bytes, with the hash the statistics' identity holds:
-    :func:`lmdx.files.digest.identity_digest`; integer tensors the statistics' model does not have,
-    such as a ``position_ids`` buffer older checkpoints store, are not checked); return
-    the tied weights the statistics reveal:
-    parameters of the statistics' model that the source does not store because they
-    are stored under another name (alias -> stored name)."""
+    hashes of the stored bytes, of the kind the statistics' identity holds:
+    :func:`lmdx.files.digest.identity_digest`; integer tensors the statistics' model does
+    not have, such as a ``position_ids`` buffer older checkpoints store, are not
+    checked); return the tied weights the statistics reveal: parameters of the
+    statistics' model that the source does not store because they are stored under
+    another name (alias -> stored name)."""
     ident = stats.model
     params: Mapping[str, Any] = ident["parameters"]
     where = f"statistics {stats.source}" if stats.source else "statistics"
