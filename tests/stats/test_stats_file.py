@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from lmdx import ModelMismatchError, StatisticsFileError
 from lmdx.cli import main
 from lmdx.files.atomic import atomic_directory
-from lmdx.files.identity import model_identity
+from lmdx.files.identity import describe_mismatch, model_identity
 from lmdx.files.safetensors import TensorSpec, write_safetensors
 from lmdx.merge import merge_models
 from lmdx.stats import Statistics, add_statistics
@@ -452,8 +452,17 @@ def test_format_2_files_are_read_and_checked_with_sha256(good_file, tmp_path, ca
         assert np.array_equal(np.asarray(merged.state_dict[name]), np.asarray(value)), name
     with pytest.raises(ModelMismatchError, match=r"has different values \(sha256 "):
         merge_models([models[1], models[0]], method="regmean", stats=[loaded, new])
-    with pytest.raises(ModelMismatchError, match=r"different content hashes \(sha256 there"):
+    with pytest.raises(ModelMismatchError) as info:
         add_statistics([loaded, new])
+    assert str(info.value).startswith(
+        f"cannot add {old} and {good_file}: their model identities hold different content "
+        "hashes (sha256 there, blake3 here"
+    )
+    loaded.check_model(model_identity(models[0], "sha256"))
+    with pytest.raises(ModelMismatchError, match=r"different content hashes \(sha256 there"):
+        loaded.check_model(model_identity(models[0]))
+    assert main(["stats", "show", str(old)]) == 0
+    assert "(format lmdx-stats v2)" in capsys.readouterr().out
     for module in new.modules:
         assert np.array_equal(loaded.gram_stored(module), new.gram_stored(module))
         assert np.array_equal(loaded.sum(module), new.sum(module))
@@ -486,6 +495,23 @@ def test_format_2_files_are_read_and_checked_with_sha256(good_file, tmp_path, ca
         path = _variant(tmp_path, f"{name}.safetensors", _with_meta(data, edit))
         with pytest.raises(StatisticsFileError, match="content hashes are missing or malformed"):
             Statistics.load(path)
+
+
+def test_identities_of_either_hash_are_described_by_what_differs():
+    """Identities of SHA-256 hashes (an older lmdx) and of BLAKE3 ones differ by their hash
+    kind, unless one side has no tensors to compare (then what it lacks is said)."""
+    _, models, _ = H.cached_family("bert")
+    old, new = model_identity(models[0], "sha256"), model_identity(models[0])
+    assert old["weights_sha256"] != new["weights_sha256"]
+    assert "different content hashes (sha256 there, blake3 here" in describe_mismatch(old, new)
+    with_adapter = {**old, "adapter": {"sha256": "0" * 64, "tensors": {}}}
+    bare = {"architecture": old["architecture"], "adapter": None}
+    assert "this model has none" in describe_mismatch(with_adapter, bare)
+    state = {n: t.clone() for n, t in models[0].state_dict().items()}
+    state["classifier.bias"][0] += 1e-6
+    same = model_identity(dict(models[0].state_dict()), "sha256")
+    changed = model_identity(state, "sha256")
+    assert "'classifier.bias' has different values (sha256 " in describe_mismatch(same, changed)
 
 
 def test_foreign_safetensors_file_without_lmdx_metadata(tmp_path):

@@ -521,6 +521,7 @@ def _stats_show(args: argparse.Namespace) -> int:
 
     stats = Statistics.load(args.file)
     meta = stats.metadata()
+    meta["format_version"] = stats.format_version  # the file's own (metadata() writes this lmdx's)
     if args.json:
         print(json.dumps(meta, indent=2))
         return 0

@@ -73,14 +73,17 @@ def tensor_digest(t: Any, algorithm: str = DIGEST) -> str:
     return digest(tensor_bytes(t), algorithm)
 
 
-def identity_digest(identity: Mapping[str, Any]) -> str:
+def identity_digest(identity: Mapping[str, Any]) -> str | None:
     """The hash a model identity's per-tensor entries hold (the entry key they share:
-    ``"blake3"``, or ``"sha256"`` in identities an lmdx before format 3 recorded)."""
-    entries = list(identity.get("parameters", {}).values())
+    ``"blake3"``, or ``"sha256"`` in identities an lmdx before format 3 recorded); None
+    where it has no entries, ``"mixed"`` where they do not share one."""
+    entries = list((identity.get("parameters") or {}).values())
     adapter = identity.get("adapter")
     if adapter:
-        entries += list(adapter.get("tensors", {}).values())
+        entries += list((adapter.get("tensors") or {}).values())
+    if not entries:
+        return None
     for algorithm in DIGESTS:
-        if entries and all(isinstance(e, Mapping) and algorithm in e for e in entries):
+        if all(isinstance(e, Mapping) and algorithm in e for e in entries):
             return algorithm
-    return DIGEST if not entries else "mixed"
+    return "mixed"

@@ -14,11 +14,13 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from .._errors import ModelMismatchError
 from .digest import DIGEST, identity_digest, tensor_digest
 from .peft import adapter_identity, is_peft_model, peft_parts
 from .saved import saved_state
 
 __all__ = [
+    "check_same_model",
     "describe_mismatch",
     "file_sha256",
     "model_identity",
@@ -88,15 +90,41 @@ def state_identity(
     }
 
 
+def _hash_kinds_differ(expected: Mapping[str, Any], actual: Mapping[str, Any]) -> str | None:
+    """Why two identities cannot be compared tensor by tensor (their per-tensor hashes are
+    of different kinds), or None."""
+    hashed, here = identity_digest(expected), identity_digest(actual)
+    if hashed is None or here is None or hashed == here:
+        return None
+    return (
+        f"their model identities hold different content hashes ({hashed} there, {here} "
+        "here; an lmdx before statistics format 3 recorded sha256): collect the older "
+        "statistics again with this lmdx"
+    )
+
+
+def check_same_model(
+    action: str, first: Mapping[str, Any], other: Mapping[str, Any], names: tuple[str, str]
+) -> None:
+    """Raise :class:`ModelMismatchError` (``"cannot {action} ..."``, naming ``names``)
+    unless identities ``first`` and ``other`` are of one model."""
+    if first.get("weights_sha256") == other.get("weights_sha256"):
+        return
+    kinds = _hash_kinds_differ(first, other)
+    if kinds is not None:
+        raise ModelMismatchError(f"cannot {action} {names[0]} and {names[1]}: {kinds}")
+    raise ModelMismatchError(
+        f"cannot {action} statistics of different models: {names[0]} vs {names[1]}: "
+        f"{describe_mismatch(first, other)}"
+    )
+
+
 def describe_mismatch(expected: Mapping[str, Any], actual: Mapping[str, Any]) -> str:
     """First difference between two :func:`model_identity` dicts, in words."""
-    hashed, here = identity_digest(expected), identity_digest(actual)
-    if hashed != here:
-        return (
-            f"their model identities hold different content hashes ({hashed} there, {here} "
-            "here; an lmdx before statistics format 3 recorded sha256): collect the older "
-            "statistics again with this lmdx"
-        )
+    kinds = _hash_kinds_differ(expected, actual)
+    if kinds is not None:
+        return kinds
+    key = identity_digest(expected) or identity_digest(actual) or DIGEST
     if expected.get("architecture") != actual.get("architecture"):
         return (
             f"architecture {expected.get('architecture')} (statistics) vs "
@@ -120,10 +148,10 @@ def describe_mismatch(expected: Mapping[str, Any], actual: Mapping[str, Any]) ->
             return f"parameter {name!r} has shape {a['shape']} there and {b['shape']} here"
         if a["dtype"] != b["dtype"]:
             return f"parameter {name!r} has dtype {a['dtype']} there and {b['dtype']} here"
-        if a[hashed] != b[hashed]:
+        if a.get(key) != b.get(key):
             return (
-                f"parameter {name!r} has different values ({hashed} {a[hashed][:12]}… there, "
-                f"{b[hashed][:12]}… here)"
+                f"parameter {name!r} has different values ({key} {str(a.get(key))[:12]}… "
+                f"there, {str(b.get(key))[:12]}… here)"
             )
     return "content hashes differ"
 

@@ -108,7 +108,7 @@ def merge_models(
     stats
         ``regmean``: K Gram statistics (objects, files or sharded folders), one per model,
         in order; ``fisher``: K Fisher statistics. Each is verified to belong to its model
-        (per-tensor SHA-256 of its weights). ``regmean`` with ``surrogate=True`` and
+        (per-tensor content hashes of its weights). ``regmean`` with ``surrogate=True`` and
         ``base``: a None entry gives that model a surrogate Gram from its task vector
         (:mod:`lmdx.merge.surrogate`; at least one model needs its statistics).
     base

@@ -85,7 +85,7 @@ def model_card(record: Mapping[str, Any], config: Mapping[str, Any] | None = Non
         "",
         "## Inputs",
         "",
-        "Content hashes are SHA-256 over every tensor's SHA-256 (in name order); the "
+        "Content hashes are SHA-256 over every tensor's BLAKE3 (in name order); the "
         "statistics' over their metadata's and every tensor's, as their file or sharded "
         "folder holds them (`Statistics.content_sha256`).",
         "",

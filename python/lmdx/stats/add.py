@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from .._errors import ModelMismatchError, StatisticsFileError
-from ..files.identity import describe_mismatch
+from .._errors import StatisticsFileError
+from ..files.identity import check_same_model
 from .file import Statistics, coarsest_accumulation
 
 __all__ = ["add_statistics"]
@@ -39,11 +39,7 @@ def add_statistics(parts: Iterable[Statistics], *, data: str | None = None) -> S
     names = [p.source or f"statistics #{i}" for i, p in enumerate(parts)]
     _same("kind", [p.kind for p in parts], names)
     for p, n in zip(parts[1:], names[1:], strict=True):
-        if p.model["weights_sha256"] != parts[0].model["weights_sha256"]:
-            raise ModelMismatchError(
-                f"cannot add statistics of different models: {names[0]} vs {n}: "
-                f"{describe_mismatch(parts[0].model, p.model)}"
-            )
+        check_same_model("add", parts[0].model, p.model, (names[0], n))
     first = parts[0]
 
     def summed(name: str) -> Callable[[], NDArray[Any]]:

@@ -163,6 +163,13 @@ class Statistics:
         return self._content_sha256
 
     @property
+    def format_version(self) -> int:
+        """The statistics format of the file (or sharded folder) these statistics were
+        read from (:data:`lmdx.stats.format.HASHES`: 2 holds SHA-256 content hashes, 3
+        BLAKE3); the version this lmdx writes for statistics held in memory."""
+        return self._version
+
+    @property
     def files(self) -> tuple[str, ...] | None:
         """The files or folders these statistics are read from, as given: a loaded one's
         own, joined ones' parts' (:func:`lmdx.stats.join_statistics`); None where they are
@@ -267,7 +274,10 @@ class Statistics:
     # ------------------------------------------------------------------ checks
 
     def check_model(self, identity: Mapping[str, Any], model_name: str = "model") -> None:
-        """Raise :class:`ModelMismatchError` unless these statistics belong to ``identity``."""
+        """Raise :class:`ModelMismatchError` unless these statistics belong to ``identity``
+        (:func:`lmdx.files.identity.model_identity` of the model, with the hash these
+        statistics' identity holds: ``model_identity(model,
+        lmdx.files.digest.identity_digest(stats.model))``)."""
         if identity["weights_sha256"] == self.model["weights_sha256"]:
             return
         raise ModelMismatchError(

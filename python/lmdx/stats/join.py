@@ -15,8 +15,8 @@ from typing import Any
 
 from numpy.typing import NDArray
 
-from .._errors import ModelMismatchError, StatisticsFileError
-from ..files.identity import describe_mismatch
+from .._errors import StatisticsFileError
+from ..files.identity import check_same_model
 from .file import Statistics, coarsest_accumulation
 
 __all__ = ["join_statistics"]
@@ -44,11 +44,7 @@ def join_statistics(parts: Iterable[Statistics]) -> Statistics:
             raise StatisticsFileError(
                 f"cannot join {n}: it holds {p.kind} statistics; only RegMean Grams join"
             )
-        if p.model.get("weights_sha256") != first.model.get("weights_sha256"):
-            raise ModelMismatchError(
-                f"cannot join statistics of different models: {names[0]} vs {n}: "
-                f"{describe_mismatch(first.model, p.model)}"
-            )
+        check_same_model("join", first.model, p.model, (names[0], n))
         for field, value, want in (
             ("data", p.data, first.data),
             ("padding policy", p.padding, first.padding),

@@ -388,7 +388,7 @@ def solve_step(step: Step, inputs: MergeInputs) -> Merged:
                 lora.add_update(w, update)
     else:
         # The K models' weights and Grams are read, and the Grams checked against their
-        # SHA-256, a thread per model up to twice the CPUs: reading and hashing release the
+        # content hashes, a thread per model up to twice the CPUs: reading and hashing release the
         # GIL, and with a few more models than CPUs the system shares the CPUs among them
         # evenly (3 Grams on 2 threads would leave one thread hashing two: BERT-base's 48
         # groups read in 0.83 s instead of 1.0 s on 2 Zen 4 cores). A group too large for
