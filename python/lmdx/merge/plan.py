@@ -202,10 +202,8 @@ def check_stats_model(source: TensorSource, stats: Statistics) -> dict[str, str]
     for name, h in zip(names, hashes, strict=True):
         p = params[name]
         if h != p[algorithm]:
-            raise fail(
-                f"parameter {name!r} has different values ({algorithm} {p[algorithm][:12]}… "
-                f"there, {h[:12]}… here)"
-            )
+            here = {"shape": p["shape"], "dtype": p["dtype"], algorithm: h}
+            raise fail(describe_mismatch({"parameters": {name: p}}, {"parameters": {name: here}}))
         stored[h] = name
     tied = {}
     for name, p in params.items():

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from .._errors import StatisticsFileError
 from .._tensors import TORCH_OF_ST
-from ..files.digest import digest, identity_digest
+from ..files.digest import digest, identity_digest, tensor_digest
 from ..files.parse import schema_message
 
 __all__ = [
@@ -60,8 +60,7 @@ MAX_DIM = 2**24
 def stored_hash(arr: NDArray[Any], version: int = FORMAT_VERSION) -> str:
     """The content hash of a statistics tensor as stored (little-endian float64, C order)
     in format ``version``: BLAKE3 (3) or SHA-256 (2)."""
-    stored = np.ascontiguousarray(arr, dtype="<f8").reshape(-1).view(np.uint8)
-    return digest(memoryview(stored), HASHES[version])
+    return tensor_digest(np.ascontiguousarray(arr, dtype="<f8"), HASHES[version])
 
 
 def content_sha256(meta: Mapping[str, Any]) -> str:
