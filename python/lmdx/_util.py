@@ -1,9 +1,10 @@
 """Small helpers every part of lmdx shares: progress bars, sizes, name patterns, the
-process's memory."""
+process's memory, suggestions for mistyped names."""
 
 from __future__ import annotations
 
 import contextlib
+import difflib
 import fnmatch
 import os
 import resource
@@ -13,6 +14,7 @@ from typing import Any
 
 __all__ = [
     "current_rss_bytes",
+    "did_you_mean",
     "matches",
     "parse_size",
     "peak_rss_bytes",
@@ -91,3 +93,10 @@ def current_rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return peak_rss_bytes()
+
+
+def did_you_mean(word: str, known: Sequence[str]) -> str:
+    """``"; did you mean X?"`` when ``word`` is a likely typo of one of ``known`` (the
+    closest, by difflib's ratio), else ``""``: appended to an error naming ``word``."""
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close and close[0] != word else ""

@@ -1,4 +1,4 @@
-"""The ``lmdx`` command: ``info``, ``stats``, ``merge`` and ``decompose``."""
+"""The ``lmdx`` command: ``info``, ``stats``, ``merge``, ``decompose`` and ``methods``."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import threading
 from typing import Any
 
 from .._errors import CliError, DataError, MissingFileError
-from . import decompose, merge, stats
-from .common import HelpFormatter, debugging, report_errors
+from .._util import did_you_mean
+from . import decompose, merge, methods, stats
+from .common import HelpFormatter, debugging, printable, report_errors
 
 __all__ = ["main"]
 
@@ -65,6 +66,14 @@ def _command(argv: list[str]) -> int:
     )
     if argv and argv[0] == "stats":
         return stats.run_stats_cli(argv[1:])
+    commands = ("info", "stats", "merge", "decompose", "methods")
+    if argv and not argv[0].startswith("-") and argv[0] not in commands:
+        print(
+            f"lmdx: error: no command {printable(argv[0])!r}"
+            f"{did_you_mean(argv[0], commands)} (commands: {', '.join(commands)})",
+            file=sys.stderr,
+        )
+        return 2
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.add_parser("info", help="print version, SIMD path, OpenMP and thread settings")
     # only the command that runs gets its full parser (building merge's imports the merge)
@@ -72,6 +81,7 @@ def _command(argv: list[str]) -> int:
         ("stats", stats, stats.add_stats_parser),
         ("merge", merge, merge.add_merge_parser),
         ("decompose", decompose, decompose.add_decompose_parser),
+        ("methods", methods, methods.add_methods_parser),
     ):
         if argv and argv[0] == name:
             add(sub)
@@ -81,6 +91,8 @@ def _command(argv: list[str]) -> int:
     args.argv = argv  # the command line, recorded by lmdx merge
     if args.command == "merge":
         return merge.run_merge_cli(args)
+    if args.command == "methods":
+        return methods.run_methods(args)
     if args.command == "info":
         from ..config import show_config
 

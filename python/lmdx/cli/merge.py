@@ -24,60 +24,36 @@ from .._errors import (
 )
 from .common import Claimed, HelpFormatter, report_errors, size_of
 
-__all__ = ["HELP", "add_merge_parser", "run_merge_cli"]
+__all__ = ["DESCRIPTION", "HELP", "add_merge_parser", "run_merge_cli"]
 
 #: The command's line in ``lmdx --help``.
 HELP = (
     "merge models fine-tuned from one checkpoint (RegMean, RegMean++, averages, Fisher, task "
-    "arithmetic, TIES, DARE, ...; lmdx merge --help lists them) as a config file says"
+    "arithmetic, TIES, DARE, ...; lmdx methods lists them) as a config file says"
 )
 
 
-def methods_help() -> str:
-    """Every registered merge method with its line and its options (type, default, what
-    it does), as ``lmdx merge --help`` lists them; then the installed methods that could
-    not be loaded, with why."""
-    from ..merge.registry import methods, post_steps, unloaded_methods
+#: What ``lmdx merge --help`` says before its flags: a config to start from, and where the
+#: rest is (the methods from the registry: ``lmdx methods``; every key: the merging guide).
+DESCRIPTION = """\
+Merge models fine-tuned from one checkpoint, as a YAML or JSON config says:
 
-    def wrapped(text: str, indent: str) -> list[str]:
-        return textwrap.wrap(text, 96, initial_indent=indent, subsequent_indent=indent + "  ")
+  method: regmean          # lmdx methods: every method, what it needs, its options
+  models:                  # save_pretrained folders, relative to the config
+    - {path: finetuned/bbc, stats: bbc.safetensors}    # from lmdx stats
+    - {path: finetuned/reuters, stats: reuters.safetensors}
+  alpha: 0.9
+  heads: {patterns: ["classifier.*"], policy: keep}    # each model keeps its head
 
-    lines = ["methods (method: NAME) and their options (top-level keys):"]
-    for name, method in methods().items():
-        lines += wrapped(f"{name}: {method.summary}", "  ")
-        needs = [
-            *([f"{method.stats} statistics per model (models[].stats)"] if method.stats else []),
-            *(["base: (the pre-trained model folder)"] if method.needs_base else []),
-            *(["data per model (models[].data)"] if method.takes_data else []),
-        ]
-        if needs:
-            lines += wrapped(f"needs: {', '.join(needs)}", "      ")
-        lines += _options_help(method.options, wrapped)
-    for name, why in unloaded_methods().items():
-        lines += wrapped(f"{name}: not loaded: {why}", "  ")
-    lines.append("post-steps any method can be followed by (method: NAME+POST, e.g. ties+svc):")
-    for name, post in post_steps().items():
-        lines += wrapped(f"+{name}: {post.summary}", "  ")
-        lines += _options_help(post.options, wrapped)
-    return "\n".join(lines)
-
-
-def _options_help(model: Any, wrapped: Any) -> list[str]:
-    """One line per option of a method's (or post-step's) pydantic ``model``."""
-    lines = []
-    for key, f in model.model_fields.items():
-        default = "none" if f.default is None else f.default
-        lines += wrapped(f"{key} (default {default}): {f.description or ''}", "      ")
-    return lines
+One method with an example config to start from: lmdx methods NAME. Every key, LoRA
+adapters, base models and per-task folders: docs/guide/merging.md."""
 
 
 def add_merge_parser(sub: Any) -> None:
-    from ..merge.config import __doc__ as config_doc
-
     p = sub.add_parser(
         "merge",
         help=HELP,
-        description=(config_doc or "").strip() + "\n\n" + methods_help(),
+        description=DESCRIPTION,
         epilog=(
             "examples:\n"
             "  lmdx merge merge.yaml --out merged --dry-run   the plan, memory and disk; "

@@ -299,16 +299,13 @@ def _check_out_file(out: Path, claimed: Claimed) -> None:
 
 
 def _stats_collect(args: argparse.Namespace, claimed: Claimed) -> int:
-    from transformers import AutoTokenizer
-
-    from ..data.batches import text_batches
+    # Everything that can be checked without torch and transformers is checked first (the
+    # output, the model folder, the data file): a mistake is reported in well under a
+    # second, not after the seconds those imports take.
     from ..data.files import read_data
-    from ..data.images import is_image_data, read_images
-    from ..files.hf import load_model, model_files
-    from ..files.peft import is_adapter_folder, load_peft_model
+    from ..data.images import is_image_data
+    from ..files.peft import is_adapter_folder
     from ..files.st import sentence_transformer
-    from ..stats.collect import collect_regmean_stats
-    from ..stats.fisher import collect_fisher
 
     out = Path(args.out)
     _check_out_file(out, claimed)
@@ -333,11 +330,28 @@ def _stats_collect(args: argparse.Namespace, claimed: Claimed) -> int:
         model_dir = st.transformer
     if not (model_dir / "config.json").is_file():
         raise CliError(f"MODEL {model_dir}: not a save_pretrained folder (no config.json)")
+    images = is_image_data(args.data)
+    if not images:
+        texts, labels, source = read_data(
+            args.data,
+            text_field=args.text_field,
+            label_field=args.label_field,
+            max_texts=args.max_texts,
+        )
+    from transformers import AutoTokenizer
+
+    from ..data.batches import text_batches
+    from ..data.images import read_images
+    from ..files.hf import load_model, model_files
+    from ..files.peft import load_peft_model
+    from ..stats.collect import collect_regmean_stats
+    from ..stats.fisher import collect_fisher
+
     batches: Any
-    if is_image_data(args.data):
+    if images:
         if args.kind == "fisher" and args.labels == "gold":
             raise CliError("--labels gold: image DATA has no labels; use --labels predicted")
-        images = read_images(
+        pixels = read_images(
             args.data,
             processor=_image_processor(model_dir),
             batch_size=args.batch_size,
@@ -347,16 +361,10 @@ def _stats_collect(args: argparse.Namespace, claimed: Claimed) -> int:
         model = None if args.ray else load_model(model_dir, progress=not args.no_progress)
         if adapter is not None:
             model = load_peft_model(adapter, model)
-        batches = list(images) if args.ray else images  # Ray ships the batches to workers
-        items = f"{images.count} images"
-        source = images.source
+        batches = list(pixels) if args.ray else pixels  # Ray ships the batches to workers
+        items = f"{pixels.count} images"
+        source = pixels.source
     else:
-        texts, labels, source = read_data(
-            args.data,
-            text_field=args.text_field,
-            label_field=args.label_field,
-            max_texts=args.max_texts,
-        )
         max_length = args.max_length
         if st is not None:  # as sentence-transformers prepares texts for this encoder
             max_length = max_length or st.max_seq_length()

@@ -12,6 +12,7 @@ line.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from collections.abc import Mapping
@@ -121,9 +122,10 @@ def read_yaml(path: str | os.PathLike[str], what: str, error: type[Exception]) -
             return super().compose_node(parent, index)
 
     path = Path(path)
-    text = read_text(path, what, error)
+    stream = io.StringIO(read_text(path, what, error))
+    stream.name = path.name  # PyYAML's messages name the file, not "<unicode string>"
     try:
-        return yaml.load(text, Loader=NoAliasLoader)  # a SafeLoader subclass
+        return yaml.load(stream, Loader=NoAliasLoader)  # a SafeLoader subclass
     except RecursionError:
         raise error(f"{what} {path}: cannot parse (nested too deeply)") from None
     except (yaml.YAMLError, ValueError) as exc:

@@ -77,6 +77,7 @@ from typing import Annotated, Any, ParamSpec, TypeVar
 from pydantic import BaseModel, BeforeValidator, Field, ValidationError, create_model
 
 from .._errors import DataError, MergeError, MissingFileError
+from .._util import did_you_mean
 from ..data import corpora
 from ..data.files import read_data
 from ..files.parse import STRICT, parse_json, read_text, read_yaml, schema_message
@@ -257,8 +258,10 @@ def _schema_error(exc: ValidationError, where: str) -> MergeError:
         key = str(next((p for p in parent if isinstance(p, str)), ""))
         cls = _SECTIONS.get(key) or _config_schema()
         allowed = ", ".join(sorted(cls.model_fields))
+        hint = did_you_mean(extra[0], list(cls.model_fields)) if len(extra) == 1 else ""
         return MergeError(
-            f"{where}: unknown key(s) {extra} in {section or 'the config'}; allowed: {allowed}"
+            f"{where}: unknown key(s) {extra} in {section or 'the config'}{hint}; allowed: "
+            f"{allowed}"
         )
     if first.get("input") is None:  # a default (from the environment) refused
         key = ".".join(str(p) for p in first["loc"])

@@ -33,6 +33,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from .._errors import MergeError
+from .._util import did_you_mean
 from .builtin import BUILT_IN, POST_STEPS
 from .method import COPY, MergeMethod, NoOptions, PostStep
 from .options import MergeOptions, OptionError, option_error, plain
@@ -171,7 +172,7 @@ def method_named(name: str) -> MergeMethod:
         )
     raise MergeError(
         f"method: expected one of {method_names()} (each may be followed by a post-step: "
-        f"+{', +'.join(post_steps())}), got {name!r}"
+        f"+{', +'.join(post_steps())}), got {name!r}{did_you_mean(name, method_names())}"
     )
 
 
