@@ -167,3 +167,85 @@ def test_no_progress_is_quiet_and_progress_shows_transformers_bars(classifier):
     merged = _run("merge", str(cfg), "--out", str(classifier / "m"), "--in-memory", "--no-progress")
     assert merged.returncode == 0, merged.stderr
     assert merged.stderr == "", merged.stderr
+
+
+#: reStructuredText a terminal shows as it is: double backquotes, roles, literal blocks.
+RAW_RST = re.compile(r"``|:(?:func|class|meth|mod|attr|data):`|::\s*$", re.M)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [[], ["stats"], ["stats", "add"], ["stats", "show"], ["merge"], ["decompose"], ["methods"]],
+    ids=lambda argv: " ".join(["lmdx", *argv]),
+)
+def test_help_is_plain_text(argv, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit) as done:
+        main([*argv, "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert not RAW_RST.findall(text), RAW_RST.findall(text)
+
+
+def test_merge_help_fits_a_screen_or_two_and_says_where_the_methods_are(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit):
+        main(["merge", "--help"])
+    text = capsys.readouterr().out
+    assert len(text.splitlines()) <= 60, len(text.splitlines())
+    assert "lmdx methods" in text and "lmdx methods NAME" in text
+    assert "--out DIR" in text and "--dry-run" in text
+
+
+def test_methods_name_shows_that_method_and_a_config_to_start_from(capsys):
+    import yaml
+    from lmdx.merge.registry import methods
+
+    for name, method in methods().items():
+        assert main(["methods", name]) == 0
+        text = capsys.readouterr().out
+        assert text.startswith(f"{name}: ")
+        example = text.split("example config (merge.yaml; then lmdx merge merge.yaml --out "
+                             "merged):\n", 1)[1]
+        config = yaml.safe_load(example)
+        assert config["method"] == name and len(config["models"]) == 2
+        assert ("base" in config) == method.needs_base
+        for key, field in method.options.model_fields.items():
+            if field.default is not None:
+                assert config[key] == field.default, (name, key)
+        # the example is a configuration lmdx reads: its keys are the schema's
+        assert set(config) <= {"method", "base", "models", "heads", *method.options.model_fields}
+    assert main(["methods", "+svc"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("+svc: SVC") and "ties+svc" in text and "svc_alpha" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["mrege", "x.yaml"], "lmdx: error: no command 'mrege'; did you mean merge?"),
+        (["methods", "tiess"], "lmdx methods: error: no merge method 'tiess'; did you mean ties?"),
+    ],
+)
+def test_a_mistyped_name_gets_a_suggestion(argv, said, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(said), err
+
+
+@pytest.mark.parametrize(
+    ("config", "said"),
+    [
+        ("method: tiess\nmodels: [a, b]\n", "got 'tiess'; did you mean ties?"),
+        ("method: regmean\nalpah: 0.9\nmodels: [a, b]\n", "['alpah'] in the config; did you mean alpha?"),
+        ("method: average\nmodels: [a, b\n", "merge.yaml"),
+    ],
+    ids=["method", "key", "yaml"],
+)
+def test_config_mistakes_name_the_file_and_suggest(config, said, tmp_path, capsys):
+    path = tmp_path / "merge.yaml"
+    path.write_text(config)
+    assert main(["merge", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and said in err[0] and "<unicode string>" not in err[0], err
+    assert not (tmp_path / "out").exists()

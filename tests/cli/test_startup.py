@@ -35,9 +35,10 @@ with open(report, "w") as f:
 """
 
 
-def _run(tmp: Path, *argv: str) -> dict[str, Any]:
-    """Run ``lmdx ARGV`` in a new interpreter: the heavy packages (``heavy``) and the
-    modules of lmdx's top level (``lmdx``) it imported."""
+def _run(tmp: Path, *argv: str, code: int = 0) -> dict[str, Any]:
+    """Run ``lmdx ARGV`` in a new interpreter, expecting exit status ``code``: the heavy
+    packages (``heavy``) and the modules of lmdx's top level (``lmdx``) it imported, and
+    what it wrote on stderr (``stderr``)."""
     report = tmp / "report.json"
     report.unlink(missing_ok=True)
     done = subprocess.run(
@@ -47,8 +48,8 @@ def _run(tmp: Path, *argv: str) -> dict[str, Any]:
         timeout=300,
     )
     result = json.loads(report.read_text())
-    assert result["code"] == 0, done.stderr
-    return dict(result)
+    assert result["code"] == code, done.stderr
+    return {**result, "stderr": done.stderr}
 
 
 def _imports(tmp: Path, *argv: str) -> list[str]:
@@ -114,3 +115,30 @@ def test_the_check_sees_an_import(folder, tmp_path):
     out = tmp_path / "m"
     argv = ["merge", str(folder / "merge.yaml"), "--out", str(out), "--in-memory", "--no-progress"]
     assert _imports(tmp_path, *argv) == ["torch", "transformers"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["stats", "{tmp}/nope", "{root}/texts.txt", "--out", "{out}"], "MODEL {tmp}/nope"),
+        (["stats", "{root}/m0", "{tmp}/nope.txt", "--out", "{out}"], "DATA {tmp}/nope.txt"),
+        (["stats", "{root}/m0", "{root}/texts.txt", "--out", "{tmp}/no/s.st"], "--out"),
+        (["stats", "show", "{tmp}/nope.safetensors"], "{tmp}/nope.safetensors"),
+        (["merge", "{tmp}/nope.yaml", "--out", "{out}"], "{tmp}/nope.yaml"),
+        (["merge", "{root}/missing.yaml", "--out", "{out}"], "nope-model"),
+        (["decompose", "--embeddings", "{tmp}/a.npy", "{tmp}/b.npy"], "a.npy"),
+    ],
+    ids=["stats model", "stats data", "stats out", "stats show", "merge config",
+         "merge model", "decompose embeddings"],
+)
+def test_a_missing_file_or_folder_is_one_line_before_torch(folder, tmp_path, argv, said):
+    """A mistyped path is reported before torch or transformers are imported (they take
+    seconds): a user hears of it at once, in one line that names it, exit status 2."""
+    (folder / "texts.txt").write_text("one text\nanother text\n")
+    (folder / "missing.yaml").write_text("method: average\nmodels: [nope-model, m1]\n")
+    fill = {"root": folder, "tmp": tmp_path, "out": tmp_path / "out"}
+    result = _run(tmp_path, *[a.format(**fill) for a in argv], code=2)
+    assert result["heavy"] == [], result["stderr"]
+    lines = result["stderr"].strip().splitlines()
+    assert len(lines) == 1 and said.format(**fill) in lines[0], lines
+    assert not (tmp_path / "out").exists()

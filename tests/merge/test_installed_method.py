@@ -139,7 +139,7 @@ def test_an_installed_method_merges_through_lmdx_merge(installed, folders, tmp_p
 
 
 def test_its_help_option_checks_and_a_method_that_cannot_load(installed, folders, tmp_path):
-    done = _lmdx(installed, "merge", "--help")
+    done = _lmdx(installed, "methods")
     assert done.returncode == 0, done.stderr[-3000:]
     text = " ".join(done.stdout.split())
     assert "midrange: per entry, shrink x (max + min) / 2 of the models" in text

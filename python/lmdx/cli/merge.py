@@ -45,7 +45,7 @@ Merge models fine-tuned from one checkpoint, as a YAML or JSON config says:
   alpha: 0.9
   heads: {patterns: ["classifier.*"], policy: keep}    # each model keeps its head
 
-One method with an example config to start from: lmdx methods NAME. Every key, LoRA
+One method with an example config to start from: lmdx methods NAME. Every key, LoRA \
 adapters, base models and per-task folders: docs/guide/merging.md."""
 
 

@@ -48,22 +48,22 @@ def _wrapped(text: str, indent: str) -> list[str]:
     return textwrap.wrap(text, WIDTH, initial_indent=indent, subsequent_indent=indent + "  ")
 
 
-def _options(model: Any) -> list[str]:
+def _options(model: Any, indent: str = "      ") -> list[str]:
     """One entry per option of a method's (or post-step's) pydantic ``model``."""
     lines = []
     for key, f in model.model_fields.items():
         default = "none" if f.default is None else f.default
-        lines += _wrapped(f"{key} (default {default}): {f.description or ''}", "      ")
+        lines += _wrapped(f"{key} (default {default}): {f.description or ''}", indent)
     return lines
 
 
-def _needs(method: Any) -> list[str]:
+def _needs(method: Any, indent: str = "      ") -> list[str]:
     needs = [
         *([f"{method.stats} statistics per model (models[].stats)"] if method.stats else []),
         *(["base: the pre-trained model folder"] if method.needs_base else []),
         *(["data per model (models[].data)"] if method.takes_data else []),
     ]
-    return _wrapped(f"needs: {', '.join(needs)}", "      ") if needs else []
+    return _wrapped(f"needs: {', '.join(needs)}", indent) if needs else []
 
 
 def _shared() -> list[str]:
@@ -89,16 +89,17 @@ def _yaml_value(value: Any) -> str:
 
 def _example(method: Any) -> list[str]:
     """A config to start from: the method, its inputs and every option at its default."""
-    if method.stats:
-        model = "{path: finetuned/%s, stats: %s.safetensors}"
-    elif method.takes_data:
-        model = "{path: finetuned/%s, data: %s-train.jsonl}"
-    else:
-        model = "finetuned/%s"
+    def model(task: str) -> str:
+        if method.stats:
+            return f"{{path: finetuned/{task}, stats: {task}.safetensors}}"
+        if method.takes_data:
+            return f"{{path: finetuned/{task}, data: {task}-train.jsonl}}"
+        return f"finetuned/{task}"
+
     lines = [f"method: {method.name}"]
     if method.needs_base:
         lines.append("base: pretrained            # the checkpoint the models were tuned from")
-    lines += ["models:", *(f"  - {model % (t, t)}" for t in ("bbc", "reuters"))]
+    lines += ["models:", *(f"  - {model(t)}" for t in ("bbc", "reuters"))]
     lines += [
         f"{key}: {_yaml_value(f.default)}"
         for key, f in method.options.model_fields.items()
@@ -124,9 +125,12 @@ def methods_text(name: str | None = None) -> str:
             return "\n".join(
                 [
                     *_wrapped(f"{name}: {method.summary}", ""),
-                    *_needs(method),
-                    *(["options (top-level keys):", *_options(method.options)]
-                      if method.options.model_fields else ["options: none of its own"]),
+                    *_needs(method, ""),
+                    *(
+                        ["options (top-level keys):", *_options(method.options, "  ")]
+                        if method.options.model_fields
+                        else ["options: none of its own"]
+                    ),
                     "",
                     *_example(method),
                 ]
@@ -139,7 +143,7 @@ def methods_text(name: str | None = None) -> str:
                     *_wrapped(f"+{post}: {step.summary}", ""),
                     f"after any method: method: NAME+{post} (e.g. ties+{post})",
                     "options (top-level keys):",
-                    *_options(step.options),
+                    *_options(step.options, "  "),
                 ]
             )
         if name in unloaded:
