@@ -115,7 +115,7 @@ def fine_tune(encoder: Path, texts: list[str], labels: list[str], out: Path) -> 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("quickstart"), help="folder to write")
-    parser.add_argument("--texts", type=int, default=64, help="training texts per task")
+    parser.add_argument("--texts", type=int, default=128, help="training texts per task")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
     args = parser.parse_args(argv)
     if args.threads:

@@ -2,7 +2,8 @@
 
 * ``reference/cli.md``: the ``--help`` of ``lmdx`` and of every command and sub-command, as
   the installed argparse parsers print it (commands found in ``lmdx --help``, sub-commands
-  such as ``lmdx stats add`` in their command's help, each confirmed by its own usage line).
+  such as ``lmdx stats add`` in their command's help, each confirmed by its own usage line),
+  and the merge methods as ``lmdx methods`` lists them.
   It replaces the stub of that name in ``docs/`` (which says how to see the same help).
 * ``index.md``: the repository's README.md, its links into ``docs/`` made relative to the
   site (one text for GitHub and the site's home page).
@@ -93,6 +94,19 @@ def cli_reference() -> str:
     ]
     for argv, text in sections:
         page += [f"## `{' '.join(argv)}`", "", "```text", text, "```", ""]
+    from lmdx.cli.methods import methods_text
+
+    page += [
+        "## The merge methods (`lmdx methods`)",
+        "",
+        "What `lmdx methods` prints: every registered method, what it needs and its options "
+        "with their defaults; `lmdx methods NAME` adds an example config to start from.",
+        "",
+        "```text",
+        methods_text(),
+        "```",
+        "",
+    ]
     return "\n".join(page)
 
 

@@ -205,8 +205,9 @@ def test_methods_name_shows_that_method_and_a_config_to_start_from(capsys):
         assert main(["methods", name]) == 0
         text = capsys.readouterr().out
         assert text.startswith(f"{name}: ")
-        example = text.split("example config (merge.yaml; then lmdx merge merge.yaml --out "
-                             "merged):\n", 1)[1]
+        example = text.split(
+            "example config (merge.yaml; then lmdx merge merge.yaml --out merged):\n", 1
+        )[1]
         config = yaml.safe_load(example)
         assert config["method"] == name and len(config["models"]) == 2
         assert ("base" in config) == method.needs_base
@@ -237,7 +238,10 @@ def test_a_mistyped_name_gets_a_suggestion(argv, said, capsys):
     ("config", "said"),
     [
         ("method: tiess\nmodels: [a, b]\n", "got 'tiess'; did you mean ties?"),
-        ("method: regmean\nalpah: 0.9\nmodels: [a, b]\n", "['alpah'] in the config; did you mean alpha?"),
+        (
+            "method: regmean\nalpah: 0.9\nmodels: [a, b]\n",
+            "['alpah'] in the config; did you mean alpha?",
+        ),
         ("method: average\nmodels: [a, b\n", "merge.yaml"),
     ],
     ids=["method", "key", "yaml"],

@@ -126,10 +126,17 @@ def test_the_check_sees_an_import(folder, tmp_path):
         (["stats", "show", "{tmp}/nope.safetensors"], "{tmp}/nope.safetensors"),
         (["merge", "{tmp}/nope.yaml", "--out", "{out}"], "{tmp}/nope.yaml"),
         (["merge", "{root}/missing.yaml", "--out", "{out}"], "nope-model"),
-        (["decompose", "--embeddings", "{tmp}/a.npy", "{tmp}/b.npy"], "a.npy"),
+        (["decompose", "--embeddings", "{tmp}/a.npy", "{tmp}/b.npy", "--out", "{out}"], "a.npy"),
     ],
-    ids=["stats model", "stats data", "stats out", "stats show", "merge config",
-         "merge model", "decompose embeddings"],
+    ids=[
+        "stats model",
+        "stats data",
+        "stats out",
+        "stats show",
+        "merge config",
+        "merge model",
+        "decompose embeddings",
+    ],
 )
 def test_a_missing_file_or_folder_is_one_line_before_torch(folder, tmp_path, argv, said):
     """A mistyped path is reported before torch or transformers are imported (they take

@@ -91,13 +91,17 @@ def local_index(tmp_path: Path) -> Iterator[str]:
     server.server_close()
 
 
+#: The installed torch's release, without its local label (``2.13.0`` of ``2.13.0+cpu``).
+_RELEASE = torch.__version__.split("+")[0]
+
+
 def _install_torch(index: str, pin: bool = False) -> subprocess.CompletedProcess[str]:
     # A range the installed torch satisfies: pip is asked and has nothing to fetch. The
     # installed version pinned (``pin``): the script sees it installed and asks no index.
     env = {
         **os.environ,
         "PYTHON": sys.executable,
-        "LMDX_TORCH": f"torch=={torch.__version__}" if pin else f"torch>={torch.__version__}",
+        "LMDX_TORCH": f"torch=={torch.__version__}" if pin else f"torch>={_RELEASE}",
         "LMDX_TORCH_INDEX": index,
     }
     return subprocess.run(
@@ -121,7 +125,7 @@ def test_install_torch_falls_back_in_one_line_when_the_index_is_unreachable() ->
     said = [ln for ln in done.stderr.splitlines() if ln.startswith("install_torch:")]
     assert said == [
         "install_torch: PyTorch's CPU index (https://download.invalid/whl/cpu) cannot be "
-        f"reached; installing torch>={torch.__version__} from pip's configured index "
+        f"reached; installing torch>={_RELEASE} from pip's configured index "
         "instead (PyPI's is the CUDA build on Linux x86-64)"
     ]
 

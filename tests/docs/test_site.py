@@ -76,6 +76,16 @@ def test_no_raw_sphinx_role_and_the_roles_are_links(site: Path) -> None:
         assert re.search(rf"{link}[^>]*><code>{re.escape(shown)}</code></a>", api), shown
 
 
+def test_reference_pages_show_no_raw_literals(site: Path) -> None:
+    """Docstrings and help are rendered, not shown as written: no double backquotes (a
+    numpydoc section that took prose for a type or a name shows them raw) and no
+    reStructuredText literal-block markers on the command line and API pages."""
+    for page in ("cli", "api"):
+        text = (site / "reference" / page / "index.html").read_text(encoding="utf-8")
+        raw = [text[m.start() - 60 : m.end() + 40] for m in re.finditer(r"``|::\s*\n", text)]
+        assert not raw, (page, raw[:5])
+
+
 def _public_objects() -> Iterator[griffe.Object]:
     """What the API reference documents: the names of ``__all__`` of lmdx and of its
     subpackages, with the public methods of classes."""

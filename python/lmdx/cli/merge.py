@@ -7,7 +7,6 @@ import json
 import shlex
 import shutil
 import sys
-import textwrap
 import time
 import warnings
 from pathlib import Path

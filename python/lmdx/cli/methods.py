@@ -82,6 +82,9 @@ def _shared() -> list[str]:
 def _yaml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, float):  # YAML 1.1 reads 1e-08 as a string, 1.0e-08 as a number
+        mantissa, e, exponent = repr(value).partition("e")
+        return f"{mantissa}{'' if '.' in mantissa else '.0'}{e}{exponent}" if e else repr(value)
     if isinstance(value, list | tuple | dict):
         return json.dumps(value)
     return str(value)
@@ -89,6 +92,7 @@ def _yaml_value(value: Any) -> str:
 
 def _example(method: Any) -> list[str]:
     """A config to start from: the method, its inputs and every option at its default."""
+
     def model(task: str) -> str:
         if method.stats:
             return f"{{path: finetuned/{task}, stats: {task}.safetensors}}"

@@ -23,8 +23,8 @@ streaming :class:`lmdx.Moments` of the concatenated embeddings ``[f_1(x); …; f
   per-dimension R² values ``1 − SSR_j/SST_j`` is reported (dimensions with zero variance
   on the scored split are left out of that average). A pooled R² with SST = 0 is NaN.
 
-Conventions (``mode``)
-----------------------
+Conventions of the two modes
+----------------------------
 ``"default"``
     Population moments (``ddof=0``). The ridge is relative to the basis scale,
     ``λ = ρ·tr(Σ_zz)/D_z`` (the mean eigenvalue of Σ_zz), so ρ means the same thing for

@@ -324,7 +324,8 @@ def load_pypi_encoder(
 
     Returns
     -------
-    An encoder ``texts -> (n, dim) float32`` whose ``name`` is the encoder name.
+    Callable
+        An encoder ``texts -> (n, dim) float32`` whose ``name`` is the encoder name.
     """
     spec = _spec(name)
     limit = max_length if max_length is not None else (spec.max_length or 512)

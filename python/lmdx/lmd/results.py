@@ -69,6 +69,8 @@ class LMDFit:
     weight, bias
         W, shape (D_u, D_z), and b, shape (D_u,), if kept.
 
+    Notes
+    -----
     ``rho``, ``lam`` and ``rho_scores`` are deprecated names of ``ridge``,
     ``ridge_absolute`` and ``ridge_scores``.
     """

@@ -98,7 +98,7 @@ def merge_models(
         K torch modules, state dicts, Hugging Face model folders (sentence-transformers
         folders: their Transformer) or PEFT LoRA adapter folders over ``base``.
     method
-        A registered method's name (``lmdx merge --help`` lists them): ``"regmean"``,
+        A registered method's name (``lmdx methods`` lists them): ``"regmean"``,
         ``"average"``, ``"fisher"``, a task-vector method: ``"task_arithmetic"``,
         ``"ties"``, ``"dare"`` or ``"dare_ties"`` (see
         :mod:`lmdx.merge.builtin.task_vectors` for the formulas), ``"regmean_plusplus"``
@@ -152,7 +152,7 @@ def merge_models(
           :func:`save_merged`); the options of writing a folder are
           :func:`save_merged`'s;
         * the method's own (its pydantic model,
-          :attr:`lmdx.merge.method.MergeMethod.options`; ``lmdx merge --help`` lists them
+          :attr:`lmdx.merge.method.MergeMethod.options`; ``lmdx methods`` lists them
           for every registered method; those of other methods are refused). Built in,
           e.g.: ``alpha``, ``ridge``, ``allow_regularization`` and ``precision`` for ``regmean`` and
           ``regmean_plusplus`` (``precision="auto"`` solves a layer in float32 where a

@@ -297,6 +297,7 @@ def load_merge_config(path: str | os.PathLike[str], *, cost: bool = False) -> Me
         raise MergeError(
             f"{where}: method must be one of {', '.join(method_names())} (each may be followed "
             f"by {posts}), got {got!r}"
+            f"{did_you_mean(got, method_names()) if isinstance(got, str) else ''}"
         )
     try:
         checked = _config_schema().model_validate(raw)

@@ -40,10 +40,12 @@ def load_merged(
 
     Returns
     -------
-    The model, of the class ``config.json`` names (e.g. ``BertForSequenceClassification``),
-    in evaluation mode as ``from_pretrained`` leaves it. A task index the folder has no
-    head for, a missing or altered head file, or a head that does not fit the model
-    raises :class:`MergeError` naming the file.
+    transformers.PreTrainedModel
+        The model, of the class ``config.json`` names (e.g.
+        ``BertForSequenceClassification``), in evaluation mode as ``from_pretrained``
+        leaves it. A task index the folder has no head for, a missing or altered head
+        file, or a head that does not fit the model raises :class:`MergeError` naming the
+        file.
     """
     folder = Path(path)
     config = read_config(folder)

@@ -16,7 +16,7 @@ at a time::
     register_method(KeepFirst())
 
 What a method declares (class attributes): ``name``; ``summary`` (its line in the model card
-and ``lmdx merge --help``); ``options``, a pydantic model of the method's own options (types,
+and ``lmdx methods``); ``options``, a pydantic model of the method's own options (types,
 defaults, checks; each field's description is its help text, and a field's
 ``json_schema_extra={"label": ...}`` the words of its error message); ``stats``, the kind
 of statistics it needs one of per model (``"regmean-gram"``, ``"fisher"`` or None);
@@ -367,7 +367,7 @@ COPY = Copy()
 class PostStep:
     """A step any method's merged model can go through, named after the method:
     ``method: <name>+<post-step>`` (SVC: ``ties+svc``). ``summary`` is its line in
-    ``lmdx merge --help``, ``options`` its pydantic model (joined to the method's), and
+    ``lmdx methods``, ``options`` its pydantic model (joined to the method's), and
     ``wrap(method)`` makes the method followed by it (a :class:`MergeMethod` named so)."""
 
     name: str

@@ -21,7 +21,7 @@ The installed methods are loaded the first time a method is looked up by name or
 methods are listed, in any process (a script, ``lmdx merge``, a Ray worker). One that
 cannot be loaded (its package fails to import, it is no method, its name is taken) takes
 nothing from the others: asking for it by name raises the reason
-(:func:`method_named`), ``lmdx merge --help`` shows it (:func:`unloaded_methods`).
+(:func:`method_named`), ``lmdx methods`` shows it (:func:`unloaded_methods`).
 """
 
 from __future__ import annotations

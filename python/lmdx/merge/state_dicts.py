@@ -10,7 +10,7 @@ runs on the other with lmdx's methods — RegMean among them when statistics are
   included), or a mapping from IDs to them;
 * ``base``: the ID (index, or mapping key) of the pre-trained model among ``models``; it
   becomes lmdx's ``base`` (the task-vector methods' θ_base) and is not merged as a model;
-* ``parameters``: the method's options by lmdx's names (``lmdx merge --help``), and
+* ``parameters``: the method's options by lmdx's names (``lmdx methods``), and
   ``weight``, per input (a sequence in input order or a mapping by ID) or one number: the
   models' ``coefficients``;
 * ``statistics``: per merged model, its statistics (objects or files), in order or by ID,

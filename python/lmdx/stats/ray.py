@@ -240,6 +240,8 @@ def collect_regmean_stats_ray(
         again once, on any node with free CPUs); or no node has had ``threads_per_worker``
         CPUs for ``LMDX_RAY_WAIT`` seconds (default 60) while shards were left.
 
+    Notes
+    -----
     Nothing is returned (nothing is written) on error; the tasks still running are
     cancelled at the end, also on error or ``KeyboardInterrupt``.
     """

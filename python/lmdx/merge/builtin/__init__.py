@@ -47,7 +47,7 @@ __all__ = [
     "Wudi",
 ]
 
-#: The built-in methods, in the order ``lmdx merge --help`` lists them.
+#: The built-in methods, in the order ``lmdx methods`` lists them.
 BUILT_IN = (
     RegMean(),
     AVERAGE,
