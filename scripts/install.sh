@@ -35,4 +35,4 @@ if ! "$PYTHON" -m pip install -v "$@" 2>&1 | tee "$log" | awk -v tty=$tty "$prog
   exit 1
 fi
 compiled=$(grep -cE '^[[:space:]]*\[[0-9]+/[0-9]+\] Building' "$log" || true)
-echo "install: lmdx installed from $PWD in $((SECONDS - start)) s ($compiled objects compiled)"
+echo "install: lmdx installed from $PWD in $((SECONDS - start)) s ($compiled compile steps; ccache serves the unchanged ones)"

@@ -151,6 +151,7 @@ def _run(*argv: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow  # transformers' bars: a model loaded in subprocesses
 def test_no_progress_is_quiet_and_progress_shows_transformers_bars(classifier):
     data = str(classifier / "texts.txt")
     model = str(classifier / "model")

@@ -47,6 +47,12 @@ def test_every_code_block_is_marked_and_every_marker_is_known() -> None:
     assert not problems, "\n".join(problems)
 
 
+def test_the_readme_is_read_to_the_end() -> None:
+    """The README stays a front page (the rest lives in docs/): at most 250 lines."""
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 250, len(lines)
+
+
 def test_the_pages_have_runnable_blocks() -> None:
     """The convention is in use (a parser that finds nothing would pass everything), and
     the README's quick start runs from its first step (the example that makes its inputs)."""
@@ -78,6 +84,7 @@ def run_line(line: str, where: str, monkeypatch: pytest.MonkeyPatch, capsys) -> 
         assert not said, f"{where}: `{line}` warned: {said}"
 
 
+@pytest.mark.slow  # the pages' examples fine-tune and merge real models
 @pytest.mark.parametrize(
     ("page", "workspace"), sorted(CHAINS), ids=[f"{p}::{w}" for p, w in sorted(CHAINS)]
 )

@@ -18,6 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import load_file
 
+pytestmark = pytest.mark.slow  # hundreds of corrupted inputs, each merged
+
 EXAMPLES = {
     "stats_file": 400,
     "stats_folder": 250,

@@ -323,6 +323,7 @@ print("RESULT", remote.report["ray_workers"], blocks > 1, same,
 """
 
 
+@pytest.mark.slow  # Ray starts
 def test_blocks_on_ray_workers_give_the_local_merge(tmp_path):
     """Ray workers solve through the same step, with the merge's budget (here from
     LMDX_SOLVE_MEMORY, read once where the merge starts; it travels with the options):

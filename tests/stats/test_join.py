@@ -175,6 +175,7 @@ print("RESULT", remote.report["ray_workers"], same)
 """
 
 
+@pytest.mark.slow  # Ray starts
 def test_ray_workers_join_the_parts_themselves(llama, tmp_path):
     """On Ray each worker opens and joins a model's parts from their paths: the merge is
     the local one, bit for bit."""

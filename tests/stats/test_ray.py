@@ -33,7 +33,7 @@ from safetensors.numpy import load_file
 from tiny_bert import WORDS, build_tiny_bert
 from transformers import AutoTokenizer, BertForSequenceClassification
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]  # Ray starts
 
 MODULE = "bert.encoder.layer.1.intermediate.dense"
 N_TEXTS, BATCH = 40, 8  # 5 batches: shards of 3 and 2

@@ -41,7 +41,7 @@ from tiny_bert import WORDS, build_tiny_bert
 from transformers import AutoTokenizer, BertForSequenceClassification
 
 ray = pytest.importorskip("ray")
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]  # Ray starts
 
 N_TEXTS, BATCH = 40, 8
 HANG = 300  # seconds after which the watchdog ends a test that hangs
