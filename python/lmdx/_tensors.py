@@ -231,7 +231,7 @@ def as_numpy(x: Any) -> NDArray[Any]:
 
             return np.asarray(t.view(torch.int16).numpy().view(bfloat16_dtype()))
         return np.asarray(t.numpy())
-    return np.ascontiguousarray(x)
+    return np.asarray(x, order="C")  # (np.ascontiguousarray makes a 0-d array 1-d)
 
 
 def to_torch(arr: Any) -> Any:
@@ -242,7 +242,7 @@ def to_torch(arr: Any) -> Any:
 
     if _is_torch(arr):
         return arr
-    arr = np.ascontiguousarray(arr)
+    arr = np.asarray(arr, order="C")  # 0-d stays 0-d (CLIP's logit_scale)
     if not arr.flags.writeable:  # e.g. arrays from Ray's object store
         arr = arr.copy()
     if is_bfloat16(arr.dtype):

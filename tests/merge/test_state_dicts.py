@@ -163,3 +163,59 @@ def test_errors_name_what_to_do():
 def _first_bert():
     _, models, batches = H.cached_family("bert")
     return models[0], list(batches[0])
+
+
+def _data_free_methods() -> list[str]:
+    from lmdx.merge.registry import methods
+
+    return [n for n, m in methods().items() if not m.stats and not m.takes_data]
+
+
+@pytest.mark.parametrize("method", _data_free_methods())
+def test_zero_dim_tensors_keep_their_shape(method):
+    """CLIP's ``logit_scale`` (a float scalar) and BatchNorm's ``num_batches_tracked`` (an
+    integer one) come back 0-dim, whatever the method (NumPy's ascontiguousarray once made
+    them shape (1,)). The scalar is what every method makes of a tensor of one entry."""
+    gen = torch.Generator().manual_seed(0)
+    base = {"w": torch.randn(4, 6, generator=gen), "logit_scale": torch.tensor(2.5)}
+    models = {"base": {**base, "steps": torch.tensor(7)}}
+    for i in range(2):
+        models[i] = {
+            "w": base["w"] + 0.1 * torch.randn(4, 6, generator=gen),
+            "logit_scale": torch.tensor(2.5 + 0.25 * (i + 1)),
+            "steps": torch.tensor(7),
+        }
+    needs_base = method not in ("average", "slerp", "karcher")
+    inputs = models if needs_base else {i: models[i] for i in (0, 1)}
+    out = merge_state_dicts(inputs, method, base="base" if needs_base else None)
+    assert out["logit_scale"].shape == () and out["logit_scale"].dtype == torch.float32
+    assert out["steps"].shape == () and int(out["steps"]) == 7
+    assert out["w"].shape == (4, 6)
+    as_vector = {
+        k: {n: t.reshape(1) if n == "logit_scale" else t for n, t in m.items()}
+        for k, m in inputs.items()
+    }
+    vector = merge_state_dicts(as_vector, method, base="base" if needs_base else None)
+    assert torch.equal(out["logit_scale"].reshape(1), vector["logit_scale"])
+
+
+def test_zero_dim_tensors_merge_through_folders(tmp_path, capsys):
+    from lmdx.cli import main
+    from safetensors.numpy import load_file
+    from safetensors.torch import save_file
+
+    for i in range(2):
+        folder = tmp_path / f"m{i}"
+        folder.mkdir()
+        tensors = {
+            "w": torch.full((2, 3), float(i)),
+            "logit_scale": torch.tensor(1.0 + i),
+            "bn.num_batches_tracked": torch.tensor(5),
+        }
+        save_file(tensors, str(folder / "model.safetensors"))
+        (folder / "config.json").write_text('{"model_type": "bert"}')
+    (tmp_path / "m.yaml").write_text("method: average\nmodels: [m0, m1]\n")
+    assert main(["merge", str(tmp_path / "m.yaml"), "--out", str(tmp_path / "out")]) == 0
+    merged = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert merged["logit_scale"].shape == () and merged["logit_scale"] == 1.5
+    assert merged["bn.num_batches_tracked"].shape == () and merged["bn.num_batches_tracked"] == 5
