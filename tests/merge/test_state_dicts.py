@@ -219,3 +219,19 @@ def test_zero_dim_tensors_merge_through_folders(tmp_path, capsys):
     merged = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert merged["logit_scale"].shape == () and merged["logit_scale"] == 1.5
     assert merged["bn.num_batches_tracked"].shape == () and merged["bn.num_batches_tracked"] == 5
+
+
+@pytest.mark.parametrize("method", _data_free_methods())
+@pytest.mark.parametrize("shape", [(0, 4), (4, 0), (0,)])
+def test_empty_tensors_come_back_empty(method, shape):
+    """A tensor with no entries (a vocabulary of zero added tokens) merges to itself with
+    every method (DELLA's ranking once failed to reshape it)."""
+    gen = torch.Generator().manual_seed(1)
+    models = {
+        key: {"empty": torch.zeros(shape), "v": torch.randn(5, generator=gen)}
+        for key in ("base", 0, 1)
+    }
+    needs_base = method not in ("average", "slerp", "karcher")
+    inputs = models if needs_base else {i: models[i] for i in (0, 1)}
+    out = merge_state_dicts(inputs, method, base="base" if needs_base else None)
+    assert out["empty"].shape == shape and out["v"].shape == (5,)

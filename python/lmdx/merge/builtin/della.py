@@ -87,6 +87,8 @@ def magprune(
     """Model ``model``'s task vector ``tau`` of tensor ``name`` after MAGPRUNE: entries kept
     with their rank's probability and divided by it (see the module's description); a
     new array."""
+    if tau.size == 0:  # nothing to prune (a tensor with zero rows or columns)
+        return tau.copy()
     rows = tau.reshape(tau.shape[0] if tau.ndim >= 2 else 1, -1)
     n = rows.shape[1]
     if n > 1:
