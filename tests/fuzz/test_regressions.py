@@ -321,7 +321,8 @@ def test_statistics_of_other_weights_are_still_refused(ws: Path) -> None:
     assert "has different values" in _merge_error(ws, F.CONFIG, ModelMismatchError)
 
 
-def test_statistics_that_saw_no_rows_are_named_by_file(ws: Path) -> None:
+def _saw_no_rows(ws: Path) -> None:
+    """s0.safetensors rewritten as statistics whose every module saw no rows."""
     stats = Statistics.load(ws / "s0.safetensors")
     groups = {g: {**v, "count": 0.0} for g, v in stats.groups.items()}
     empty = Statistics(
@@ -334,5 +335,23 @@ def test_statistics_that_saw_no_rows_are_named_by_file(ws: Path) -> None:
     )
     (ws / "s0.safetensors").unlink()
     empty.save(ws / "s0.safetensors")
+
+
+def test_statistics_that_saw_no_rows_are_named_by_file(ws: Path) -> None:
+    _saw_no_rows(ws)
     msg = _merge_error(ws, F.CONFIG)
     assert f"statistics {ws / 's0.safetensors'} (of " in msg and "saw no rows" in msg
+
+
+def test_statistics_that_saw_no_rows_are_named_when_a_data_free_merge_is_costed(ws: Path) -> None:
+    """``lmdx merge --cost`` of a method that takes no statistics weighs each task's cost
+    by its Grams' rows: none is the same one line as RegMean's, not a ZeroDivisionError."""
+    from lmdx.merge.config import cost_merge
+
+    _saw_no_rows(ws)
+    cfg = _config(ws, F.CONFIG.replace("method: regmean", "method: average"))
+    with pytest.raises(MergeError) as info:
+        cost_merge(load_merge_config(cfg, cost=True), progress=False)
+    msg = str(info.value)
+    assert f"statistics {ws / 's0.safetensors'} (of " in msg and "saw no rows" in msg
+    assert "\n" not in msg

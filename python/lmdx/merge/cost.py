@@ -234,7 +234,9 @@ class CostMeter:
                 m: [_linear(s.read(w), w, lay) for s in self.sources] for w, m, lay in members
             }
             loaders = [functools.partial(s.gram, first) for s in self.stats]
-            counts = [s.count(first) for s in self.stats]
+            counts = [
+                s.rows_seen(first, label) for s, label in zip(self.stats, self.labels, strict=True)
+            ]
             self.layers.update(group_cost(merged, weights, loaders, counts, self.coefficients))
         self.seconds += time.process_time() - t0
 

@@ -29,7 +29,12 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from .._errors import MissingStatisticsError, ModelMismatchError, StatisticsFileError
+from .._errors import (
+    MergeError,
+    MissingStatisticsError,
+    ModelMismatchError,
+    StatisticsFileError,
+)
 from ..files.identity import describe_mismatch
 from ..files.parse import parse_json, read_json
 from ..files.safetensors import (
@@ -193,6 +198,17 @@ class Statistics:
             raise MissingStatisticsError(
                 f"{self._where()}: no statistics for module {module!r}"
             ) from None
+
+    def rows_seen(self, module: str, owner: str) -> float:
+        """:meth:`count` of ``module``, refused in one line naming ``owner`` (whose
+        statistics these are) when the module saw no rows: there is nothing to weigh by."""
+        n = self.count(module)
+        if not n > 0:
+            raise MergeError(
+                f"statistics {self.source or owner} (of {owner}): module {module!r} saw no "
+                "rows; collect them on data that reaches it, or exclude it"
+            )
+        return n
 
     def count(self, module: str | None = None) -> float:
         """Rows seen by a module's input (Grams) or examples (Fisher)."""

@@ -313,10 +313,7 @@ def solve_group_low_rank(
             b[row : row + size, col : col + am.shape[0]] = bm
             row, col = row + size, col + am.shape[0]
         joined.append((b, a))
-    counts = [s.count(step.modules[0]) for s in stats]
-    for i, n in enumerate(counts):
-        if n <= 0:
-            raise MergeError(f"statistics of {labels[i]}: module {step.modules[0]!r} saw no rows")
+    counts = [s.rows_seen(step.modules[0], label) for s, label in zip(stats, labels, strict=True)]
     members = step.modules
     name = (
         members[0] if len(members) == 1 else f"{members[0]} (+{len(members) - 1} sharing its input)"
@@ -449,13 +446,8 @@ class RegMean(MergeMethod):
         steps = []
         for members in regmean_groups(stats, set(body), tied, inputs.options):
             info = stats[0].modules[members[0]]
-            for i, s in enumerate(stats):
-                if s.count(members[0]) <= 0:
-                    lab = inputs.labels[i]
-                    raise MergeError(
-                        f"statistics {s.source or lab} (of {lab}): module {members[0]!r} saw "
-                        "no rows; collect them on data that reaches it, or exclude it"
-                    )
+            for s, label in zip(stats, inputs.labels, strict=True):
+                s.rows_seen(members[0], label)
             steps.append(
                 Step(
                     self,

@@ -33,7 +33,6 @@ import numpy as np
 from numpy.typing import NDArray
 from pydantic import Field
 
-from ..._errors import MergeError
 from ..._tensors import as_tensor_array, itemsize
 from ...files import Checkpoint
 from ...regmean import PRECISION_DESCRIPTION, SolvePrecision, regmean_merge_layer
@@ -137,10 +136,7 @@ def solve_group(
         sizes = [int(a.shape[axis]) for a in arrays]
         weights_k.append(np.concatenate(arrays, axis=axis) if len(arrays) > 1 else arrays[0])
         del arrays
-    counts = [s.count(members[0]) for s in stats]
-    for i, n in enumerate(counts):
-        if n <= 0:
-            raise MergeError(f"statistics of {labels[i]}: module {members[0]!r} saw no rows")
+    counts = [s.rows_seen(members[0], label) for s, label in zip(stats, labels, strict=True)]
     name = (
         members[0] if len(members) == 1 else f"{members[0]} (+{len(members) - 1} sharing its input)"
     )
