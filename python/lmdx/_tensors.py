@@ -35,6 +35,7 @@ __all__ = [
     "bfloat16_dtype",
     "cast_float",
     "dtype_name",
+    "float_dtype_name",
     "is_bfloat16",
     "is_tensor",
     "itemsize",
@@ -90,6 +91,23 @@ TORCH_OF_ST: dict[str, str] = {code: torch for code, (_, torch) in DTYPES.items(
 FLOAT_DTYPES = frozenset(("float64", "float32", "float16", "bfloat16"))
 #: What a merge can write: each tensor's input dtype ("auto") or one float dtype.
 OUTPUT_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def float_dtype_name(value: Any) -> str | None:
+    """The name in :data:`FLOAT_DTYPES` of a floating-point dtype given as a name
+    (``"bfloat16"``, ``"torch.float16"``), a torch dtype, or a NumPy dtype or scalar type;
+    None for anything else (integer, bool, complex, float8 types, unknown names)."""
+    if isinstance(value, str):
+        name = value.removeprefix("torch.")
+    elif type(value).__module__ == "torch":  # a torch.dtype (torch is not imported here)
+        name = str(value).removeprefix("torch.")
+    else:
+        try:
+            name = np.dtype(value).name
+        except TypeError:
+            return None
+    return name if name in FLOAT_DTYPES else None
+
 
 _NARROW_TORCH = ("torch.bfloat16", "torch.float16")
 

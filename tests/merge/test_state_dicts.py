@@ -5,6 +5,7 @@ written here and in tests/task_vectors.py, and against lmdx's own merge_models."
 from __future__ import annotations
 
 import copy
+import re
 
 import hf_models as H
 import numpy as np
@@ -235,3 +236,51 @@ def test_empty_tensors_come_back_empty(method, shape):
     inputs = models if needs_base else {i: models[i] for i in (0, 1)}
     out = merge_state_dicts(inputs, method, base="base" if needs_base else None)
     assert out["empty"].shape == shape and out["v"].shape == (5,)
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ("bfloat16", torch.bfloat16),
+        ("torch.float16", torch.float16),
+        (np.float32, torch.float32),
+        (np.dtype("float64"), torch.float64),
+        (torch.bfloat16, torch.bfloat16),
+    ],
+)
+def test_a_dtype_is_a_torch_dtype_its_name_or_a_numpy_float_type(given, expected):
+    _, sds = states(2)
+    direct = merge_state_dicts(sds, "average", dtype=expected, out_dtype=expected)
+    named = merge_state_dicts(sds, "average", dtype=given, out_dtype=given)
+    for name, t in named.items():
+        assert t.dtype == direct[name].dtype and torch.equal(t, direct[name]), name
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "said"),
+    [
+        ({"dtype": torch.int8}, "dtype must be a floating-point dtype"),
+        ({"dtype": torch.bool}, "dtype must be a floating-point dtype"),
+        ({"dtype": torch.complex64}, "dtype must be a floating-point dtype"),
+        ({"dtype": torch.float8_e4m3fn}, "dtype must be a floating-point dtype"),
+        ({"dtype": "float33"}, "got 'float33'"),
+        ({"out_dtype": "x"}, "out_dtype must be a floating-point dtype"),
+        ({"method": None}, "method must be a method's name"),
+        ({"models": None}, "models must be a list of state dicts"),
+    ],
+    ids=["int8", "bool", "complex64", "float8", "float33", "out x", "method None", "models None"],
+)
+def test_arguments_a_merge_cannot_use_are_one_lmdx_error(kwargs, said):
+    """Never the first model's tensors unmerged (an integer dtype once did that), never a
+    library's exception: a MergeError that says what is accepted."""
+    _, sds = states(2)
+    call = {"models": sds, "method": "average", **kwargs}
+    with pytest.raises(MergeError, match=rf"^merge_state_dicts: .*{re.escape(said)}"):
+        merge_state_dicts(**call)
+
+
+def test_meta_device_tensors_are_refused_by_name():
+    _, sds = states(2)
+    meta = {n: torch.empty_like(t, device="meta") for n, t in sds[1].items()}
+    with pytest.raises(MergeError, match=r"model 1: tensor '.*' is on the meta device"):
+        merge_state_dicts([sds[0], meta], "average")

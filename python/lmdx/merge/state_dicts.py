@@ -33,6 +33,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 from .._errors import MergeError
+from .._tensors import FLOAT_DTYPES, float_dtype_name
 from ..files.st import hf_model_of
 from ..stats.file import Statistics
 from .api import merge_models
@@ -81,6 +82,17 @@ def merge_state_dicts(
     dict
         Name -> merged torch tensor, in the first model's key order.
     """
+    if not isinstance(method, str) or not method:
+        raise MergeError(
+            f"merge_state_dicts: method must be a method's name (lmdx methods lists them), "
+            f"got {method!r}"
+        )
+    if isinstance(models, (str, bytes)) or not isinstance(models, Mapping | Sequence):
+        raise MergeError(
+            "merge_state_dicts: models must be a list of state dicts or modules, or a mapping "
+            f"from IDs to them, got {type(models).__name__}"
+        )
+    dtype, out_dtype = _torch_dtype(dtype, "dtype"), _torch_dtype(out_dtype, "out_dtype")
     items = list(models.items()) if isinstance(models, Mapping) else list(enumerate(models))
     if not items:
         raise MergeError("merge_state_dicts: at least one model is needed")
@@ -136,6 +148,11 @@ def _state_dict(model: Any, model_id: Hashable) -> dict[str, Any]:
         if not isinstance(name, str) or not hasattr(t, "detach"):
             raise MergeError(
                 f"merge_state_dicts: model {model_id!r}: entry {name!r} is not a named torch tensor"
+            )
+        if t.device.type == "meta":
+            raise MergeError(
+                f"merge_state_dicts: model {model_id!r}: tensor {name!r} is on the meta device "
+                "(its values were never loaded); load the model's weights first"
             )
         out[name] = t.detach()
     return out
@@ -202,6 +219,22 @@ def _statistics_prefix(
 
 def _strip(name: str, prefix: str) -> str:
     return name[len(prefix) :] if prefix and name.startswith(prefix) else name
+
+
+def _torch_dtype(value: Any, what: str) -> Any:
+    """The torch float dtype ``value`` names (a torch dtype, its name, a NumPy float dtype),
+    or None; anything else is refused in one line."""
+    if value is None:
+        return None
+    name = float_dtype_name(value)
+    if name is None:
+        raise MergeError(
+            f"merge_state_dicts: {what} must be a floating-point dtype ("
+            f"{', '.join(sorted(FLOAT_DTYPES))}: a torch dtype or its name), got {value!r}"
+        )
+    import torch
+
+    return getattr(torch, name)
 
 
 def _cast(t: Any, dtype: Any) -> Any:
