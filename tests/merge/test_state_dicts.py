@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from lmdx import MergeError, merge_models, merge_state_dicts
+from lmdx.merge.registry import method_named, methods
 from task_vectors import ref_merge
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -167,8 +168,6 @@ def _first_bert():
 
 
 def _data_free_methods() -> list[str]:
-    from lmdx.merge.registry import methods
-
     return [n for n, m in methods().items() if not m.stats and not m.takes_data]
 
 
@@ -186,7 +185,7 @@ def test_zero_dim_tensors_keep_their_shape(method):
             "logit_scale": torch.tensor(2.5 + 0.25 * (i + 1)),
             "steps": torch.tensor(7),
         }
-    needs_base = method not in ("average", "slerp", "karcher")
+    needs_base = method_named(method).needs_base
     inputs = models if needs_base else {i: models[i] for i in (0, 1)}
     out = merge_state_dicts(inputs, method, base="base" if needs_base else None)
     assert out["logit_scale"].shape == () and out["logit_scale"].dtype == torch.float32
@@ -232,7 +231,7 @@ def test_empty_tensors_come_back_empty(method, shape):
         key: {"empty": torch.zeros(shape), "v": torch.randn(5, generator=gen)}
         for key in ("base", 0, 1)
     }
-    needs_base = method not in ("average", "slerp", "karcher")
+    needs_base = method_named(method).needs_base
     inputs = models if needs_base else {i: models[i] for i in (0, 1)}
     out = merge_state_dicts(inputs, method, base="base" if needs_base else None)
     assert out["empty"].shape == shape and out["v"].shape == (5,)

@@ -46,7 +46,9 @@ it stands on this one.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -78,6 +80,7 @@ __all__ = [
     "checked_finite",
     "on_tensor",
     "tensor_step",
+    "uncast",
 ]
 
 
@@ -204,12 +207,28 @@ def checked_finite(name: str, arr: Any, dtype: str | None = None) -> Any:
     return arr
 
 
+#: Set while a post-step runs its method (:func:`uncast`): the merged values stay float64.
+_UNCAST: ContextVar[bool] = ContextVar("lmdx_merge_uncast", default=False)
+
+
+@contextlib.contextmanager
+def uncast() -> Iterator[None]:
+    """Within the block, :func:`cast_merged` keeps the merged values in float64 (checked
+    finite): a post-step (SVC) works on what the method computed and casts once, after
+    it, instead of on values already rounded to a 16-bit input dtype."""
+    token = _UNCAST.set(True)
+    try:
+        yield
+    finally:
+        _UNCAST.reset(token)
+
+
 def cast_merged(name: str, value: Any, dtype: str) -> NDArray[Any]:
     """A merged tensor (float64 NumPy, or any float array or torch tensor) as a NumPy
     array of ``dtype``, rounded as torch rounds, checked finite after the cast (a value
     finite in float64 may overflow a narrower type): the one cast every front door
-    applies."""
-    out = cast_float(as_numpy(value), dtype)
+    applies (within :func:`uncast`, float64 and not rounded)."""
+    out = cast_float(as_numpy(value), "float64" if _UNCAST.get() else dtype)
     checked_finite(name, out, dtype)
     return out
 

@@ -28,9 +28,10 @@ and WUDI).
 
 The method runs as it would without SVC (the steps, the report, RegMean++'s blocks on its
 own uncalibrated results); each step's merged tensors are then calibrated before they are
-written, from the merged tensor as the method returns it (in its output dtype), the base
-and the models read again. A ``+svc`` merge runs in one process (no Ray workers) and
-builds no LoRA of the merged update.
+written, from the merged tensor as the method computed it (in float64, before any cast:
+:func:`lmdx.merge.method.uncast`), the base and the models read again, and cast to the
+input dtype once, after the calibration (as merging float32 upcasts and rounding once). A
+``+svc`` merge runs in one process (no Ray workers) and builds no LoRA of the merged update.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from ..method import (
     StepSizes,
     cast_merged,
     tensor_step,
+    uncast,
 )
 from .task_matrices import conv1d_weights, is_task_matrix
 from .task_vectors import base_as_models_name_it
@@ -109,11 +111,13 @@ class _Calibrating(MergeMethod):
         self.method = method
 
     def compute(self, step: Step, inputs: MergeInputs) -> Merged:
-        raw = self.method.compute(step, inputs)
-        inputs.state.setdefault("svc_raw", {})[id(step)] = raw
+        with uncast():  # calibrated from the method's float64 values, then cast once
+            raw = self.method.compute(step, inputs)
         out = Merged(dict(raw.tensors), raw.report)
         for name, value in raw.tensors.items():
             out.tensors[name] = _calibrated(name, value, inputs)
+            raw.tensors[name] = _cast_as_input(name, value, inputs)
+        inputs.state.setdefault("svc_raw", {})[id(step)] = raw
         return out
 
     def memory(self, step: Step, sizes: StepSizes, inputs: MergeInputs) -> int:
@@ -126,17 +130,27 @@ class _Calibrating(MergeMethod):
         return self.method.step_label(step)
 
 
+def _cast_as_input(name: str, value: Any, inputs: MergeInputs) -> Any:
+    """Merged tensor ``name`` (float64 where it is floating point: :func:`uncast`) in its
+    input dtype, as the method itself would have returned it."""
+    source = inputs.sources[0]
+    if name not in source or not source.is_float(name):
+        return value
+    return cast_merged(name, value, source.dtype(name))
+
+
 def _calibrated(name: str, value: Any, inputs: MergeInputs) -> Any:
-    """Merged tensor ``name`` (cast, as the step returned it) calibrated, or as it is if it
-    is no task matrix (or the base lacks it, or it is not floating point)."""
+    """Merged tensor ``name`` (in float64, as the step computed it) calibrated and cast to
+    its input dtype once, or only cast if it is no task matrix (or the base lacks it, or it
+    is not floating point)."""
     base = inputs.base
     assert base is not None
     source = inputs.sources[0]
     if name not in base or not source.is_float(name):
-        return value
+        return _cast_as_input(name, value, inputs)
     theta0 = as_float64(base.read(name), f"base: {name}")
     if not is_task_matrix(name, theta0.shape, inputs.options.exclude):
-        return value
+        return _cast_as_input(name, value, inputs)
     transposed = name in inputs.state.get("svc_conv1d", ())
     coef = inputs.options.coefficients or (1.0,) * len(inputs.sources)
 
