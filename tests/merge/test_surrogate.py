@@ -13,6 +13,7 @@ merge is then RegMean's closed form over real and surrogate Grams alike.
 from __future__ import annotations
 
 import json
+import re
 
 import hf_models as H
 import numpy as np
@@ -258,3 +259,25 @@ def test_a_refused_option_beside_surrogate_says_what_is_wrong(family, tmp_path, 
     assert cli_main(["merge", str(cfg), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "alpha" in err and "needs regmean-gram statistics" not in err, err
+
+
+@pytest.mark.parametrize("where", ["base", "model"])
+def test_a_non_finite_weight_is_named_not_taken_for_a_zero_task_vector(family, tmp_path, where):
+    """A NaN in the base (or in the model without statistics) made the surrogate Gram's
+    trace NaN, which failed ``trace > 0`` and silently gave the isotropic Gram meant for a
+    zero task vector: now one line naming the tensor and the model."""
+    f = family["bert"]
+    base_state = {n: t.clone() for n, t in f["base"].state_dict().items()}
+    states = [{n: t.clone() for n, t in m.state_dict().items()} for m in f["models"]]
+    first = Statistics.load(f["stats"][0])
+    weight = str(next(iter(first.modules.values()))["weight"])
+    (base_state if where == "base" else states[1])[weight][0, 0] = float("nan")
+    with pytest.raises(MergeError, match=rf"tensor '{re.escape(weight)}' of .* holds NaN or Inf"):
+        merge_models(
+            states,
+            "regmean",
+            stats=[f["stats"][0], None, f["stats"][2]],
+            base=base_state,
+            surrogate=True,
+            progress=False,
+        )

@@ -163,7 +163,15 @@ class SurrogateStatistics(Statistics):
         info = self.modules[module]
         w = str(info["weight"])
         tau: NDArray[np.float64] = as_float64(self.of_model.read(w), w).copy()
-        tau -= as_float64(self.base_model.read(w), w)
+        base = as_float64(self.base_model.read(w), w)
+        for source, values in ((self.of_model, tau), (self.base_model, base)):
+            if not np.isfinite(values).all():  # (its trace would fail > 0: a silent identity)
+                raise MergeError(
+                    f"surrogate statistics of {self.of_model.label}: tensor {w!r} of "
+                    f"{source.label} holds NaN or Inf; a surrogate Gram needs finite weights: "
+                    "fix or replace that model"
+                )
+        tau -= base
         if info["layout"] == "conv1d":
             tau = tau.T
         dim = int(self.groups[str(info["group"])]["dim"])
