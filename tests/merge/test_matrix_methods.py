@@ -308,3 +308,22 @@ def test_svc_on_16_bit_models_rounds_once(method, dtype):
     for name in ("w", "b"):
         assert merged[name].dtype == dtype
         assert torch.equal(merged[name], reference[name].to(dtype)), name
+
+
+@pytest.mark.parametrize("method", ["tsv_m", "tsv_m+svc", "iso_c", "iso_cts", "wudi"])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+@pytest.mark.parametrize("where", ["base", 1])
+def test_a_non_finite_task_vector_is_refused_by_name(method, bad, where):
+    """An Inf in one model once became "no update" through TSV-M (LAPACK's NaN singular
+    values made its floor NaN, so nothing was kept: exit 0, the base's weight); a NaN was
+    LAPACK's "SVD did not converge", and WUDI's a ValueError naming no model. Now every
+    method that factors task matrices refuses it in one line naming tensor and model."""
+    from lmdx import merge_state_dicts
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 6, generator=gen)
+    models = {"base": {"w": w.clone()}, 0: {"w": w + 0.1}, 1: {"w": w - 0.1}}
+    models[where]["w"][0, 0] = bad
+    culprit = 0 if where == "base" else 1  # the first task vector that is not finite
+    with pytest.raises(MergeError, match=rf"^tensor 'w': the task vector of model {culprit} "):
+        merge_state_dicts(models, method, base="base")

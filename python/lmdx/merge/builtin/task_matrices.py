@@ -36,7 +36,7 @@ from ...stats.sites import find_linear_modules
 from ..method import MergeInputs, Step, StepSizes
 from ..skeleton import build_skeleton
 from ..source import TensorSource
-from .task_vectors import TaskVectorMethod
+from .task_vectors import TaskVectorMethod, finite_task_vector
 
 __all__ = [
     "MATRIX_SCALING",
@@ -122,9 +122,9 @@ def task_matrices(
     theta0 = as_float64(base, f"base: {name}")
     coef = [1.0] * len(tensors) if coefficients is None else [float(c) for c in coefficients]
     taus, used = [], []
-    for c, t in zip(coef, tensors, strict=True):
+    for i, (c, t) in enumerate(zip(coef, tensors, strict=True)):
         if c > 0:
-            tau = as_float64(t, name) - theta0
+            tau = finite_task_vector(name, i, as_float64(t, name) - theta0)
             if scaled:
                 tau *= c
             taus.append(tau.T if transposed else tau)

@@ -59,6 +59,7 @@ __all__ = [
     "dare_drop",
     "dare_keep",
     "elected_mean",
+    "finite_task_vector",
     "largest",
     "random_draws",
     "task_vector_tensor",
@@ -117,6 +118,18 @@ class DareTiesOptions(NoOptions):
 Sparsifier = Callable[[int, NDArray[np.float64]], NDArray[np.float64]]
 
 
+def finite_task_vector(name: str, i: int, tau: NDArray[np.float64]) -> NDArray[np.float64]:
+    """Model ``i``'s task vector ``tau`` of tensor ``name``, or :class:`MergeError` if any
+    entry is NaN or Inf: a method that ranks, drops or factors the entries would lose it
+    silently (a dropped NaN vanishes; LAPACK's NaN singular values keep nothing)."""
+    if not np.isfinite(tau).all():
+        raise MergeError(
+            f"tensor {name!r}: the task vector of model {i} (its values minus the base's) "
+            "is not finite; check that model and the base for NaN/Inf"
+        )
+    return tau
+
+
 def task_vector_tensor(
     name: str,
     base: Any,
@@ -140,12 +153,7 @@ def task_vector_tensor(
         out: NDArray[np.float64] = as_float64(t, name) - theta0
         if sparsify is None:
             return out
-        if not np.isfinite(out).all():
-            raise MergeError(
-                f"tensor {name!r}: the task vector of model {i} (its values minus the base's) "
-                "is not finite; check that model and the base for NaN/Inf"
-            )
-        return sparsify(i, out)
+        return sparsify(i, finite_task_vector(name, i, out))
 
     taus = (tau(i, t) for i, t in enumerate(tensors))
     if elects:
