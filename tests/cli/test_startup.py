@@ -149,3 +149,17 @@ def test_a_missing_file_or_folder_is_one_line_before_torch(folder, tmp_path, arg
     lines = result["stderr"].strip().splitlines()
     assert len(lines) == 1 and said.format(**fill) in lines[0], lines
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("method", ["task_arithmetic", "ties", "dare", "tsv_m", "iso_c", "della"])
+def test_a_merge_with_a_base_imports_neither_torch_nor_transformers(folder, tmp_path, method):
+    """The base's names are the models' (the common case): nothing asks transformers for a
+    backbone prefix, so a base-using merge of safetensors folders stays on NumPy (it took
+    seconds and 0.4 GB to import transformers for that)."""
+    config = tmp_path / "base.yaml"
+    config.write_text(
+        f"method: {method}\nbase: {folder / 'm0'}\nmodels: [{folder / 'm0'}, "
+        f"{folder / 'm1'}]\nheads: {{patterns: ['classifier.*'], policy: keep}}\n"
+    )
+    heavy = _imports(tmp_path, "merge", str(config), "--out", str(tmp_path / "o"), "--no-progress")
+    assert heavy == []

@@ -304,10 +304,14 @@ def base_as_named(base: TensorSource, ref: TensorSource) -> tuple[TensorSource, 
     added (None: none). A bare encoder (``BertModel``: ``embeddings.*``) is the base of
     task classes (``BertForSequenceClassification``: ``bert.embeddings.*``): it is read
     with the models' ``base_model_prefix`` (:class:`PrefixedSource`), as transformers loads
-    one into the other, when none of the models' names is the base's and some are so."""
-    prefix, _ = base_model_info(ref.config)
+    one into the other, when none of the models' names is the base's and some are so.
+    (Only then is the prefix looked up: it imports transformers, seconds for a merge
+    that otherwise needs none.)"""
     names = ref.names()
-    if prefix and not any(n in base for n in names):
+    if any(n in base for n in names):
+        return base, None
+    prefix, _ = base_model_info(ref.config)
+    if prefix:
         mapped = PrefixedSource(base, prefix)
         if any(n in mapped for n in names):
             return mapped, prefix
