@@ -321,6 +321,41 @@ def test_statistics_of_other_weights_are_still_refused(ws: Path) -> None:
     assert "has different values" in _merge_error(ws, F.CONFIG, ModelMismatchError)
 
 
+def _rewritten(ws: Path, value: float) -> None:
+    """s0.safetensors rewritten (and so re-hashed, as a forger would) with ``value`` as the
+    first diagonal entry of its first Gram."""
+    stats = Statistics.load(ws / "s0.safetensors")
+    tensors = {s.name: stats.packed(s.name).copy() for s in stats.specs()}
+    first = next(n for n in tensors if n.startswith("gram/"))
+    tensors[first].reshape(-1)[0] = value
+    forged = Statistics(
+        kind=stats.kind,
+        model=stats.model,
+        padding=stats.padding,
+        modules=stats.modules,
+        groups=stats.groups,
+        tensors=tensors,
+    )
+    (ws / "s0.safetensors").unlink()
+    forged.save(ws / "s0.safetensors")
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [(float("nan"), "is not finite"), (float("inf"), "is not finite"), (-1.0, "negative diagonal")],
+)
+def test_an_impossible_gram_is_refused_by_the_cost_meter(ws: Path, value: float, said: str) -> None:
+    """What each task pays for a data-free merge, from statistics no data can give (a NaN,
+    an Inf, a negative sum of squares) rewritten with valid hashes: one line naming whose
+    statistics, not ``nan`` costs with exit 0."""
+    from lmdx.merge.config import cost_merge
+
+    _rewritten(ws, value)
+    cfg = _config(ws, F.CONFIG.replace("method: regmean", "method: average"))
+    with pytest.raises(MergeError, match=rf"^statistics of .*m0: the Gram of .* {said}"):
+        cost_merge(load_merge_config(cfg, cost=True), progress=False)
+
+
 def _saw_no_rows(ws: Path) -> None:
     """s0.safetensors rewritten as statistics whose every module saw no rows."""
     stats = Statistics.load(ws / "s0.safetensors")

@@ -145,10 +145,13 @@ def group_cost(
     grams: Sequence[NDArray[np.float64] | Callable[[], NDArray[np.float64]]],
     counts: Sequence[float],
     coefficients: Sequence[float] | None = None,
+    labels: Sequence[str] | None = None,
 ) -> dict[str, LayerCost]:
     """:func:`layer_cost` of the layers of one input group (modules that share an input
     and so a Gram: q/k/v), by name: ``merged[name]``, ``weights[name]`` (K); each Gram is
-    read (if a callable) once and dropped before the next."""
+    read (if a callable) once and dropped before the next. A Gram with a NaN or Inf, or a
+    negative diagonal entry (a sum of squares), is refused as RegMean refuses it, naming
+    ``labels[i]`` (whose statistics they are)."""
     k = len(grams)
     coef = np.ones(k) if coefficients is None else np.asarray(coefficients, dtype=np.float64)
     costs: dict[str, list[float | None]] = {m: [] for m in merged}
@@ -156,6 +159,15 @@ def group_cost(
     for i, (gram, n) in enumerate(zip(grams, counts, strict=True)):
         changes = {m: merged[m] - weights[m][i] for m in merged}
         g = gram() if callable(gram) else gram
+        diagonal = np.diagonal(g)
+        if not np.isfinite(g).all() or (diagonal < 0).any():
+            owner = labels[i] if labels is not None else f"model {i}"
+            raise MergeError(
+                f"statistics of {owner}: the Gram of {', '.join(map(repr, merged))} "
+                f"{'is not finite' if not np.isfinite(g).all() else 'has a negative diagonal'} "
+                "(no input's products can give that): the file was edited or corrupted; "
+                "collect them again (lmdx stats)"
+            )
         traces.append(float(np.trace(g)) / n)
         for m, change in changes.items():
             if not change.any():  # the layer as model i had it (a frozen layer): nothing paid
@@ -237,7 +249,9 @@ class CostMeter:
             counts = [
                 s.rows_seen(first, label) for s, label in zip(self.stats, self.labels, strict=True)
             ]
-            self.layers.update(group_cost(merged, weights, loaders, counts, self.coefficients))
+            self.layers.update(
+                group_cost(merged, weights, loaders, counts, self.coefficients, self.labels)
+            )
         self.seconds += time.process_time() - t0
 
     def report(self) -> dict[str, Any]:
