@@ -283,3 +283,19 @@ def test_meta_device_tensors_are_refused_by_name():
     meta = {n: torch.empty_like(t, device="meta") for n, t in sds[1].items()}
     with pytest.raises(MergeError, match=r"model 1: tensor '.*' is on the meta device"):
         merge_state_dicts([sds[0], meta], "average")
+
+
+@pytest.mark.parametrize("method", ["model_stock", "karcher", "slerp", "average", "breadcrumbs"])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_non_finite_weight_is_named_before_any_method_sees_it(method, bad):
+    """Model Stock once blamed the task vectors' cosine and Karcher advised a larger
+    max_iter for an Inf weight: a model's tensor with NaN or Inf is refused as it is read,
+    naming the tensor and the model, whatever the method."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 6, generator=gen)
+    models = {"base": {"w": w.clone()}, "a": {"w": w + 0.1}, "b": {"w": w - 0.1}}
+    models["b"]["w"][0, 0] = bad
+    needs_base = method_named(method).needs_base
+    inputs = models if needs_base else {k: models[k] for k in ("a", "b")}
+    with pytest.raises(MergeError, match=r"^tensor 'w' of b holds NaN or Inf; lmdx merges"):
+        merge_state_dicts(inputs, method, base="base" if needs_base else None)

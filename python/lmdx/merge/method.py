@@ -78,6 +78,7 @@ __all__ = [
     "add_entries",
     "cast_merged",
     "checked_finite",
+    "checked_input",
     "on_tensor",
     "tensor_step",
     "uncast",
@@ -189,15 +190,30 @@ class Merged:
         add_entries(self.report, other.report)
 
 
+def _finite(arr: Any) -> bool:
+    if is_tensor(arr):
+        return bool(arr.isfinite().all()) if arr.is_floating_point() else True
+    arr = np.asarray(arr)
+    return bool(np.isfinite(arr).all()) if arr.dtype.kind in "fc" else True
+
+
+def checked_input(name: str, label: str, arr: Any) -> Any:
+    """Model ``label``'s tensor ``name`` unchanged, or :class:`MergeError` naming both if
+    any value is NaN or Inf: methods that rank, factor or normalise the values would
+    otherwise fail deep inside (an SVD that does not converge, a cosine, a step that never
+    converges) or lose it."""
+    if not _finite(arr):
+        raise MergeError(
+            f"tensor {name!r} of {label} holds NaN or Inf; lmdx merges finite weights: fix or "
+            "replace that model"
+        )
+    return arr
+
+
 def checked_finite(name: str, arr: Any, dtype: str | None = None) -> Any:
     """``arr`` (a NumPy array or torch tensor) unchanged, or :class:`MergeError` naming
     tensor ``name`` if any value is not finite (``dtype``: the dtype it was cast to)."""
-    if is_tensor(arr):
-        finite = bool(arr.isfinite().all()) if arr.is_floating_point() else True
-    else:
-        arr = np.asarray(arr)
-        finite = bool(np.isfinite(arr).all())
-    if not finite:
+    if not _finite(arr):
         cast = f" in {dtype}" if dtype else ""
         raise MergeError(
             f"merged tensor {name!r} is not finite{cast}; check the inputs (NaN/Inf in a model "
@@ -307,7 +323,7 @@ class MergeMethod:
             blocked = self.tensor_in_blocks(name, inputs.sources, inputs)
             if blocked is not None:
                 return blocked
-        reads = [s.read(name) for s in inputs.sources]
+        reads = [checked_input(name, s.label, s.read(name)) for s in inputs.sources]
         value = self.tensor(name, reads, inputs)
         if inputs.lora is not None:
             inputs.lora.observe(name, value)
