@@ -200,16 +200,19 @@ def saved_family(root: Path, arch: str) -> dict[str, Any]:
     return {"base": base, "models": models, "paths": paths, "stats": stats, "base_path": base_path}
 
 
-def forged_stats(path: Any, out: Path) -> Path:
-    """The statistics file ``path`` with every Gram and sum ×100, the row counts kept,
-    written anew (its content hashes recomputed: every file check passes)."""
+def forged_stats(path: Any, out: Path, groups: Any = None) -> Path:
+    """The statistics file ``path`` with every Gram and sum ×100 (only those of the input
+    groups in ``groups``, if given), the row counts kept, written anew (its content hashes
+    recomputed: every file check passes)."""
     from lmdx.stats import Statistics
 
     s = Statistics.load(path)
-    tensors = {
-        t.name: s.packed(t.name) * (100.0 if t.name.startswith(("gram/", "sum/")) else 1.0)
-        for t in s.specs()
-    }
+
+    def forged(name: str) -> bool:
+        kind, _, group = name.partition("/")
+        return kind in ("gram", "sum") and (groups is None or group in groups)
+
+    tensors = {t.name: s.packed(t.name) * (100.0 if forged(t.name) else 1.0) for t in s.specs()}
     return Path(s.rebuilt(tensors).save(out))
 
 

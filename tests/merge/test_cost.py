@@ -182,7 +182,7 @@ def test_merge_reports_the_cost_equal_to_the_reference(family, arch, method, opt
         options.get("coefficients"),
     )
     cost = result.report["cost"]
-    assert cost["flagged"] == []
+    assert cost["flagged"] == [] and cost["scale_disagreement"] is None
     assert cost["statistics"] == (
         "the merge's" if method == "regmean" else "given for the cost only"
     )
@@ -233,6 +233,61 @@ def test_forged_statistics_are_flagged(family, tmp_path, arch, method, victim):
     if method == "regmean":  # the forged Gram pulls the merge toward its model
         assert task["pull_median"] > 0.5
         assert "median pull" in flagged[0]["why"]
+
+
+def _partly_frozen(root, arch):
+    """The family with every model's second block set to the base's (frozen while
+    fine-tuning), saved, with statistics collected on each."""
+    import copy
+
+    base, models, batches = H.cached_family(arch)
+    frozen = {n: t for n, t in base.state_dict().items() if ".1." in n}
+    paths, stats = [], []
+    for i, (m, b) in enumerate(zip(models, batches, strict=True)):
+        m = copy.deepcopy(m)
+        state = m.state_dict()
+        prefixed = {n: t for n, t in state.items() if any(n.endswith(f) for f in frozen)}
+        assert prefixed, "no frozen block found"
+        for n in prefixed:
+            key = next(f for f in frozen if n.endswith(f))
+            state[n].copy_(frozen[key])
+        m.save_pretrained(root / f"{arch}{i}")
+        paths.append(root / f"{arch}{i}")
+        stats.append(H.collect(m, b).save(root / f"{arch}{i}.safetensors"))
+    return paths, stats
+
+
+@pytest.mark.parametrize("arch", ["bert", "gpt2"])
+@pytest.mark.parametrize("kind", ["one layer", "two of three", "partly frozen"])
+def test_partial_collusive_and_frozen_forgeries_are_reported(family, tmp_path, arch, kind):
+    """×100 on one layer's groups only, on two files of three (each compared with a median
+    that held the other forged file), and on models whose second block was frozen (its
+    zero costs and pulls once diluted the medians): every time the forged files are
+    flagged and named high, the honest ones low and never flagged."""
+    f = family[arch]
+    paths, stats = list(f["paths"]), list(f["stats"])
+    if kind == "partly frozen":
+        paths, stats = _partly_frozen(tmp_path, arch)
+    first = Statistics.load(stats[0])
+    layer0 = [g for g in first.groups if ".0." in g]
+    assert layer0 and len(layer0) < len(first.groups)
+    victims = [0, 2] if kind == "two of three" else [1]
+    for v in victims:
+        stats[v] = H.forged_stats(
+            stats[v], tmp_path / f"forged{v}.safetensors", layer0 if kind == "one layer" else None
+        )
+    report = merge_cost(paths, "regmean", stats=stats, heads=list(H.HEADS[arch]), progress=False)
+    cost, labels = report["cost"], report["models"]
+    assert sorted(x["model"] for x in cost["flagged"]) == sorted(labels[v] for v in victims)
+    disagree = cost["scale_disagreement"]
+    assert disagree["high"] == [labels[v] for v in victims]
+    assert disagree["low"] == [labels[i] for i in range(3) if i not in victims]
+    assert disagree["largest"] > 50
+    if kind == "one layer":
+        assert set(disagree["layers"]) == {m for m in first.modules if first.group_of(m) in layer0}
+    if kind == "partly frozen":  # the medians leave the frozen block out: the pull shows
+        assert cost["tasks"][labels[1]]["pull_median"] > 0.5
+        assert "median pull" in cost["flagged"][0]["why"]
 
 
 def test_streaming_merge_records_the_cost_in_its_record_and_card(family, tmp_path):

@@ -57,6 +57,7 @@ from .surrogate import SurrogateStatistics
 
 __all__ = [
     "PULL_LIMIT",
+    "SCALE_SPREAD_LIMIT",
     "SHARE_RATIO_LIMIT",
     "WORST_LAYERS",
     "CostMeter",
@@ -73,6 +74,11 @@ __all__ = [
 SHARE_RATIO_LIMIT = 4.0
 #: ... or, for a method that uses the statistics, when its median pull reaches this.
 PULL_LIMIT = 0.5
+#: ... or when, at any layer, its scale ``tr Ĝ_i`` is this many times another real one's
+#: (an honest ``Ĝ_i`` is a mean over rows, with the activations' scale): the layers where
+#: the real statistics' scales disagree so, and who is high and who is low there, are
+#: reported whatever the majority (two forged files of three outvote no median here).
+SCALE_SPREAD_LIMIT = 10.0
 #: How many of a task's most costly layers the report names.
 WORST_LAYERS = 3
 #: ``W_i`` within this relative distance of the average counts as the average (pull 0).
@@ -263,11 +269,19 @@ class CostMeter:
         mods = list(self.layers)
         shares = np.array([self.layers[m].share for m in mods]).reshape(len(mods), k)
         pulls = np.array([self.layers[m].pull for m in mods]).reshape(len(mods), k)
-        medians = np.median(shares, axis=0) if mods else np.zeros(k)
+        # Layers the merge left as every model had them (frozen while fine-tuning: cost and
+        # pull 0 for all) say nothing of who pulls: they do not enter the medians.
+        moved = [
+            r
+            for r, m in enumerate(mods)
+            if any(c != 0.0 for c in self.layers[m].cost if c is not None) or pulls[r].any()
+        ]
+        medians = np.median(shares[moved], axis=0) if moved else np.zeros(k)
         # Only statistics from data are compared and flagged: a surrogate is made to the
         # real ones' scale from the model's own task vector (lmdx.merge.surrogate).
         made = [isinstance(s, SurrogateStatistics) for s in self.stats]
         real = [i for i in range(k) if not made[i]]
+        spread = _scale_spread(mods, shares, real)
         tasks: dict[str, Any] = {}
         flagged = []
         for i, lab in enumerate(labels):
@@ -277,10 +291,17 @@ class CostMeter:
             ratio = (
                 float(medians[i] / np.median(others)) if compared and np.median(others) > 0 else 1.0
             )
-            pull = float(np.median(pulls[:, i])) if mods else 0.0
+            pull = float(np.median(pulls[moved, i])) if moved else 0.0
             why = []
             if compared and ratio >= SHARE_RATIO_LIMIT:
                 why.append(f"median share of the statistics' scale {ratio:.1f}x the others'")
+            high = [m for m, (_, hi, _) in spread.items() if i in hi]
+            if compared and high:
+                most = max(spread[m][0] for m in high)
+                why.append(
+                    f"its scale up to {most:.0f}x another's at {len(high)} of {len(mods)} "
+                    f"layers (e.g. {high[0]})"
+                )
             if compared and self.steered and pull >= PULL_LIMIT:
                 why.append(f"median pull {pull:.2f} toward it")
             worst = sorted(costs, key=lambda mc: -mc[1])[:WORST_LAYERS]
@@ -297,14 +318,46 @@ class CostMeter:
             }
             if why:
                 flagged.append({"model": lab, "why": "; ".join(why)})
+        disagree = None
+        if spread:
+            high = sorted({i for _, hi, _ in spread.values() for i in hi})
+            low = sorted({i for _, _, lo in spread.values() for i in lo})
+            disagree = {
+                "layers": list(spread),
+                "largest": max(x for x, _, _ in spread.values()),
+                "high": [labels[i] for i in high],
+                "low": [labels[i] for i in low],
+            }
         return {
             "statistics": "given for the cost only" if self.only_for_cost else "the merge's",
             "tasks": tasks,
             "flagged": flagged,
+            "scale_disagreement": disagree,
             "checked": len(real) > 1,
             "layers": {m: dataclasses.asdict(v) for m, v in self.layers.items()},
             "cpu_seconds": self.seconds,
         }
+
+
+def _scale_spread(
+    mods: Sequence[str], shares: NDArray[np.float64], real: Sequence[int]
+) -> dict[str, tuple[float, list[int], list[int]]]:
+    """The layers where the real statistics' scales differ :data:`SCALE_SPREAD_LIMIT`
+    times or more: layer -> (largest over smallest, the models above their geometric
+    middle, those below it)."""
+    out = {}
+    for r, m in enumerate(mods):
+        scales = {i: float(shares[r, i]) for i in real}
+        positive = [v for v in scales.values() if v > 0]
+        if len(positive) < 2 or max(positive) < SCALE_SPREAD_LIMIT * min(positive):
+            continue
+        middle = math.sqrt(max(positive) * min(positive))
+        out[m] = (
+            max(positive) / min(positive),
+            [i for i, v in scales.items() if v >= middle],
+            [i for i, v in scales.items() if v < middle],
+        )
+    return out
 
 
 def cost_lines(cost: Mapping[str, Any]) -> list[str]:
@@ -328,6 +381,13 @@ def cost_lines(cost: Mapping[str, Any]) -> list[str]:
         lines.append(
             "note: fewer than two models with statistics from data: scaled or forged Grams "
             "cannot be told apart from the others"
+        )
+    disagree = cost.get("scale_disagreement")
+    if disagree:
+        lines.append(
+            f"warning: the statistics' scales disagree up to {disagree['largest']:.0f}x at "
+            f"{len(disagree['layers'])} layers (e.g. {disagree['layers'][0]}): high "
+            f"{', '.join(disagree['high'])}; low {', '.join(disagree['low'])}"
         )
     for f in cost["flagged"]:
         lines.append(
