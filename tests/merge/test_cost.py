@@ -367,3 +367,27 @@ def test_cli_merge_summary_shows_the_cost(family, tmp_path, capsys):
         assert (tmp_path / "n" / name).read_bytes() == (tmp_path / "m" / name).read_bytes()
     assert cli_main(["merge", str(cfg), "--cost", "--no-cost"]) == 2
     assert "--no-cost: not with --cost" in capsys.readouterr().err
+
+
+def test_a_flagged_merge_writes_nothing_unless_accepted(family, tmp_path, capsys):
+    """A forged file is flagged and the merge refused in one line, nothing written;
+    ``--accept-flagged`` writes it, and the record and the card say it was accepted."""
+    f = family["bert"]
+    stats = list(f["stats"])
+    stats[1] = H.forged_stats(stats[1], tmp_path / "forged.safetensors")
+    cfg = _config(tmp_path, f, "regmean", stats)
+    out = tmp_path / "merged"
+    assert cli_main(["merge", str(cfg), "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("lmdx merge: error: merge refused, nothing written")
+    assert str(f["paths"][1]) in err[0] and "--accept-flagged" in err[0]
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    argv = ["merge", str(cfg), "--out", str(out), "--no-progress", "--accept-flagged"]
+    assert cli_main(argv) == 0
+    assert "merged although flagged" in capsys.readouterr().out
+    record = json.loads((out / "lmdx_merge.json").read_text())
+    assert record["report"]["cost"]["accepted"] is True
+    assert [x["model"] for x in record["report"]["cost"]["flagged"]] == [str(f["paths"][1])]
+    assert "**Merged although flagged**" in (out / "README.md").read_text()
+    # measuring alone (--cost) reports the flag and refuses nothing
+    assert cli_main(["merge", str(cfg), "--cost", "--no-progress"]) == 0

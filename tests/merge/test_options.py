@@ -80,7 +80,11 @@ def test_a_value_is_refused_with_the_same_words_by_a_door_and_a_file(folders, tm
 
 def test_lmdx_merge_has_a_flag_for_every_option_marked_so(folders, tmp_path, capsys):
     flags = SharedOptions.flags()
-    assert [path for path, _, _ in flags] == ["heads.per_task_folders", "solve_memory"]
+    assert [path for path, _, _ in flags] == [
+        "heads.per_task_folders",
+        "solve_memory",
+        "accept_flagged",
+    ]
     with pytest.raises(SystemExit):
         main(["merge", "--help"])
     text = " ".join(capsys.readouterr().out.split())

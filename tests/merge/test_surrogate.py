@@ -239,10 +239,12 @@ def test_a_forged_file_is_flagged_beside_surrogates_and_a_surrogate_never(family
     forged = H.forged_stats(f["stats"][1], tmp_path / "forged.safetensors")
     common = dict(base=f["base_path"], surrogate=True, progress=False, labels=list("abcd"))
     common["heads"] = list(H.HEADS[arch])
-    result = merge_models(
-        paths, "regmean", stats=[f["stats"][0], forged, f["stats"][2], None], **common
-    )
+    stats = [f["stats"][0], forged, f["stats"][2], None]
+    with pytest.raises(MergeError, match=r"^merge refused, nothing written: the statistics of b "):
+        merge_models(paths, "regmean", stats=stats, **common)
+    result = merge_models(paths, "regmean", stats=stats, accept_flagged=True, **common)
     cost = result.report["cost"]
+    assert cost["accepted"] is True
     assert [x["model"] for x in cost["flagged"]] == ["b"], cost["flagged"]
     assert cost["tasks"]["d"]["surrogate"] and not cost["tasks"]["d"]["flagged"]
     alone = merge_models(paths, "regmean", stats=[None, forged, None, None], **common)

@@ -69,16 +69,14 @@ def add_merge_parser(sub: Any) -> None:
     p.add_argument(
         "--cost",
         action="store_true",
-        help="what each task would pay for this merge (needs Gram statistics per model, "
-        "models[].stats, for any method): the merge is run, measured and dropped; nothing "
-        "written",
+        help="what each task would pay (Gram statistics per model, any method): the merge "
+        "is run and measured, nothing written",
     )
     p.add_argument(
         "--no-cost",
         action="store_true",
-        help="skip measuring what each task pays (by default measured when the method's "
-        "statistics are Gram statistics; it costs about one float64 product per model and "
-        "layer)",
+        help="skip measuring what each task pays (measured with Gram statistics: about "
+        "one float64 product per model and layer)",
     )
     p.add_argument(
         "--dry-run",

@@ -451,6 +451,6 @@ def merge_cost(
     )
     prepared = prepare_merge(opened, folder=False, stats=stats, cost=True)
     report = prepared.report(streaming=True)
-    prepared.run(report, NullSink(), progress, streaming=True)
+    prepared.run(report, NullSink(), progress, streaming=True, measure_only=True)
     report["seconds"] = time.perf_counter() - t0
     return report

@@ -147,6 +147,8 @@ def _cost_section(cost: Mapping[str, Any] | None) -> list[str]:
         )
     for f in cost.get("flagged", []):
         lines += ["", f"**Flagged:** the statistics of {_cell(f['model'])}: {_cell(f['why'])}."]
+    if cost.get("accepted"):
+        lines += ["", "**Merged although flagged** (`accept_flagged: true`)."]
     return lines
 
 

@@ -63,6 +63,7 @@ __all__ = [
     "CostMeter",
     "LayerCost",
     "cost_lines",
+    "flagged_refusal",
     "group_cost",
     "layer_cost",
     "measure_cost",
@@ -360,6 +361,18 @@ def _scale_spread(
     return out
 
 
+def flagged_refusal(cost: Mapping[str, Any]) -> str:
+    """Why a merge whose contributors ``cost`` flags is refused, and what to do, in one
+    line."""
+    who = "; ".join(f"{f['model']} ({f['why']})" for f in cost["flagged"])
+    return (
+        f"merge refused, nothing written: the statistics of {who} pull far harder than the "
+        "others' (scaled or forged Grams?); check where they came from, leave them out, or "
+        "merge anyway with accept_flagged: true (lmdx merge --accept-flagged), which the "
+        "record and the card state"
+    )
+
+
 def cost_lines(cost: Mapping[str, Any]) -> list[str]:
     """What a report's ``cost`` entry says, one line per task and one per flag (the merge
     summary of ``lmdx merge``)."""
@@ -394,6 +407,8 @@ def cost_lines(cost: Mapping[str, Any]) -> list[str]:
             f"warning: the statistics of {f['model']} pull far harder than the others' "
             f"({f['why']}): scaled or forged Grams? check where they came from"
         )
+    if cost.get("accepted"):
+        lines.append("warning: merged although flagged (accept_flagged: true)")
     return lines
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from .._errors import MergeError
 from ..config import release_memory
-from .cost import CostMeter, open_cost
+from .cost import CostMeter, flagged_refusal, open_cost
 from .engine import Executor, RemoteSolver, Sink, run
 from .method import MergeInputs
 from .plan import MergePlan, make_plan
@@ -68,10 +68,14 @@ class PreparedMerge:
         progress: bool,
         remote: RemoteSolver | None = None,
         streaming: bool = False,
+        measure_only: bool = False,
     ) -> None:
         """Every output of the plan into ``sink``; ``report`` gets the steps' entries and
         the method's last ones (:meth:`~lmdx.merge.method.MergeMethod.finish`) and, with a
-        cost meter, ``cost`` (:mod:`lmdx.merge.cost`)."""
+        cost meter, ``cost`` (:mod:`lmdx.merge.cost`). A merge whose contributors the
+        meter flags is refused (:class:`MergeError`, before the door writes or returns
+        anything) unless the options accept it or the merge is only measured
+        (``measure_only``)."""
         method = self.inputs.method
         method.start(self.inputs, progress)
         observe = None if self.cost is None else self.cost.observe
@@ -83,7 +87,11 @@ class PreparedMerge:
         finally:
             release_memory()  # the matrices the core kept between layers
         if self.cost is not None:
-            report["cost"] = self.cost.report()
+            report["cost"] = cost = self.cost.report()
+            if cost["flagged"] and not measure_only:
+                if not self.inputs.options.accept_flagged:
+                    raise MergeError(flagged_refusal(cost))
+                cost["accepted"] = True
 
 
 def prepare_merge(

@@ -278,6 +278,14 @@ class SharedOptions(_Section):
         "layers on top)",
         json_schema_extra={"flag": True, "metavar": "SIZE"},
     )
+    accept_flagged: Annotated[
+        bool,
+        Field(
+            description="merge although the cost check flags a contributor's statistics "
+            "(scaled or forged Grams?), as the record and card then say; else refused",
+            json_schema_extra={"label": "must be true or false", "flag": True},
+        ),
+    ] = False
 
     @classmethod
     def fields(cls) -> dict[tuple[str, ...], FieldInfo]:
