@@ -237,3 +237,28 @@ def test_stats_on_a_device_the_model_cannot_use_is_one_line_and_nothing_written(
     assert got.accumulation == "mixed" and got.modules == ref.modules
     for m in ref.modules:
         assert got.count(m) == ref.count(m) and rel_err(got.gram(m), ref.gram(m)) < 1e-6, m
+    # --backend torch: the GPU path's code (lmdx.stats.torch_gram) run on the CPU, as labelled
+    on_torch = workspace / "on-torch.safetensors"
+    argv = ["stats", model, data, "--device", "cpu", "--backend", "torch", "--out", str(on_torch)]
+    assert main([*argv, "--no-progress"]) == 0, capsys.readouterr().err
+    got = Statistics.load(on_torch)
+    assert got.accumulation == "torch-float32" and got.modules == ref.modules
+    for m in ref.modules:
+        assert got.count(m) == ref.count(m) and rel_err(got.gram(m), ref.gram(m)) < 1e-6, m
+    assert (
+        main(
+            [
+                "stats",
+                model,
+                data,
+                "--kind",
+                "fisher",
+                "--backend",
+                "torch",
+                "--out",
+                str(workspace / "f-torch.st"),
+            ]
+        )
+        == 2
+    )
+    assert "--backend: only for --kind regmean without --ray" in capsys.readouterr().err

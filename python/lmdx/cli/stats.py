@@ -176,8 +176,15 @@ def add_stats_parser(sub: Any) -> None:
         metavar="DEVICE",
         help="run the model and accumulate the Grams on this torch device (e.g. cuda, "
         "cuda:1; regmean, without --ray): the model and its float64 Grams must fit there "
-        "(--max-memory bounds the Grams); the file records accumulation torch-float32 "
-        "(default: cpu, lmdx's kernels)",
+        "(--max-memory bounds the Grams) (default: cpu)",
+    )
+    p.add_argument(
+        "--backend",
+        default=None,
+        choices=("lmdx", "torch"),
+        help="where the Gram arithmetic runs: lmdx (the native kernels, on the CPU) or torch "
+        "(matmuls on the model's device; the file records accumulation torch-float32) "
+        "(default: lmdx on the CPU, torch on any other device; regmean, without --ray)",
     )
     p.add_argument(
         "--max-shard-size",
@@ -313,8 +320,9 @@ def _stats_collect(args: argparse.Namespace, claimed: Claimed) -> int:
     accumulation = _accumulation(args)
     if args.max_memory is not None and (args.ray is not None or args.kind != "regmean"):
         raise CliError("--max-memory: only for --kind regmean without --ray")
-    if args.device is not None and (args.ray is not None or args.kind != "regmean"):
-        raise CliError("--device: only for --kind regmean without --ray")
+    for flag, given in (("--device", args.device), ("--backend", args.backend)):
+        if given is not None and (args.ray is not None or args.kind != "regmean"):
+            raise CliError(f"{flag}: only for --kind regmean without --ray")
     model_dir = Path(args.model)
     adapter = model_dir if is_adapter_folder(model_dir) else None
     if adapter is not None:
@@ -423,6 +431,7 @@ def _stats_collect(args: argparse.Namespace, claimed: Claimed) -> int:
             max_memory=args.max_memory,
             max_shard_size=args.max_shard_size,
             device=args.device,
+            backend=args.backend,
             **regmean_options,
             **common,
         )
