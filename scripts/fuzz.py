@@ -1,6 +1,8 @@
 """The long fuzz run for release checks: thousands of corrupted statistics files, sharded
 statistics folders, checkpoints, checkpoint indexes and merge configs (the cases of
-tests/fuzz/fuzz_cases.py), each under a time limit, the whole run under a memory limit.
+tests/fuzz/fuzz_cases.py) and of drawn calls of lmdx.merge_state_dicts (every data-free
+method and +svc, options, dtypes, awkward shapes, NaN and Inf: tests/fuzz/door_cases.py),
+each under a time limit, the whole run under a memory limit.
 
     .venv/bin/python scripts/fuzz.py --cases 10000      # lmdx installed in .venv (pip install .)
 
@@ -24,7 +26,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "fuzz"))
 
+import door_cases as D
 import fuzz_cases as F
+
+#: Every target: the files' (fuzz_cases) and the in-memory door's arguments (door_cases).
+TARGETS = (*F.TARGETS, "state_dicts")
 
 
 class CaseTimeout(Exception):
@@ -47,7 +53,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--cases", type=int, default=10_000, help="cases in all (spread over targets)")
     p.add_argument("--seed", type=int, default=0, help="first seed (cases use seed, seed+1, ...)")
-    p.add_argument("--targets", nargs="+", choices=F.TARGETS, default=list(F.TARGETS))
+    p.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS))
     p.add_argument("--time-limit", type=int, default=60, help="seconds per case")
     p.add_argument("--memory-limit", type=float, default=2.0, help="GB above the start")
     p.add_argument("--json", metavar="FILE", help="also write the counts as JSON")
@@ -66,7 +72,10 @@ def main() -> int:
         seed = args.seed + i // len(args.targets)
         signal.alarm(args.time_limit)
         try:
-            outcome = F.run_case(ws, target, seed)
+            if target == "state_dicts":
+                outcome = D.run_door_case(seed)
+            else:
+                outcome = F.run_case(ws, target, seed)
         except CaseTimeout:
             outcome = "BAD"
             bad.append(f"{target} seed {seed}: ran past {args.time_limit} s")

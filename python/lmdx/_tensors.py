@@ -233,9 +233,9 @@ def cast_float(arr: NDArray[Any], dtype: str) -> NDArray[Any]:
     target = numpy_dtype(dtype)
     if arr.dtype == target:
         return arr
-    if target.itemsize == 2 and arr.dtype == np.float64:
-        arr = arr.astype(np.float32)
-    with np.errstate(over="ignore", invalid="ignore"):
+    with np.errstate(over="ignore", invalid="ignore"):  # (beyond the range: infinite)
+        if target.itemsize == 2 and arr.dtype == np.float64:
+            arr = arr.astype(np.float32)
         return arr.astype(target)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import resource
 
+import door_cases as D
 import fuzz_cases as F
 import numpy as np
 import pytest
@@ -103,3 +104,13 @@ def test_the_clean_fisher_merge_is_fisher_weighted(workspace: F.Workspace) -> No
         ref = sum(wi * s[name].astype(np.float64) for wi, s in zip(w, states, strict=True))
         ref = ref / sum(w)
         assert np.abs(got - ref).max() <= 1e-6 * max(1.0, np.abs(ref).max()), name
+
+
+def test_drawn_calls_of_the_in_memory_door_end_in_an_lmdx_error_or_a_sound_merge() -> None:
+    """400 drawn calls of merge_state_dicts (door_cases.py: every data-free method and
+    +svc, options, dtypes, 0-dim and empty tensors, NaN and Inf): each an lmdx error in one
+    line or a merge with every shape, dtype and integer kept and nothing non-finite (a
+    warning here is an error too). scripts/fuzz.py --targets state_dicts runs thousands."""
+    outcomes = collections.Counter(D.run_door_case(seed) for seed in range(400))
+    assert outcomes["merged"] >= 100, outcomes
+    assert set(outcomes) <= {"merged", "MergeError", "OptionError"}, outcomes

@@ -327,7 +327,7 @@ def test_a_non_finite_task_vector_is_refused_by_name(method, bad, where):
     models = {"base": {"w": w.clone()}, 0: {"w": w + 0.1}, 1: {"w": w - 0.1}}
     models[where]["w"][0, 0] = bad
     said = (
-        r"^tensor 'w': the task vector of model 0 "  # the first one, from the base's values
+        r"^tensor 'w' of the base holds NaN or Inf"  # the base's values, as read
         if where == "base"
         else r"^tensor 'w'( of 1 holds NaN or Inf|: the task vector of model 1 )"  # as read
     )

@@ -194,7 +194,9 @@ def _finite(arr: Any) -> bool:
     if is_tensor(arr):
         return bool(arr.isfinite().all()) if arr.is_floating_point() else True
     arr = np.asarray(arr)
-    return bool(np.isfinite(arr).all()) if arr.dtype.kind in "fc" else True
+    if arr.dtype.kind in "biu":  # integers and booleans are finite
+        return True
+    return bool(np.isfinite(arr).all())  # (bfloat16, kind "V", included)
 
 
 def checked_input(name: str, label: str, arr: Any) -> Any:

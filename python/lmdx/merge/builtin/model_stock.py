@@ -25,7 +25,7 @@ from numpy.typing import NDArray
 
 from ..._errors import MergeError
 from ..._tensors import as_float64
-from ..method import MergeInputs, NoOptions, Step, StepSizes
+from ..method import MergeInputs, NoOptions, Step, StepSizes, checked_input
 from .task_vectors import TaskVectorMethod
 
 __all__ = ["ModelStock", "model_stock_ratio"]
@@ -64,7 +64,7 @@ class ModelStock(TaskVectorMethod):
 
     def tensor(self, name: str, tensors: Sequence[Any], inputs: MergeInputs) -> NDArray[np.float64]:
         assert inputs.base is not None
-        theta0 = as_float64(inputs.base.read(name), f"base: {name}")
+        theta0 = as_float64(checked_input(name, "the base", inputs.base.read(name)), name)
         coef = inputs.options.coefficients or (1.0,) * len(tensors)
         used = [(c, as_float64(x, name)) for c, x in zip(coef, tensors, strict=True) if c > 0]
         mean = np.zeros_like(theta0)

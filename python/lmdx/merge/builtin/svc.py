@@ -56,6 +56,7 @@ from ..method import (
     Step,
     StepSizes,
     cast_merged,
+    checked_input,
     tensor_step,
     uncast,
 )
@@ -148,7 +149,7 @@ def _calibrated(name: str, value: Any, inputs: MergeInputs) -> Any:
     source = inputs.sources[0]
     if name not in base or not source.is_float(name):
         return _cast_as_input(name, value, inputs)
-    theta0 = as_float64(base.read(name), f"base: {name}")
+    theta0 = as_float64(checked_input(name, "the base", base.read(name)), name)
     if not is_task_matrix(name, theta0.shape, inputs.options.exclude):
         return _cast_as_input(name, value, inputs)
     transposed = name in inputs.state.get("svc_conv1d", ())

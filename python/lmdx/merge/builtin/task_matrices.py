@@ -33,7 +33,7 @@ from pydantic import Field
 from ..._tensors import as_float64
 from ..._util import matches
 from ...stats.sites import find_linear_modules
-from ..method import MergeInputs, Step, StepSizes
+from ..method import MergeInputs, Step, StepSizes, checked_input
 from ..skeleton import build_skeleton
 from ..source import TensorSource
 from .task_vectors import TaskVectorMethod, finite_task_vector
@@ -183,7 +183,7 @@ class TaskMatrixMethod(TaskVectorMethod):
 
     def tensor(self, name: str, tensors: Sequence[Any], inputs: MergeInputs) -> NDArray[np.float64]:
         assert inputs.base is not None
-        base = inputs.base.read(name)
+        base = checked_input(name, "the base", inputs.base.read(name))
         if not is_task_matrix(name, tuple(base.shape), inputs.options.exclude):
             return self.other_tensor(name, base, tensors, inputs)
         matrices = self.matrices(name, base, tensors, inputs)

@@ -39,7 +39,7 @@ from pydantic import Field
 from ..._errors import MergeError
 from ..._tensors import as_float64
 from ..._util import matches
-from ..method import MergeInputs, MergeMethod, NoOptions, Step, StepSizes
+from ..method import MergeInputs, MergeMethod, NoOptions, Step, StepSizes, checked_input
 from ..source import TensorSource, base_as_named
 from .average import AVERAGE
 
@@ -354,7 +354,7 @@ class TaskVectorMethod(MergeMethod):
         own: Any = inputs.options.method_options
         return task_vector_tensor(
             name,
-            inputs.base.read(name),
+            checked_input(name, "the base", inputs.base.read(name)),
             tensors,
             inputs.options.coefficients,
             own.scaling,

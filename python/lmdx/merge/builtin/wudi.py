@@ -41,7 +41,7 @@ from numpy.typing import NDArray
 from pydantic import Field
 
 from ...regmean import PRECISION_DESCRIPTION, SolvePrecision, regmean_merge_layer
-from ..method import Merged, MergeInputs, NoOptions, Step, StepSizes, cast_merged
+from ..method import Merged, MergeInputs, NoOptions, Step, StepSizes, cast_merged, checked_input
 from ..surrogate import surrogate_gram
 from .regmean_solve import GRAM_ROUNDOFF, solve_report
 from .task_matrices import TaskMatrices, TaskMatrixMethod, is_task_matrix
@@ -155,8 +155,8 @@ class Wudi(TaskMatrixMethod):
         """One tensor; a task matrix's solve reported under ``layers`` (by its module)."""
         name = step.tensors[0]
         assert inputs.base is not None
-        base = inputs.base.read(name)
-        tensors = [s.read(name) for s in inputs.sources]
+        base = checked_input(name, "the base", inputs.base.read(name))
+        tensors = [checked_input(name, s.label, s.read(name)) for s in inputs.sources]
         info: dict[str, Any] = {}
         if is_task_matrix(name, tuple(base.shape), inputs.options.exclude):
             matrices = self.matrices(name, base, tensors, inputs)
