@@ -19,6 +19,7 @@ and SVC, whose results depend on the orientation).
 from __future__ import annotations
 
 import copy
+import re
 
 import hf_models as H
 import numpy as np
@@ -331,5 +332,24 @@ def test_a_non_finite_task_vector_is_refused_by_name(method, bad, where):
         if where == "base"
         else r"^tensor 'w'( of 1 holds NaN or Inf|: the task vector of model 1 )"  # as read
     )
+    with pytest.raises(MergeError, match=said):
+        merge_state_dicts(models, method, base="base")
+
+
+@pytest.mark.parametrize("method", ["tsv_m", "iso_c", "iso_cts", "ties+svc"])
+def test_a_factorization_lapack_refuses_is_one_line_naming_the_tensor(method, monkeypatch):
+    """An SVD that does not converge on finite inputs (LAPACK's LinAlgError, rare but
+    possible) is one MergeError naming the tensor and the method, with what to do."""
+    from lmdx import merge_state_dicts
+
+    def refuses(*args, **kwargs):
+        raise np.linalg.LinAlgError("SVD did not converge")
+
+    monkeypatch.setattr(np.linalg, "svd", refuses)
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 6, generator=gen)
+    models = {"base": {"w": w}, 0: {"w": w + 0.1}, 1: {"w": w - 0.2}}
+    name = method.split("+")[-1]
+    said = rf"^tensor 'w': {re.escape(name)}: the factorization of its task matrices failed"
     with pytest.raises(MergeError, match=said):
         merge_state_dicts(models, method, base="base")

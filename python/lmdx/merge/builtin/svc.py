@@ -60,7 +60,7 @@ from ..method import (
     tensor_step,
     uncast,
 )
-from .task_matrices import conv1d_weights, is_task_matrix
+from .task_matrices import conv1d_weights, factorization_of, is_task_matrix
 from .task_vectors import base_as_models_name_it
 
 __all__ = ["SVC", "SvcOptions", "svc_calibrate", "with_svc"]
@@ -168,7 +168,8 @@ def _calibrated(name: str, value: Any, inputs: MergeInputs) -> Any:
         if c > 0
     ]
     own = inputs.options.own(SvcOptions)
-    update = svc_calibrate(delta, tasks, used, own.svc_alpha)
+    with factorization_of(name, "svc"):
+        update = svc_calibrate(delta, tasks, used, own.svc_alpha)
     return cast_merged(name, theta0 + oriented(update), source.dtype(name))
 
 

@@ -23,13 +23,15 @@ task matrices is zero.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 from numpy.typing import NDArray
 from pydantic import Field
 
+from ..._errors import MergeError
 from ..._tensors import as_float64
 from ..._util import matches
 from ...stats.sites import find_linear_modules
@@ -43,6 +45,7 @@ __all__ = [
     "TaskMatrices",
     "TaskMatrixMethod",
     "conv1d_weights",
+    "factorization_of",
     "is_task_matrix",
     "polar",
     "task_matrices",
@@ -54,6 +57,20 @@ __all__ = [
 MATRIX_SCALING = Field(
     description="α: θ_base + α × (the merged task matrix; other tensors: the mean task vector)"
 )
+
+
+@contextlib.contextmanager
+def factorization_of(name: str, method: str) -> Iterator[None]:
+    """Within the block, LAPACK's refusal to factor tensor ``name``'s matrices (an SVD that
+    does not converge, on finite inputs: non-finite ones are refused before) is one
+    :class:`MergeError` naming the tensor and the method, not NumPy's LinAlgError."""
+    try:
+        yield
+    except np.linalg.LinAlgError as exc:
+        raise MergeError(
+            f"tensor {name!r}: {method}: the factorization of its task matrices failed "
+            f"({exc}); exclude it (exclude: [...]) to merge it by its mean task vector"
+        ) from None
 
 
 def conv1d_weights(source: TensorSource) -> frozenset[str]:
@@ -189,7 +206,8 @@ class TaskMatrixMethod(TaskVectorMethod):
         matrices = self.matrices(name, base, tensors, inputs)
         if not any(tau.any() for tau in matrices.taus):  # no model moved it (a frozen layer):
             return matrices.theta0  # the base, as every method's zero update leaves it
-        delta = self.merge_matrices(name, matrices, inputs)
+        with factorization_of(name, self.name):
+            delta = self.merge_matrices(name, matrices, inputs)
         delta *= self.scaling(inputs)
         return matrices.merged(delta)
 
