@@ -218,9 +218,9 @@ def checked_finite(name: str, arr: Any, dtype: str | None = None) -> Any:
     if not _finite(arr):
         cast = f" in {dtype}" if dtype else ""
         raise MergeError(
-            f"merged tensor {name!r} is not finite{cast}; check the inputs (NaN/Inf in a model "
-            "or statistics), or write a wider output dtype (output.dtype: float32) where "
-            "values exceed the narrow type's range"
+            f"merged tensor {name!r} is not finite{cast}: its values exceed the type's range "
+            "(a scaling option too large? a wider output dtype, output.dtype: float32?) or "
+            "the statistics hold NaN/Inf (the models' tensors are checked as they are read)"
         )
     return arr
 
