@@ -151,11 +151,14 @@ def test_a_missing_file_or_folder_is_one_line_before_torch(folder, tmp_path, arg
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("method", ["task_arithmetic", "ties", "dare", "tsv_m", "iso_c", "della"])
+@pytest.mark.parametrize(
+    "method", ["task_arithmetic", "ties", "dare", "tsv_m", "iso_c", "della", "wudi", "ties+svc"]
+)
 def test_a_merge_with_a_base_imports_neither_torch_nor_transformers(folder, tmp_path, method):
     """The base's names are the models' (the common case): nothing asks transformers for a
-    backbone prefix, so a base-using merge of safetensors folders stays on NumPy (it took
-    seconds and 0.4 GB to import transformers for that)."""
+    backbone prefix, and a BERT has no Conv1D weights to look for (WUDI and SVC read
+    transformers' modeling file as text), so a base-using merge of safetensors folders
+    stays on NumPy (it took seconds and 0.4 GB to import transformers for that)."""
     config = tmp_path / "base.yaml"
     config.write_text(
         f"method: {method}\nbase: {folder / 'm0'}\nmodels: [{folder / 'm0'}, "

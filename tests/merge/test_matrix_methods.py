@@ -353,3 +353,28 @@ def test_a_factorization_lapack_refuses_is_one_line_naming_the_tensor(method, mo
     said = rf"^tensor 'w': {re.escape(name)}: the factorization of its task matrices failed"
     with pytest.raises(MergeError, match=said):
         merge_state_dicts(models, method, base="base")
+
+
+def test_the_conv1d_probe_never_misses_a_conv1d_layer():
+    """``may_hold_conv1d`` reads transformers' modeling files as text so that TSV-M, WUDI
+    and SVC need not import torch and build the model class for models that have no
+    ``Conv1D``: for every family the tests build, a model with such a layer is never
+    declared free of them, and BERT and Llama (no Conv1D) are."""
+    import hf_families
+    import transformers
+    from lmdx.files.hf import may_hold_conv1d
+    from transformers.pytorch_utils import Conv1D
+
+    told_free = []
+    for family in hf_families.FAMILIES.values():
+        config = family.config()
+        model = getattr(transformers, family.cls)(config)
+        has = any(isinstance(m, Conv1D) for m in model.modules())
+        if has:
+            assert may_hold_conv1d(config.to_dict()), family.name
+        elif not may_hold_conv1d(config.to_dict()):
+            told_free.append(config.model_type)
+    assert {"bert", "llama"} <= set(told_free), told_free
+    assert may_hold_conv1d({"model_type": "gpt2"})
+    assert may_hold_conv1d({"model_type": "no-such-type"}) and may_hold_conv1d({})
+    assert may_hold_conv1d({"model_type": "bert", "auto_map": {"AutoModel": "mine.Model"}})

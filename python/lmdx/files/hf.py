@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import shutil
 import stat
@@ -21,6 +22,7 @@ __all__ = [
     "hf_config",
     "hf_progress",
     "load_model",
+    "may_hold_conv1d",
     "model_class",
     "model_files",
     "read_config",
@@ -109,6 +111,24 @@ def hf_progress(enabled: bool) -> Iterator[None]:
     finally:
         if not enabled and was:
             hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
+
+
+def may_hold_conv1d(config: Mapping[str, Any]) -> bool:
+    """Whether a model of ``config`` may hold Hugging Face ``Conv1D`` layers (weights stored
+    ``[in, out]``): False when transformers' modeling files of its ``model_type`` never name
+    ``Conv1D`` (read as text: neither transformers nor torch is imported, which takes
+    seconds); True when they do, and whenever it cannot be told (no model type, code of its
+    own through ``auto_map``, a type transformers has no folder for)."""
+    model_type = str(config.get("model_type") or "")
+    spec = importlib.util.find_spec("transformers")
+    if not model_type or config.get("auto_map") or spec is None:
+        return True
+    folders = [Path(p) / "models" / model_type.replace("-", "_")
+               for p in spec.submodule_search_locations or ()]  # fmt: skip
+    files = [f for folder in folders for f in folder.glob("modeling_*.py")]
+    if not files:
+        return True
+    return any("Conv1D" in f.read_text(encoding="utf-8", errors="replace") for f in files)
 
 
 def base_model_info(config: Mapping[str, Any]) -> tuple[str, str | None]:

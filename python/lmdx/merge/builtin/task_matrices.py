@@ -34,6 +34,7 @@ from pydantic import Field
 from ..._errors import MergeError
 from ..._tensors import as_float64
 from ..._util import matches
+from ...files.hf import may_hold_conv1d
 from ...stats.sites import find_linear_modules
 from ..method import MergeInputs, Step, StepSizes, checked_input
 from ..skeleton import build_skeleton
@@ -78,7 +79,7 @@ def conv1d_weights(source: TensorSource) -> frozenset[str]:
     ``Conv1D`` layers, from its class built without weights; none for a model without a
     configuration (a state dict)."""
     config = getattr(source, "config", None) or {}
-    if not config.get("architectures"):
+    if not config.get("architectures") or not may_hold_conv1d(config):
         return frozenset()
     model = build_skeleton(config, source.label)
     return frozenset(
