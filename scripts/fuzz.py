@@ -30,7 +30,7 @@ import door_cases as D
 import fuzz_cases as F
 
 #: Every target: the files' (fuzz_cases) and the in-memory door's arguments (door_cases).
-TARGETS = (*F.TARGETS, "state_dicts")
+TARGETS = (*F.TARGETS, "state_dicts", "cost")
 
 
 class CaseTimeout(Exception):
@@ -74,6 +74,8 @@ def main() -> int:
         try:
             if target == "state_dicts":
                 outcome = D.run_door_case(seed)
+            elif target == "cost":
+                outcome = D.run_cost_case(ws, seed)
             else:
                 outcome = F.run_case(ws, target, seed)
         except CaseTimeout:

@@ -129,3 +129,91 @@ def run_door_case(seed: int) -> str:
             getattr(want, "__name__", want)
         ).removeprefix("torch."), f"state_dicts: {what}: {key} is {t.dtype}"
     return "merged"
+
+
+def _statistics_as(source: Any, out: Any, kind: str) -> Any:
+    """Statistics ``source`` written to ``out`` as ``kind``: ``"forged"`` (every Gram and
+    sum ×100, rows kept) or ``"impossible"`` (a NaN, an Inf or a negative diagonal entry
+    in one Gram), re-hashed so that every file check passes."""
+    from lmdx.stats import Statistics
+
+    s = Statistics.load(source)
+    tensors = {t.name: s.packed(t.name).copy() for t in s.specs()}
+    grams = sorted(n for n in tensors if n.startswith("gram/"))
+    if kind == "forged":
+        for name in tensors:
+            if name.startswith(("gram/", "sum/")):
+                tensors[name] *= 100.0
+    else:
+        value = [float("nan"), float("inf"), -1.0][len(str(out)) % 3]
+        tensors[grams[0]].reshape(-1)[0] = value
+    return s.rebuilt(tensors).save(out)
+
+
+def run_cost_case(ws: Any, seed: int) -> str:
+    """One drawn merge or cost measurement of the workspace's two models (``ws``:
+    :class:`fuzz_cases.Workspace`, its ``m0`` also the base) with each model's statistics
+    real, forged (×100), impossible or absent (surrogates), through ``merge_cost`` or a
+    written ``stream_merge`` with or without ``accept_flagged``; returns ``"merged"``,
+    ``"measured"`` or the :class:`lmdx.LmdxError` raised. A bad outcome (another
+    exception, an impossible file measured or merged, a forged file not flagged, a flagged
+    merge written without acceptance, a partial output, a modified input) raises
+    AssertionError."""
+    import shutil
+
+    from lmdx import LmdxError
+    from lmdx.merge import merge_cost, stream_merge
+
+    rnd = random.Random(f"cost:{seed}")
+    case = ws.root / f"cost-{seed}"
+    shutil.rmtree(case, ignore_errors=True)
+    shutil.copytree(ws.clean, case)
+    try:
+        method = rnd.choice(["regmean", "regmean", "average", "task_arithmetic", "ties", "wudi"])
+        kinds = [rnd.choice(["real", "real", "forged", "impossible", "none"]) for _ in range(2)]
+        stats: list[Any] = []
+        for i, kind in enumerate(kinds):
+            given = case / ("s0.safetensors" if i == 0 else "s1")
+            if kind in ("forged", "impossible"):
+                given = _statistics_as(given, case / f"{kind}{i}.safetensors", kind)
+            stats.append(None if kind == "none" else given)
+        options: dict[str, Any] = {}
+        if method == "regmean" and rnd.random() < 0.5:
+            options["surrogate"] = True
+        if method in ("task_arithmetic", "ties", "wudi") or options:
+            options["base"] = case / "m0"
+        write = rnd.random() < 0.5
+        if write and rnd.random() < 0.5:
+            options["accept_flagged"] = True
+        what = f"{method} stats {kinds} options {sorted(options)} write {write} (seed {seed})"
+        before = {p: p.read_bytes() for p in sorted(case.rglob("*")) if p.is_file()}
+        models = [case / "m0", case / "m1"]
+        out = case / "out"
+        try:
+            if write:
+                stats_arg = stats if method == "regmean" else None
+                extra = {} if method == "regmean" else {"cost": False}
+                report = stream_merge(
+                    models, out, method, stats=stats_arg, progress=False, **extra, **options
+                ).report
+            else:
+                report = merge_cost(models, method, stats=stats, progress=False, **options)
+        except LmdxError as exc:
+            assert "\n" not in str(exc), f"cost: {what}: message spans lines"
+            assert not out.exists(), f"cost: {what}: partial output"
+            return type(exc).__name__
+        except Exception as exc:
+            raise AssertionError(f"cost: {what} raised {type(exc).__name__}: {exc}") from exc
+        finally:
+            after = {p: p.read_bytes() for p in before}
+            assert after == before, f"cost: {what}: an input was modified"
+        cost = report.get("cost")
+        if cost is not None:
+            assert "impossible" not in kinds, f"cost: {what}: an impossible Gram was measured"
+            if "forged" in kinds and "real" in kinds:
+                assert cost["flagged"], f"cost: {what}: a forged file was not flagged"
+            if write and cost["flagged"]:
+                assert options.get("accept_flagged"), f"cost: {what}: flagged merge written"
+        return "merged" if write else "measured"
+    finally:
+        shutil.rmtree(case, ignore_errors=True)

@@ -114,3 +114,14 @@ def test_drawn_calls_of_the_in_memory_door_end_in_an_lmdx_error_or_a_sound_merge
     outcomes = collections.Counter(D.run_door_case(seed) for seed in range(400))
     assert outcomes["merged"] >= 100, outcomes
     assert set(outcomes) <= {"merged", "MergeError", "OptionError"}, outcomes
+
+
+def test_drawn_merges_and_costs_with_forged_impossible_or_absent_statistics(
+    workspace: F.Workspace,
+) -> None:
+    """200 drawn merges and cost measurements (door_cases.run_cost_case): statistics real,
+    forged ×100, impossible (NaN, Inf, a negative diagonal) or absent (surrogates), written
+    with or without accept_flagged: only lmdx errors, no impossible Gram measured, no forged
+    file unflagged, no flagged merge written unaccepted, no partial output."""
+    outcomes = collections.Counter(D.run_cost_case(workspace, seed) for seed in range(200))
+    assert outcomes["merged"] >= 30 and outcomes["measured"] >= 15, outcomes

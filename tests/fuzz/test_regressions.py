@@ -357,6 +357,15 @@ def test_an_impossible_gram_is_refused_by_the_cost_meter(ws: Path, value: float,
         cost_merge(load_merge_config(cfg, cost=True), progress=False)
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_non_finite_gram_is_a_merge_error_naming_the_model(ws: Path, value: float) -> None:
+    """RegMean through the Python door: the core's check of a non-finite Gram was a raw
+    ValueError naming ``grams[0]``; now a MergeError naming the model."""
+    _rewritten(ws, value)
+    msg = _merge_error(ws, F.CONFIG)
+    assert "the Gram of " in msg and "m0" in msg and "grams[" not in msg, msg
+
+
 def _saw_no_rows(ws: Path) -> None:
     """s0.safetensors rewritten as statistics whose every module saw no rows."""
     stats = Statistics.load(ws / "s0.safetensors")

@@ -113,6 +113,12 @@ class RealScale:
                     else:
                         total = float(np.trace(stored))
                     del stored
+                    if not np.isfinite(total):  # a NaN scale would make every surrogate NaN
+                        raise MergeError(
+                            f"statistics {s.source or ''}: the Gram of {module!r} is not "
+                            "finite, and surrogate Grams take their scale from it: the file was "
+                            "edited or corrupted; collect the statistics again (lmdx stats)"
+                        )
                     traces.append(total / n if n > 0 else 0.0)
                     counts.append(n)
                 self._found[group] = (float(np.median(traces)), float(np.mean(counts)))

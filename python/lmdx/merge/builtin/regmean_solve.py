@@ -26,6 +26,7 @@ merge's ``solve_memory`` option (:func:`lmdx.merge.options.solve_memory_budget`:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Annotated, Any, get_args
 
@@ -33,6 +34,7 @@ import numpy as np
 from numpy.typing import NDArray
 from pydantic import Field
 
+from ..._errors import MergeError
 from ..._tensors import as_tensor_array, itemsize
 from ...files import Checkpoint
 from ...regmean import PRECISION_DESCRIPTION, SolvePrecision, regmean_merge_layer
@@ -141,20 +143,23 @@ def solve_group(
         members[0] if len(members) == 1 else f"{members[0]} (+{len(members) - 1} sharing its input)"
     )
     own = options.own(SolveOptions)
-    res = regmean_merge_layer(
-        grams,
-        weights_k,
-        counts,
-        alpha=own.alpha,
-        coefficients=options.coefficients,
-        layout=layout,
-        precision=own.precision,
-        noise_floor=noise_floor(stats),
-        ridge=own.ridge,
-        allow_regularization=own.allow_regularization,
-        name=name,
-        n_threads=options.threads,
-    )
+    try:
+        res = regmean_merge_layer(
+            grams,
+            weights_k,
+            counts,
+            alpha=own.alpha,
+            coefficients=options.coefficients,
+            layout=layout,
+            precision=own.precision,
+            noise_floor=noise_floor(stats),
+            ridge=own.ridge,
+            allow_regularization=own.allow_regularization,
+            name=name,
+            n_threads=options.threads,
+        )
+    except ValueError as exc:  # the core's input checks: one MergeError naming the model
+        raise MergeError(_named(str(exc), labels)) from None
     dim = int(weights_k[0].shape[1 - axis])  # the layer's input dimension
     del weights_k
     solved = {
@@ -232,6 +237,17 @@ def regmean_memory(
         members=len(step.tensors),
         out=sizes.out // max(sizes.n, 1),
         float32=precision != "float64",
+    )
+
+
+def _named(message: str, labels: Sequence[str]) -> str:
+    """The core's message with its argument indices (``grams[1]``) said as the models'
+    labels (``the Gram of bbc``)."""
+    nouns = {"grams": "the Gram", "weights": "the weight", "counts": "the row count"}
+    return re.sub(
+        r"\b(grams|weights|counts)\[(\d+)\]",
+        lambda m: f"{nouns[m.group(1)]} of {labels[int(m.group(2))]}",
+        message,
     )
 
 
