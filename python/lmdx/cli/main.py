@@ -66,7 +66,14 @@ def _command(argv: list[str]) -> int:
     )
     if argv and argv[0] == "stats":
         return stats.run_stats_cli(argv[1:])
-    commands = ("info", "stats", "merge", "decompose", "methods")
+    # the commands that have a module: (name, module, its parser's builder)
+    modules = (
+        ("stats", stats, stats.add_stats_parser),
+        ("merge", merge, merge.add_merge_parser),
+        ("decompose", decompose, decompose.add_decompose_parser),
+        ("methods", methods, methods.add_methods_parser),
+    )
+    commands = ("info", *(name for name, _, _ in modules))
     if argv and not argv[0].startswith("-") and argv[0] not in commands:
         print(
             f"lmdx: error: no command {printable(argv[0])!r}"
@@ -77,12 +84,7 @@ def _command(argv: list[str]) -> int:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.add_parser("info", help="print version, SIMD path, OpenMP and thread settings")
     # only the command that runs gets its full parser (building merge's imports the merge)
-    for name, module, add in (
-        ("stats", stats, stats.add_stats_parser),
-        ("merge", merge, merge.add_merge_parser),
-        ("decompose", decompose, decompose.add_decompose_parser),
-        ("methods", methods, methods.add_methods_parser),
-    ):
+    for name, module, add in modules:
         if argv and argv[0] == name:
             add(sub)
         else:

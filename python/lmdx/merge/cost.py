@@ -80,7 +80,7 @@ PULL_LIMIT = 0.5
 #: the real statistics' scales disagree so, and who is high and who is low there, are
 #: reported whatever the majority (two forged files of three outvote no median here).
 #: 1.5 orders of magnitude: honest tiny random models (the LoRA tests) reach 12x at one
-#: layer; a ×100 forgery gives 50-200x.
+#: layer (and the test families 1.2-1.3x); a ×100 forgery gave 88-129x there (tests/merge).
 SCALE_SPREAD_LIMIT = 30.0
 #: How many of a task's most costly layers the report names.
 WORST_LAYERS = 3

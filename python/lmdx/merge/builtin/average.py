@@ -17,7 +17,15 @@ from numpy.typing import NDArray
 from ..._tensors import itemsize
 from ...average import weighted_average
 from ...files import Checkpoint
-from ..method import MergeInputs, MergeMethod, Step, StepSizes, cast_merged, on_tensor
+from ..method import (
+    MergeInputs,
+    MergeMethod,
+    Step,
+    StepSizes,
+    cast_merged,
+    checked_input,
+    on_tensor,
+)
 from ..options import MergeOptions
 from ..source import StateDictSource, TensorSource, read_rows
 
@@ -61,7 +69,8 @@ def average_in_blocks(
     merged: NDArray[Any] | None = None
     for r0 in range(0, shape[0], block):
         r1 = min(shape[0], r0 + block)
-        value = average_tensor(name, [read_rows(s, name, r0, r1) for s in sources], options)
+        rows = [checked_input(name, s.label, read_rows(s, name, r0, r1)) for s in sources]
+        value = average_tensor(name, rows, options)
         part = cast_merged(name, value, first.dtype(name))
         if merged is None:
             merged = np.empty(shape, dtype=part.dtype)
