@@ -47,5 +47,6 @@ void bind_spd(py::module_& m);
 void bind_regmean(py::module_& m);
 void bind_average(py::module_& m);
 void bind_fisher(py::module_& m);
+void bind_gram_product(py::module_& m);
 
 }  // namespace lmdx_bind

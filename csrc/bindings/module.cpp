@@ -16,4 +16,5 @@ PYBIND11_MODULE(LMDX_MODULE_NAME, m) {
   lmdx_bind::bind_regmean(m);
   lmdx_bind::bind_average(m);
   lmdx_bind::bind_fisher(m);
+  lmdx_bind::bind_gram_product(m);
 }

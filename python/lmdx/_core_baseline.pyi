@@ -22,6 +22,7 @@ __all__: list[str] = [
     "eigen_simd",
     "eigen_version",
     "fisher_average",
+    "gram_product",
     "gram_tile",
     "has_openmp",
     "isa",
@@ -221,6 +222,13 @@ def fisher_average(
 ) -> numpy.typing.NDArray[numpy.float64]:
     """
     sum_i c_i (F_i + eps) x_i / sum_i c_i (F_i + eps), element-wise, in float64.
+    """
+
+def gram_product(
+    *, gram: numpy.ndarray, y: numpy.ndarray, n_threads: typing.SupportsInt | typing.SupportsIndex
+) -> numpy.typing.NDArray[numpy.float64]:
+    """
+    G Y (d, p) for a float64 Gram G, full (d, d) or its packed upper triangle (d (d + 1) / 2,), and y (d, p) float64.
     """
 
 def gram_tile() -> dict[str, tuple[int, int]]:

@@ -11,10 +11,39 @@ from . import _core
 from ._tensors import as_float64, as_gram_rows, as_weights
 from .config import resolve_threads
 
-__all__ = ["DEFAULT_CHUNK_ROWS", "Moments"]
+__all__ = ["DEFAULT_CHUNK_ROWS", "Moments", "gram_product"]
 
 #: Rows packed and multiplied per block by the native Gram kernel.
 DEFAULT_CHUNK_ROWS = 512
+
+
+def gram_product(
+    gram: NDArray[np.float64], y: NDArray[np.float64], *, n_threads: int | None = None
+) -> NDArray[np.float64]:
+    """``G Y`` for a float64 Gram ``G`` held as statistics hold it, without unpacking it.
+
+    Parameters
+    ----------
+    gram
+        ``G``: full (d, d) and symmetric, or its upper triangle packed row by row,
+        shape (d (d + 1) / 2,) (:meth:`lmdx.stats.Statistics.gram_stored`).
+    y
+        (d, p), float64.
+    n_threads
+        Threads (default: :func:`lmdx.config.default_threads`); the result does not
+        depend on them.
+
+    Returns
+    -------
+    ndarray
+        (d, p) float64.
+    """
+    g = np.ascontiguousarray(gram, dtype=np.float64)
+    rhs = np.ascontiguousarray(y, dtype=np.float64)
+    out: NDArray[np.float64] = _core.core.gram_product(
+        gram=g, y=rhs, n_threads=resolve_threads(n_threads)
+    )
+    return out
 
 
 class Moments:

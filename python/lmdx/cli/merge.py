@@ -68,15 +68,22 @@ def add_merge_parser(sub: Any) -> None:
     p.add_argument("--out", metavar="DIR", help="output folder (must not exist; not with --cost)")
     p.add_argument(
         "--cost",
-        action="store_true",
-        help="what each task would pay (Gram statistics per model, any method): the merge "
-        "is run and measured, nothing written",
+        nargs="?",
+        const="estimate",
+        choices=("estimate", "exact"),
+        metavar="MODE",
+        help="what each task would pay (Gram statistics per model, any method; MODE "
+        "estimate or exact); nothing written",
     )
     p.add_argument(
         "--no-cost",
         action="store_true",
-        help="skip measuring what each task pays (measured with Gram statistics: about "
-        "one float64 product per model and layer)",
+        help="skip estimating what each task pays",
+    )
+    p.add_argument(
+        "--exact-cost",
+        action="store_true",
+        help="what each task pays, measured exactly (slower)",
     )
     p.add_argument(
         "--dry-run",
@@ -155,9 +162,13 @@ def _merge(args: argparse.Namespace, claimed: Claimed) -> int:
     from ..merge.registry import method_named
     from ..merge.sink import HEADS_DIR, MERGE_RECORD, TASKS_DIR
 
+    if args.no_cost and args.exact_cost:
+        raise CliError("--exact-cost: not with --no-cost; drop one")
     if args.cost:
         if args.no_cost:
             raise CliError("--no-cost: not with --cost; drop one")
+        if args.exact_cost:
+            raise CliError("--exact-cost: with --cost, say --cost exact")
         return _cost(args)
     if args.out is None:
         raise CliError("--out: the output folder is required (or --cost: nothing written)")
@@ -192,7 +203,7 @@ def _merge(args: argparse.Namespace, claimed: Claimed) -> int:
             ray_workers=args.ray_workers,
             ray_address=args.ray_address,
             command=shlex.join(["lmdx", *args.argv]),
-            cost=False if args.no_cost else None,
+            cost=False if args.no_cost else "exact" if args.exact_cost else None,
         )
     size = size_of(out)
     record = json.loads((out / MERGE_RECORD).read_text())
@@ -235,7 +246,7 @@ def _config(args: argparse.Namespace) -> Any:
     from ..merge.config import load_merge_config
     from ..merge.options import OptionError
 
-    cfg = load_merge_config(args.config, cost=args.cost)
+    cfg = load_merge_config(args.config, cost=args.cost is not None)
     for flag, _, key, _ in _option_flags():  # a flag's value replaces the config's
         value = getattr(args, key)
         if value is not None:
@@ -263,7 +274,7 @@ def _cost(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RegularizationWarning)
-        report = cost_merge(_config(args), progress=not args.no_progress)
+        report = cost_merge(_config(args), progress=not args.no_progress, mode=args.cost)
     print(
         f"lmdx merge: {report['method']} of {len(report['models'])} models measured in "
         f"{time.perf_counter() - t0:.1f} s (the cost itself {report['cost']['cpu_seconds']:.1f} "

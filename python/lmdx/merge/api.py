@@ -31,6 +31,7 @@ from ..files.peft import is_adapter_folder
 from ..files.st import check_same_modules, model_folder, sentence_transformer
 from ..stats.file import Statistics
 from .builtin import DEFAULT_METHOD
+from .cost import cost_mode
 from .door import check_new_folder, prepare_merge
 from .inputs import inputs_record, model_labels, open_inputs, st_files
 from .method import MergeInputs
@@ -87,7 +88,7 @@ def merge_models(
     progress: bool = True,
     data: Sequence[Any] | None = None,
     tokenizer: Any = None,
-    cost: bool | None = None,
+    cost: bool | str | None = None,
     **options: Any,
 ) -> MergeResult:
     """Merge K models fine-tuned from one checkpoint, in memory.
@@ -131,7 +132,10 @@ def merge_models(
     cost
         What each task pays (:mod:`lmdx.merge.cost`, ``report["cost"]``): None (default)
         when the method's statistics are Grams, True (Gram ``stats`` needed; a method
-        that takes no statistics accepts them for this report alone), False: not.
+        that takes no statistics accepts them for this report alone), False: not. Measured,
+        it is an estimate with its standard error (Hutch++, a few percent of the merge's
+        time); ``"exact"`` measures it exactly (about as long as a float64 RegMean solve),
+        ``"estimate"`` is True.
     options
         The merge's options, each checked by the one model that defines it:
 
@@ -186,7 +190,7 @@ def merge_models(
         base=base,
         data=data,
         tokenizer=tokenizer,
-        cost=bool(cost),
+        cost=cost_mode(cost)[0] is True,
     )
     prepared = prepare_merge(opened, folder=False, stats=stats, cost=cost)
     inputs, plan = prepared.inputs, prepared.plan
@@ -237,7 +241,7 @@ def stream_merge(
     ray_address: str | None = None,
     data: Sequence[Any] | None = None,
     tokenizer: Any = None,
-    cost: bool | None = None,
+    cost: bool | str | None = None,
     **options: Any,
 ) -> StreamMergeResult:
     """Merge K checkpoints out of core into a ``save_pretrained`` folder.
@@ -311,7 +315,7 @@ def stream_merge(
         data=data,
         tokenizer=tokenizer,
         running=not dry_run,
-        cost=bool(cost),
+        cost=cost_mode(cost)[0] is True,
     )
     prepared = prepare_merge(opened, folder=True, before_plan=door_checks, stats=stats, cost=cost)
     inputs, plan = prepared.inputs, prepared.plan
@@ -361,7 +365,7 @@ def merge_in_memory(
     progress: bool = True,
     data: Sequence[Any] | None = None,
     tokenizer: Any = None,
-    cost: bool | None = None,
+    cost: bool | str | None = None,
     **options: Any,
 ) -> Path:
     """Merge K model folders in memory and write the result as :func:`stream_merge` does
@@ -417,6 +421,7 @@ def merge_cost(
     progress: bool = True,
     data: Sequence[Any] | None = None,
     tokenizer: Any = None,
+    cost: str = "estimate",
     **options: Any,
 ) -> dict[str, Any]:
     """What each task would pay for a candidate merge (``lmdx merge --cost``): the merge
@@ -424,9 +429,9 @@ def merge_cost(
     memory as :func:`merge_models` takes them), every merged tensor measured and dropped,
     nothing written. Returns the merge's report, with ``cost``
     (:mod:`lmdx.merge.cost`); ``stats`` are Gram statistics, one per model (a method that
-    takes none uses them for this report alone). Parameters are :func:`merge_models`'s;
-    the options of writing a folder are accepted and have no effect (the merged tensors
-    are measured in the models' dtype)."""
+    takes none uses them for this report alone); ``cost`` is ``"estimate"`` or ``"exact"``.
+    Parameters are :func:`merge_models`'s; the options of writing a folder are accepted
+    and have no effect (the merged tensors are measured in the models' dtype)."""
     t0 = time.perf_counter()
     models = list(models)
     checked = merge_options(len(models), method, options, writes=True)
@@ -449,7 +454,7 @@ def merge_cost(
         tokenizer=tokenizer,
         cost=True,
     )
-    prepared = prepare_merge(opened, folder=False, stats=stats, cost=True)
+    prepared = prepare_merge(opened, folder=False, stats=stats, cost=cost_mode(cost)[1])
     report = prepared.report(streaming=True)
     prepared.run(report, NullSink(), progress, streaming=True, measure_only=True)
     report["seconds"] = time.perf_counter() - t0

@@ -520,7 +520,7 @@ def run_merge(
     ray_workers: int = 0,
     ray_address: str | None = None,
     command: str | None = None,
-    cost: bool | None = None,
+    cost: bool | str | None = None,
 ) -> Path:
     """Merge as ``cfg`` says and write the result to ``out_dir`` (atomically).
 
@@ -531,7 +531,8 @@ def run_merge(
     solves the RegMean groups on Ray workers (streaming only). Both write the same
     folder. ``command`` (the command line) is recorded in ``lmdx_merge.json`` and the
     model card. ``cost`` is :func:`lmdx.merge_models`'s (None: what each task pays is
-    measured when the method's statistics are Grams; False: not measured).
+    estimated when the method's statistics are Grams; False: not measured; ``"exact"``:
+    measured exactly).
     """
     record: dict[str, Any] = {"config": cfg.to_dict()}
     if command is not None:
@@ -559,10 +560,12 @@ def run_merge(
 
 
 @_file_door
-def cost_merge(cfg: MergeConfig, *, progress: bool = True) -> dict[str, Any]:
+def cost_merge(
+    cfg: MergeConfig, *, progress: bool = True, mode: str = "estimate"
+) -> dict[str, Any]:
     """What each task would pay for the merge ``cfg`` describes (``lmdx merge --cost``,
-    :func:`lmdx.merge.api.merge_cost`): the merge's report with ``cost``; nothing
-    written. Load ``cfg`` with ``cost=True`` to give statistics to a method that takes
-    none."""
+    :func:`lmdx.merge.api.merge_cost`): the merge's report with ``cost``, measured as
+    ``mode`` says (``"estimate"`` or ``"exact"``); nothing written. Load ``cfg`` with
+    ``cost=True`` to give statistics to a method that takes none."""
     args = cfg.arguments(data=True)
-    return merge_cost(args.pop("models"), progress=progress, **args)
+    return merge_cost(args.pop("models"), progress=progress, cost=mode, **args)

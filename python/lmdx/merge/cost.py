@@ -26,11 +26,28 @@ are compared and flagged: a model with a surrogate Gram (:mod:`lmdx.merge.surrog
 made to the real ones' scale from its own task vector) is measured on it and marked, never
 flagged; with fewer than two real ones nothing can be compared (``checked`` false).
 
-**What it costs.** ``‖E‖²_Ĝ = ⟨Ĝ, EᵀE⟩_F``: one symmetric rank-k product ``EᵀE``
-(``out·in²`` flops, half a general product) per model for the cost's numerator and one
-``W_iᵀW_i`` for its denominator, in float64, then ``in²`` per model; about as much as
-the float64 RegMean solve of the layer (its ``K − 1`` products and two solves, ``2(K +
-1)·out·in²`` flops). Measured in docs/guide/merging.md ("What each task pays").
+**Estimated by default.** ``‖A‖²_Ĝ = tr(A Ĝ Aᵀ)`` (``A = W − W_i`` for the numerator,
+``W_i`` for the denominator) is estimated as Hutch++ does (Meyer, Musco, Musco and
+Woodruff, SOSA 2021), in one pass over the Gram: ``Q``, :data:`SKETCH` orthonormal columns
+spanning ``A``'s dominant left singular directions (a randomized range finder with one
+power iteration, on ``A`` alone), gives ``tr(QᵀA G AᵀQ)`` exactly, and the rest is
+Hutchinson's estimate on ``(I − QQᵀ)Z`` for :data:`SKETCH` Gaussian columns ``Z``. Whatever
+``Q`` is, the estimate is unbiased (``Q`` does not depend on ``Z``); it is exact for ``A``
+of rank at most :data:`SKETCH`, and its standard error is estimated from the Hutchinson
+samples: each layer's ``error`` (the cost's standard error, 0 where exact, by the delta
+method) and each task's ``mean_error`` (of its mean over layers, whose estimates are
+independent). The products are ``G·Y`` for ``Y`` of ``2·SKETCH`` columns per term, from
+the Grams as the merge read them (packed, mapped, already checked:
+:func:`lmdx.moments.gram_product`): ``4·SKETCH·in²`` flops per term instead of the exact
+value's ``out·in²``; layers with at most ``2·SKETCH`` outputs are computed exactly. The
+probes are seeded by the layer's name and the model's place: the same inputs give the
+same estimate (to rounding). Share and pull (and so the flags) need no products and are exact either
+way. Measured in docs/guide/merging.md ("What each task pays").
+
+**Exact on request** (``cost="exact"``, ``lmdx merge --cost exact``, ``--exact-cost``):
+``‖E‖²_Ĝ = ⟨Ĝ, EᵀE⟩_F``, one symmetric rank-k product ``EᵀE`` (``out·in²`` flops) per model
+for the numerator and one ``W_iᵀW_i`` for the denominator, in float64; about as much as the
+float64 RegMean solve of the layer.
 """
 
 from __future__ import annotations
@@ -39,6 +56,7 @@ import dataclasses
 import functools
 import math
 import time
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +66,8 @@ from numpy.typing import NDArray
 
 from .._errors import MergeError
 from .._tensors import as_float64
+from ..config import resolve_threads
+from ..moments import gram_product
 from ..stats.file import Statistics
 from .inputs import open_stats
 from .method import MergeInputs
@@ -56,19 +76,27 @@ from .source import TensorSource, model_source
 from .surrogate import SurrogateStatistics
 
 __all__ = [
+    "COST_MODES",
     "PULL_LIMIT",
     "SCALE_SPREAD_LIMIT",
     "SHARE_RATIO_LIMIT",
+    "SKETCH",
     "WORST_LAYERS",
     "CostMeter",
     "LayerCost",
     "cost_lines",
+    "cost_mode",
     "flagged_refusal",
     "group_cost",
     "layer_cost",
     "measure_cost",
     "open_cost",
 ]
+
+#: How what each task pays is measured: ``"estimate"`` (the default, Hutch++) or ``"exact"``.
+COST_MODES = ("estimate", "exact")
+#: Columns per block of the estimate (sketch, its range, the residual probes).
+SKETCH = 8
 
 #: A model is flagged when its median share of the statistics' scale is this many times
 #: the median of the other models' medians.
@@ -96,6 +124,8 @@ class LayerCost:
     cost: list[float | None]
     pull: list[float]
     share: list[float]
+    #: the standard error of each cost (0.0 where computed exactly)
+    error: list[float] = field(default_factory=list)
 
 
 def _opened_gram_stats(
@@ -122,12 +152,90 @@ def _frobenius_with(gram: NDArray[np.float64], a: NDArray[np.float64]) -> float:
     return float(np.vdot(gram, a.T @ a))
 
 
+def _packed_diagonal(gram: NDArray[np.float64]) -> NDArray[np.float64]:
+    """The diagonal of a Gram held full (d, d) or packed (d (d + 1) / 2,)."""
+    if gram.ndim == 2:
+        return np.diagonal(gram)
+    d = int((math.isqrt(8 * gram.size + 1) - 1) // 2)
+    j = np.arange(d)
+    return gram[j * d - j * (j - 1) // 2]
+
+
+def _estimated_squares(
+    gram: NDArray[np.float64],
+    mean_row: NDArray[np.float64] | None,
+    terms: Sequence[NDArray[np.float64]],
+    seed: int,
+    n_threads: int,
+) -> list[tuple[float, float]]:
+    """Per ``A`` of ``terms`` (``[out, in]``, float64): the estimate of ``tr(A G Aᵀ)`` and
+    its standard error (see the module's description; exact, error 0, for ``A`` of at most
+    ``2·SKETCH`` rows), every term's products in one call of
+    :func:`lmdx.moments.gram_product` on ``gram`` as held (full or packed). ``mean_row``:
+    ``s/√n`` (``G − m mᵀ`` is the centred scatter), or None."""
+    rng = np.random.default_rng(seed)
+    k = SKETCH
+    diagonal = _packed_diagonal(gram)
+    m = np.zeros_like(diagonal) if mean_row is None else mean_row
+    # Known exactly and cheaply: the mean's rank-one part m mᵀ and the centred diagonal c;
+    # only the centred off-diagonal part N = A (G − m mᵀ − diag c) Aᵀ is estimated.
+    c = np.maximum(diagonal - m * m, 0.0)
+    scale = np.sqrt(c)
+    columns, parts, known = [], [], []
+    for a in terms:
+        out = a.shape[0]
+        if out <= 2 * k:
+            columns.append(a.T)
+            parts.append((out, 0))
+            known.append(0.0)
+            continue
+        known.append(float(np.sum((a @ m) ** 2) + np.einsum("ij,j->", a * a, c)))
+        # Q: A's dominant left singular directions, its inputs weighted by their scales (a
+        # randomized range finder, one power iteration); the rest by Hutchinson on
+        # (I − QQᵀ)Z.
+        b = a * scale
+        q, _ = np.linalg.qr(b @ (b.T @ (b @ rng.standard_normal((b.shape[1], k)))))
+        z = rng.standard_normal((out, k))
+        z -= q @ (q.T @ z)
+        columns += [a.T @ q, a.T @ z]
+        parts.append((k, k))
+    if not columns:
+        return []
+    y = np.hstack(columns)
+    forms = np.einsum("ij,ij->j", y, gram_product(gram, y, n_threads=n_threads))
+    found, at = [], 0
+    for (exact, probes), base in zip(parts, known, strict=True):
+        if not probes:
+            found.append((float(forms[at : at + exact].sum()), 0.0))
+            at += exact
+            continue
+        block = y[:, at : at + exact + probes]
+        # off-diagonal forms yᵀ N y: yᵀ G y less the known parts
+        off = forms[at : at + exact + probes] - (m @ block) ** 2 - c @ (block * block)
+        at += exact + probes
+        rest = off[exact:]
+        value = base + float(off[:exact].sum()) + float(rest.mean())
+        found.append((value, float(rest.std(ddof=1)) / math.sqrt(probes)))
+    return found
+
+
+def _bad_gram(owner: str, names: Sequence[str], what: str) -> MergeError:
+    return MergeError(
+        f"statistics of {owner}: the Gram of {', '.join(map(repr, names))} {what} (no input's "
+        "products can give that): the file was edited or corrupted; collect them again "
+        "(lmdx stats)"
+    )
+
+
 def layer_cost(
     merged: NDArray[np.float64],
     weights: Sequence[NDArray[np.float64]],
     grams: Sequence[NDArray[np.float64] | Callable[[], NDArray[np.float64]]],
     counts: Sequence[float],
     coefficients: Sequence[float] | None = None,
+    *,
+    mode: str = "exact",
+    sums: Sequence[NDArray[np.float64] | None] | None = None,
 ) -> LayerCost:
     """What each of K models pays in one linear layer (see the module's description).
 
@@ -138,14 +246,22 @@ def layer_cost(
     weights
         The K models' weights ``W_i``, ``[out, in]``, float64.
     grams
-        The K full input Grams ``G_i`` (``in × in``, float64), or callables that read
-        them (then one is held at a time).
+        The K input Grams ``G_i`` (``in × in``, float64; with ``mode="estimate"`` also
+        their packed upper triangles), or callables that read them (then one is held at
+        a time).
     counts
         The K row counts ``n_i`` (> 0).
     coefficients
         The merge's per-model coefficients (the average ``W̄`` of ``pull``); default 1.
+    mode
+        ``"exact"`` or ``"estimate"`` (:data:`COST_MODES`).
+    sums
+        The K input sums ``s_i`` (``in``), for the estimate: its rank-one mean part
+        ``s sᵀ/n`` is then computed exactly; None: none given.
     """
-    return group_cost({"": merged}, {"": weights}, grams, counts, coefficients)[""]
+    return group_cost(
+        {"": merged}, {"": weights}, grams, counts, coefficients, mode=mode, sums=sums
+    )[""]
 
 
 def group_cost(
@@ -155,36 +271,64 @@ def group_cost(
     counts: Sequence[float],
     coefficients: Sequence[float] | None = None,
     labels: Sequence[str] | None = None,
+    *,
+    mode: str = "exact",
+    n_threads: int | None = None,
+    sums: Sequence[NDArray[np.float64] | None] | None = None,
 ) -> dict[str, LayerCost]:
     """:func:`layer_cost` of the layers of one input group (modules that share an input
     and so a Gram: q/k/v), by name: ``merged[name]``, ``weights[name]`` (K); each Gram is
     read (if a callable) once and dropped before the next. A Gram with a NaN or Inf, or a
     negative diagonal entry (a sum of squares), is refused as RegMean refuses it, naming
-    ``labels[i]`` (whose statistics they are)."""
+    ``labels[i]`` (whose statistics they are). ``sums``: the K input sums ``s_i`` (the
+    estimate's control variate for the mean's part; None: none)."""
+    if mode not in COST_MODES:
+        raise MergeError(f"cost: expected one of {', '.join(COST_MODES)}, got {mode!r}")
     k = len(grams)
     coef = np.ones(k) if coefficients is None else np.asarray(coefficients, dtype=np.float64)
     costs: dict[str, list[float | None]] = {m: [] for m in merged}
+    errors: dict[str, list[float]] = {m: [] for m in merged}
     traces = []
+    threads = resolve_threads(n_threads)
     for i, (gram, n) in enumerate(zip(grams, counts, strict=True)):
+        owner = labels[i] if labels is not None else f"model {i}"
         changes = {m: merged[m] - weights[m][i] for m in merged}
         g = gram() if callable(gram) else gram
-        diagonal = np.diagonal(g)
-        if not np.isfinite(g).all() or (diagonal < 0).any():
-            owner = labels[i] if labels is not None else f"model {i}"
-            raise MergeError(
-                f"statistics of {owner}: the Gram of {', '.join(map(repr, merged))} "
-                f"{'is not finite' if not np.isfinite(g).all() else 'has a negative diagonal'} "
-                "(no input's products can give that): the file was edited or corrupted; "
-                "collect them again (lmdx stats)"
-            )
-        traces.append(float(np.trace(g)) / n)
-        for m, change in changes.items():
-            if not change.any():  # the layer as model i had it (a frozen layer): nothing paid
+        diagonal = _packed_diagonal(g)
+        # Estimated, a NaN or Inf anywhere in G reaches the products (NaN · 0 is NaN):
+        # checked there, not by a pass over the whole Gram.
+        if not np.isfinite(diagonal).all() or (mode == "exact" and not np.isfinite(g).all()):
+            raise _bad_gram(owner, list(merged), "is not finite")
+        if (diagonal < 0).any():
+            raise _bad_gram(owner, list(merged), "has a negative diagonal")
+        traces.append(float(diagonal.sum()) / n)
+        moved = [m for m, change in changes.items() if change.any()]
+        if mode == "exact":
+            squares = {m: (_frobenius_with(g, changes[m]), 0.0) for m in moved}
+            dens = {m: (_frobenius_with(g, weights[m][i]), 0.0) for m in moved}
+        else:
+            terms = [changes[m] for m in moved] + [weights[m][i] for m in moved]
+            seed = zlib.crc32(f"{next(iter(merged))}\0{i}".encode())
+            row = None if sums is None or sums[i] is None else sums[i] / math.sqrt(n)
+            found = _estimated_squares(g, row, terms, seed, threads)
+            if not all(math.isfinite(v) for pair in found for v in pair):
+                raise _bad_gram(owner, list(merged), "is not finite")
+            squares = dict(zip(moved, found[: len(moved)], strict=True))
+            dens = dict(zip(moved, found[len(moved) :], strict=True))
+        for m in merged:
+            if m not in squares:  # the layer as model i had it (a frozen layer): nothing paid
                 costs[m].append(0.0)
+                errors[m].append(0.0)
                 continue
-            den = _frobenius_with(g, weights[m][i])
-            num = _frobenius_with(g, change)
-            costs[m].append(float(np.sqrt(max(num, 0.0) / den)) if den > 0 else None)
+            (num, num_se), (den, den_se) = squares[m], dens[m]
+            if not den > 0:
+                costs[m].append(None)
+                errors[m].append(0.0)
+                continue
+            value = float(np.sqrt(max(num, 0.0) / den))
+            costs[m].append(value)
+            rel = math.hypot(num_se / num if num > 0 else 0.0, den_se / den)
+            errors[m].append(0.5 * value * rel)
         del g, changes
     total = sum(traces)
     share = [t / total if total > 0 else 1.0 / k for t in traces]
@@ -193,15 +337,15 @@ def group_cost(
         mean = np.zeros_like(w_merged)
         for c, w in zip(coef, weights[m], strict=True):
             mean += (c / coef.sum()) * w
-        moved = w_merged - mean
+        moved_by = w_merged - mean
         pull = []
         for w in weights[m]:
             away = w - mean
             spread = float(np.vdot(away, away))
             # W_i the average up to rounding (one model, or all alike): nothing to pull toward
             alike = spread <= (_ALIKE**2) * float(np.vdot(w, w))
-            pull.append(0.0 if alike else float(np.vdot(moved, away)) / spread)
-        out[m] = LayerCost(costs[m], pull, list(share))
+            pull.append(0.0 if alike else float(np.vdot(moved_by, away)) / spread)
+        out[m] = LayerCost(costs[m], pull, list(share), errors[m])
     return out
 
 
@@ -218,7 +362,8 @@ class CostMeter:
     merge produces it (:meth:`observe`, called by the engine with each step's tensors),
     and the report (:meth:`report`). ``stats``: one Gram statistics per model;
     ``steered``: whether the method's merge uses these statistics (then a pull is
-    flagged too); ``only_for_cost``: they were given for this report alone."""
+    flagged too); ``only_for_cost``: they were given for this report alone; ``mode``:
+    ``"estimate"`` (on the Grams as the merge read them) or ``"exact"``."""
 
     stats: Sequence[Statistics]
     sources: Sequence[TensorSource]
@@ -226,6 +371,8 @@ class CostMeter:
     coefficients: Sequence[float] | None
     steered: bool
     only_for_cost: bool = False
+    mode: str = "estimate"
+    n_threads: int | None = None
     layers: dict[str, LayerCost] = field(default_factory=dict)
     seconds: float = 0.0
     _weights: dict[str, tuple[str, str]] = field(default_factory=dict)
@@ -254,12 +401,24 @@ class CostMeter:
             weights = {
                 m: [_linear(s.read(w), w, lay) for s in self.sources] for w, m, lay in members
             }
-            loaders = [functools.partial(s.gram, first) for s in self.stats]
+            read = (lambda s: s.gram) if self.mode == "exact" else (lambda s: s.gram_stored)
+            loaders = [functools.partial(read(s), first) for s in self.stats]
             counts = [
                 s.rows_seen(first, label) for s, label in zip(self.stats, self.labels, strict=True)
             ]
+            sums = None if self.mode == "exact" else [s.sum(first) for s in self.stats]
             self.layers.update(
-                group_cost(merged, weights, loaders, counts, self.coefficients, self.labels)
+                group_cost(
+                    merged,
+                    weights,
+                    loaders,
+                    counts,
+                    self.coefficients,
+                    self.labels,
+                    mode=self.mode,
+                    n_threads=self.n_threads,
+                    sums=sums,
+                )
             )
         self.seconds += time.process_time() - t0
 
@@ -289,6 +448,7 @@ class CostMeter:
         flagged = []
         for i, lab in enumerate(labels):
             costs = [(m, c) for m in mods if (c := self.layers[m].cost[i]) is not None]
+            errors_i = [self.layers[m].error[i] for m in mods if self.layers[m].cost[i] is not None]
             others = medians[[j for j in real if j != i]]
             compared = not made[i] and len(others) > 0
             ratio = (
@@ -311,6 +471,10 @@ class CostMeter:
             tasks[lab] = {
                 # exactly rounded: the same whatever order the layers came in
                 "mean": math.fsum(c for _, c in costs) / len(costs) if costs else None,
+                # the layers' estimates are independent: the mean's standard error
+                "mean_error": math.sqrt(math.fsum(e * e for e in errors_i)) / len(costs)
+                if costs
+                else None,
                 "max": worst[0][1] if worst else None,
                 "worst_layers": [[m, c] for m, c in worst],
                 "pull_median": pull,
@@ -333,6 +497,7 @@ class CostMeter:
             }
         return {
             "statistics": "given for the cost only" if self.only_for_cost else "the merge's",
+            "mode": self.mode,
             "tasks": tasks,
             "flagged": flagged,
             "scale_disagreement": disagree,
@@ -378,9 +543,10 @@ def flagged_refusal(cost: Mapping[str, Any]) -> str:
 def cost_lines(cost: Mapping[str, Any]) -> list[str]:
     """What a report's ``cost`` entry says, one line per task and one per flag (the merge
     summary of ``lmdx merge``)."""
+    how = "exact" if cost.get("mode") == "exact" else "estimated (--cost exact: exact)"
     lines = [
         f"what each task pays ({len(cost['layers'])} layers; relative change of its layer "
-        "outputs on its own statistics): mean, worst layer"
+        f"outputs on its own statistics, {how}): mean, worst layer"
     ]
     for lab, t in cost["tasks"].items():
         if t["mean"] is None:
@@ -388,8 +554,10 @@ def cost_lines(cost: Mapping[str, Any]) -> list[str]:
             continue
         worst = t["worst_layers"][0]
         kind = " (on its surrogate Gram)" if t.get("surrogate") else ""
+        error = t.get("mean_error") or 0.0
+        plus = f" ± {error:.4f}" if error > 0 else ""
         lines.append(
-            f"  {lab}{kind}: {t['mean']:.4f}, {worst[1]:.4f} ({worst[0]}); pull "
+            f"  {lab}{kind}: {t['mean']:.4f}{plus}, {worst[1]:.4f} ({worst[0]}); pull "
             f"{t['pull_median']:.2f}, share {t['share_median']:.2f}"
         )
     if not cost.get("checked", True):
@@ -414,27 +582,58 @@ def cost_lines(cost: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def cost_mode(cost: bool | str | None) -> tuple[bool | None, str]:
+    """The front doors' ``cost`` argument read: whether what each task pays is measured
+    (True; False: not; None: when the method's statistics are Grams) and how
+    (:data:`COST_MODES`): None, True and False estimate, ``"estimate"`` and ``"exact"``
+    measure so."""
+    if cost is None or isinstance(cost, bool):
+        return cost, "estimate"
+    if isinstance(cost, str) and cost in COST_MODES:
+        return True, cost
+    raise MergeError(
+        f"cost: expected True, False, None, 'estimate' or 'exact', got {cost!r}"
+        " (exact: the slower exact value of what each task pays)"
+    )
+
+
 def open_cost(
-    inputs: MergeInputs, stats: Sequence[Any] | None, cost: bool | None
+    inputs: MergeInputs, stats: Sequence[Any] | None, cost: bool | str | None
 ) -> CostMeter | None:
     """The meter of what each task pays for the merge of ``inputs`` (None: not measured).
     ``cost``: True (measured; Gram statistics needed), False (not), None (measured when
-    the method's statistics are Grams). ``stats``: the front door's statistics argument;
-    those of a method that takes none (accepted with ``cost``) are opened and checked
-    against the models here."""
-    if cost is False:
+    the method's statistics are Grams), ``"estimate"`` or ``"exact"`` (measured so;
+    :func:`cost_mode`). ``stats``: the front door's statistics argument; those of a
+    method that takes none (accepted with ``cost``) are opened and checked against the
+    models here."""
+    wanted, mode = cost_mode(cost)
+    if wanted is False:
         return None
     method = inputs.method
+    threads = inputs.options.threads
     if method.stats == "regmean-gram" and inputs.stats is not None:
         return CostMeter(
-            inputs.stats, inputs.sources, inputs.labels, inputs.options.coefficients, True
+            inputs.stats,
+            inputs.sources,
+            inputs.labels,
+            inputs.options.coefficients,
+            True,
+            mode=mode,
+            n_threads=threads,
         )
-    if cost and method.stats is None and stats is not None:
+    if wanted and method.stats is None and stats is not None:
         objs = _opened_gram_stats(stats, inputs.sources, inputs.labels)
         return CostMeter(
-            objs, inputs.sources, inputs.labels, inputs.options.coefficients, False, True
+            objs,
+            inputs.sources,
+            inputs.labels,
+            inputs.options.coefficients,
+            False,
+            True,
+            mode=mode,
+            n_threads=threads,
         )
-    if cost:
+    if wanted:
         kind = f"its {method.stats} statistics" if method.stats else "no statistics"
         raise MergeError(
             f"cost: what each task pays needs Gram statistics (regmean-gram, lmdx stats) "
@@ -450,18 +649,26 @@ def measure_cost(
     *,
     labels: Sequence[str] | None = None,
     coefficients: Sequence[float] | None = None,
+    mode: str = "estimate",
 ) -> dict[str, Any]:
     """What each task pays for a merged model made anyhow: ``merged`` a state dict (e.g.
     :attr:`lmdx.merge.MergeResult.state_dict`), ``models`` the K models merged (modules,
     state dicts or folders), ``stats`` their Gram statistics (checked to belong to them),
-    ``coefficients`` the merge's (the average a pull is measured from). Returns what a
-    merge's ``report["cost"]`` holds (no pull is flagged: the method is not known)."""
+    ``coefficients`` the merge's (the average a pull is measured from), ``mode``
+    ``"estimate"`` or ``"exact"``. Returns what a merge's ``report["cost"]`` holds (no
+    pull is flagged: the method is not known)."""
     if len(stats) != len(models):
         raise MergeError(f"stats: {len(stats)} statistics for {len(models)} models")
     names = [f"model{i}" for i in range(len(models))] if labels is None else list(labels)
     sources = [model_source(m, lab, progress=False) for m, lab in zip(models, names, strict=True)]
     meter = CostMeter(
-        _opened_gram_stats(stats, sources, names), sources, names, coefficients, False, True
+        _opened_gram_stats(stats, sources, names),
+        sources,
+        names,
+        coefficients,
+        False,
+        True,
+        mode=cost_mode(mode)[1],
     )
     meter.observe({w: merged[w] for w in meter.weights() if w in merged})
     return meter.report()

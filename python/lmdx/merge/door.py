@@ -100,7 +100,7 @@ def prepare_merge(
     folder: bool,
     before_plan: Callable[[MergeInputs], None] | None = None,
     stats: Sequence[Any] | None = None,
-    cost: bool | None = None,
+    cost: bool | str | None = None,
 ) -> PreparedMerge:
     """The plan of the opened ``inputs`` (:func:`lmdx.merge.inputs.open_inputs`, the input
     step both doors share), after ``before_plan``: the door's own checks on them; with
