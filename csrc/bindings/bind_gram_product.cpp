@@ -20,8 +20,7 @@ py::array_t<double> gram_product(const py::array& gram, const py::array& y, int 
 void bind_gram_product(py::module_& m) {
   m.def("gram_product", &gram_product, py::kw_only(), py::arg("gram"), py::arg("y"),
         py::arg("n_threads"),
-        "G Y (d, p) for a float64 Gram G, full (d, d) or its packed upper triangle "
-        "(d (d + 1) / 2,), and y (d, p) float64.");
+        "G Y (d, p): G a float64 Gram, full or packed upper (d (d + 1) / 2,).");
 }
 
 }  // namespace lmdx_bind

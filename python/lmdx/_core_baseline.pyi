@@ -228,7 +228,7 @@ def gram_product(
     *, gram: numpy.ndarray, y: numpy.ndarray, n_threads: typing.SupportsInt | typing.SupportsIndex
 ) -> numpy.typing.NDArray[numpy.float64]:
     """
-    G Y (d, p) for a float64 Gram G, full (d, d) or its packed upper triangle (d (d + 1) / 2,), and y (d, p) float64.
+    G Y (d, p): G a float64 Gram, full or packed upper (d (d + 1) / 2,).
     """
 
 def gram_tile() -> dict[str, tuple[int, int]]:

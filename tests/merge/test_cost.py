@@ -300,8 +300,9 @@ def test_merge_reports_the_cost_equal_to_the_reference(family, arch, method, opt
 @pytest.mark.parametrize("arch", ["bert", "gpt2"])
 def test_the_default_estimate_agrees_with_the_exact_cost(family, arch):
     """A default merge (the cost estimated) against cost="exact": the same merged weights,
-    flags, shares and pulls; every layer's cost within LAYER_RTOL (and its standard error
-    reported), each task's mean within MEAN_RTOL; the CLI line says which was measured."""
+    flags and shares, the pulls to float32 rounding (the estimate works in the weights'
+    float32); every layer's cost within LAYER_RTOL (and its standard error reported), each
+    task's mean within MEAN_RTOL; the CLI line says which was measured."""
     f = family[arch]
     heads = list(H.HEADS[arch])
     est = merge_models(f["paths"], "regmean", stats=f["stats"], heads=heads, progress=False)
@@ -316,7 +317,7 @@ def test_the_default_estimate_agrees_with_the_exact_cost(family, arch):
     for m, layer in b["layers"].items():
         got = a["layers"][m]
         assert got["share"] == pytest.approx(layer["share"], rel=1e-12)
-        assert got["pull"] == layer["pull"]
+        assert got["pull"] == pytest.approx(layer["pull"], rel=1e-4, abs=1e-5)
         assert layer["error"] == [0.0] * len(layer["cost"])
         for x, y in zip(got["cost"], layer["cost"], strict=True):
             assert abs(x - y) <= LAYER_RTOL * y, (m, x, y)

@@ -39,7 +39,8 @@ method) and each task's ``mean_error`` (of its mean over layers, whose estimates
 independent). The products are ``G·Y`` for ``Y`` of ``2·SKETCH`` columns per term, from
 the Grams as the merge read them (packed, mapped, already checked:
 :func:`lmdx.moments.gram_product`): ``4·SKETCH·in²`` flops per term instead of the exact
-value's ``out·in²``; layers with at most ``2·SKETCH`` outputs are computed exactly. The
+value's ``out·in²``; layers with at most ``2·SKETCH`` outputs or inputs are computed
+exactly. The
 probes are seeded by the layer's name and the model's place: the same inputs give the
 same estimate (to rounding). Share and pull (and so the flags) need no products and are exact either
 way. Measured in docs/guide/merging.md ("What each task pays").
@@ -65,7 +66,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .._errors import MergeError
-from .._tensors import as_float64
+from .._tensors import as_float64, as_tensor_array
 from ..config import resolve_threads
 from ..moments import gram_product
 from ..stats.file import Statistics
@@ -114,6 +115,8 @@ SCALE_SPREAD_LIMIT = 30.0
 WORST_LAYERS = 3
 #: ``W_i`` within this relative distance of the average counts as the average (pull 0).
 _ALIKE = 1e-12
+#: ... and for float32 weights (the estimate's), whose average rounds at about 1e-7.
+_ALIKE_FLOAT32 = 1e-5
 
 
 @dataclass(frozen=True)
@@ -164,15 +167,16 @@ def _packed_diagonal(gram: NDArray[np.float64]) -> NDArray[np.float64]:
 def _estimated_squares(
     gram: NDArray[np.float64],
     mean_row: NDArray[np.float64] | None,
-    terms: Sequence[NDArray[np.float64]],
+    terms: Sequence[NDArray[np.floating[Any]]],
     seed: int,
     n_threads: int,
 ) -> list[tuple[float, float]]:
-    """Per ``A`` of ``terms`` (``[out, in]``, float64): the estimate of ``tr(A G Aᵀ)`` and
-    its standard error (see the module's description; exact, error 0, for ``A`` of at most
-    ``2·SKETCH`` rows), every term's products in one call of
-    :func:`lmdx.moments.gram_product` on ``gram`` as held (full or packed). ``mean_row``:
-    ``s/√n`` (``G − m mᵀ`` is the centred scatter), or None."""
+    """Per ``A`` of ``terms`` (``[out, in]``, float32 or float64, multiplied in their own
+    precision): the estimate of ``tr(A G Aᵀ)`` and its standard error (see the module's
+    description; exact, error 0, for ``A`` of at most ``2·SKETCH`` rows), every term's
+    products with the Gram in one call of :func:`lmdx.moments.gram_product` on ``gram`` as
+    held (full or packed). ``mean_row``: ``s/√n`` (``G − m mᵀ`` is the centred scatter),
+    or None."""
     rng = np.random.default_rng(seed)
     k = SKETCH
     diagonal = _packed_diagonal(gram)
@@ -184,21 +188,24 @@ def _estimated_squares(
     columns, parts, known = [], [], []
     for a in terms:
         out = a.shape[0]
-        if out <= 2 * k:
-            columns.append(a.T)
+        if out <= 2 * k or a.shape[1] <= 2 * k:  # as cheap exactly
+            columns.append(np.asarray(a.T, dtype=np.float64))
             parts.append((out, 0))
             known.append(0.0)
             continue
-        known.append(float(np.sum((a @ m) ** 2) + np.einsum("ij,j->", a * a, c)))
         # Q: A's dominant left singular directions, its inputs weighted by their scales (a
-        # randomized range finder, one power iteration); the rest by Hutchinson on
-        # (I − QQᵀ)Z.
-        b = a * scale
-        q, _ = np.linalg.qr(b @ (b.T @ (b @ rng.standard_normal((b.shape[1], k)))))
+        # randomized range finder, one power iteration, both on A diag(c) Aᵀ); the rest by
+        # Hutchinson on (I − QQᵀ)Z.
+        sketch = np.column_stack([rng.standard_normal((a.shape[1], k)) * scale[:, None], m])
+        left = np.asarray(a @ sketch.astype(a.dtype), dtype=np.float64)
+        power = a @ ((a.T @ left[:, :k].astype(a.dtype)) * (c / c.max(initial=1.0))[:, None])
+        q, _ = np.linalg.qr(np.asarray(power, dtype=np.float64))
         z = rng.standard_normal((out, k))
         z -= q @ (q.T @ z)
-        columns += [a.T @ q, a.T @ z]
+        columns.append(np.asarray(a.T @ np.hstack([q, z]).astype(a.dtype), dtype=np.float64))
         parts.append((k, k))
+        squares = np.einsum("ij,ij->j", a, a, dtype=np.float64)  # A's column norms²
+        known.append(float(left[:, k] @ left[:, k]) + float(squares @ c))
     if not columns:
         return []
     y = np.hstack(columns)
@@ -343,16 +350,18 @@ def group_cost(
             away = w - mean
             spread = float(np.vdot(away, away))
             # W_i the average up to rounding (one model, or all alike): nothing to pull toward
-            alike = spread <= (_ALIKE**2) * float(np.vdot(w, w))
+            tol = _ALIKE if w.dtype == np.float64 else _ALIKE_FLOAT32
+            alike = spread <= (tol**2) * float(np.vdot(w, w))
             pull.append(0.0 if alike else float(np.vdot(moved_by, away)) / spread)
         out[m] = LayerCost(costs[m], pull, list(share), errors[m])
     return out
 
 
-def _linear(x: Any, name: str, layout: str) -> NDArray[np.float64]:
-    """Weight ``name`` in float64, ``[out, in]`` (a ``Conv1D`` weight, ``[in, out]``,
-    transposed)."""
-    arr = as_float64(x, name)
+def _linear(x: Any, name: str, layout: str, exact: bool = True) -> NDArray[np.floating[Any]]:
+    """Weight ``name``, ``[out, in]`` (a ``Conv1D`` weight, ``[in, out]``, transposed): in
+    float64 for the exact cost, else as float32 or float64 as held (16-bit widened to
+    float32)."""
+    arr = as_float64(x, name) if exact else as_tensor_array(x, name)
     return np.ascontiguousarray(arr.T) if layout == "conv1d" else arr
 
 
@@ -386,9 +395,11 @@ class CostMeter:
         """The weights the statistics cover."""
         return list(self._weights)
 
-    def observe(self, tensors: Mapping[str, Any]) -> None:
+    def observe(self, tensors: Mapping[str, Any], grams: Mapping[str, Any] | None = None) -> None:
         """The cost of every merged weight in ``tensors`` the statistics cover (those of
-        one input group together: each model's Gram read once, one at a time)."""
+        one input group together: each model's Gram read once, one at a time). ``grams``:
+        by module, the K Grams the merge's step read, as stored (the estimate measures on
+        them instead of reading them again)."""
         t0 = time.process_time()
         groups: dict[str, list[tuple[str, str, str]]] = {}
         for name in tensors:
@@ -397,12 +408,23 @@ class CostMeter:
                 groups.setdefault(self.stats[0].group_of(found[0]), []).append((name, *found))
         for members in groups.values():
             first = members[0][1]
-            merged = {m: _linear(tensors[w], w, lay) for w, m, lay in members}
+            exact = self.mode == "exact"
+            merged = {m: _linear(tensors[w], w, lay, exact) for w, m, lay in members}
             weights = {
-                m: [_linear(s.read(w), w, lay) for s in self.sources] for w, m, lay in members
+                m: [_linear(s.read(w), w, lay, exact) for s in self.sources]
+                for w, m, lay in members
             }
-            read = (lambda s: s.gram) if self.mode == "exact" else (lambda s: s.gram_stored)
-            loaders = [functools.partial(read(s), first) for s in self.stats]
+            # the step's own Grams are these statistics' only when the merge used them
+            own = grams is not None and self.mode == "estimate" and not self.only_for_cost
+            given = grams.get(first) if own and grams is not None else None
+            loaders: Sequence[Any] = (
+                list(given)
+                if given is not None
+                else [
+                    functools.partial(s.gram if self.mode == "exact" else s.gram_stored, first)
+                    for s in self.stats
+                ]
+            )
             counts = [
                 s.rows_seen(first, label) for s, label in zip(self.stats, self.labels, strict=True)
             ]

@@ -40,7 +40,8 @@ class Executor:
     """Computes merged tensors on demand, one step at a time, each by the method the step
     carries; the steps of a method that runs its group steps on Ray (``ray = "groups"``)
     by ``remote`` when given. Every step's report entries go into ``report`` and its
-    tensors to ``observe`` (what each task pays, :mod:`lmdx.merge.cost`); the merge's
+    tensors, with the Grams it read, to ``observe`` (what each task pays,
+    :mod:`lmdx.merge.cost`); the merge's
     method sees every step's result (:meth:`~lmdx.merge.method.MergeMethod.after_step`).
     With ``inputs.lora``, a kept head tensor is also offered to that LoRA."""
 
@@ -50,7 +51,7 @@ class Executor:
         plan: MergePlan,
         report: dict[str, Any],
         remote: RemoteSolver | None = None,
-        observe: Callable[[Mapping[str, Any]], None] | None = None,
+        observe: Callable[[Mapping[str, Any], Mapping[str, Any]], None] | None = None,
     ) -> None:
         self.inputs, self.report, self.remote = inputs, report, remote
         self.observe = observe
@@ -77,7 +78,7 @@ class Executor:
             merged = step.method.compute(step, self.inputs)
         self.record(merged.report)
         if self.observe is not None:
-            self.observe(merged.tensors)
+            self.observe(merged.tensors, merged.grams)
         self.ready.update(merged.tensors)
         self.inputs.method.after_step(step, merged, self.inputs)
 

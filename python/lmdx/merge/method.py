@@ -179,15 +179,19 @@ def add_entries(report: dict[str, Any], entries: Mapping[str, Any]) -> None:
 class Merged:
     """What a step produced: its merged tensors (NumPy, or a copied tensor as its source
     holds it, in the input dtype: :func:`cast_merged`) and its entries in the merge report
-    (:func:`add_entries`: e.g. ``{"layers": {module: solver info}}``)."""
+    (:func:`add_entries`: e.g. ``{"layers": {module: solver info}}``); ``grams``: by
+    module, the K input Grams the step read (as stored, already checked), which what each
+    task pays then measures on without reading them again (:mod:`lmdx.merge.cost`)."""
 
     tensors: dict[str, Any]
     report: dict[str, Any] = field(default_factory=dict)
+    grams: dict[str, Sequence[Any]] = field(default_factory=dict)
 
     def update(self, other: Merged) -> None:
         """``other``'s tensors and report entries added to these."""
         self.tensors.update(other.tensors)
         add_entries(self.report, other.report)
+        self.grams.update(other.grams)
 
 
 def _finite(arr: Any) -> bool:

@@ -138,9 +138,6 @@ class Statistics:
         self._hashes: dict[str, str] = {}  # a loaded file's tensors' content hashes
         self._version = FORMAT_VERSION  # ... in the hash of this format version
         self._content_sha256: str | None = None
-        # The tensor last read mapped, checked: read again at once (the RegMean solve, then
-        # what each task pays) it is neither read nor hashed twice.
-        self._last_mapped: tuple[str, NDArray[Any]] | None = None
         self.source = source
         self._files = None if files is None else tuple(str(f) for f in files)
         self.extra = dict(extra or {})
@@ -265,8 +262,6 @@ class Statistics:
         if name in self._tensors:
             v = self._tensors[name]
             return np.asarray(v() if callable(v) else v)
-        if mapped and self._last_mapped is not None and self._last_mapped[0] == name:
-            return self._last_mapped[1]
         if self._file is not None and name in self._hashes:
             try:
                 read = self._file.get_mapped if mapped else self._file.get_tensor
@@ -281,8 +276,6 @@ class Statistics:
                     f"{self._where()}: tensor {name!r} does not match its content hash; the "
                     "file was corrupted or edited after it was written: get an intact copy"
                 )
-            if mapped:
-                self._last_mapped = (name, arr)
             return arr
         raise MissingStatisticsError(f"{self._where()}: tensor {name!r} is missing")
 

@@ -376,6 +376,7 @@ def solve_step(step: Step, inputs: MergeInputs) -> Merged:
     assert stats is not None
     alpha = options.own(SolveOptions).alpha
     factors = low_rank_inputs(step, sources)
+    read: dict[str, Any] = {}  # the Grams read, by module: what each task pays measures on them
     if factors is not None:
         solved, updates, layers = solve_group_low_rank(
             step, sources, factors, stats, labels, options
@@ -400,14 +401,16 @@ def solve_step(step: Step, inputs: MergeInputs) -> Merged:
             blocked, layers = solve_in_output_blocks(
                 step, sources, stats, grams, labels, options, block
             )
-            return Merged(blocked, group_report(step.modules[0], layers, alpha))
+            report = group_report(step.modules[0], layers, alpha)
+            return Merged(blocked, report, {m: grams for m in step.modules})
         solved, layers = solve_group(step.modules, weights, grams, stats, labels, options)
-        del weights, grams
+        del weights
+        read = {m: grams for m in step.modules}
         if lora is not None:
             for w, value in solved.items():
                 lora.observe(w, value)
     tensors = {w: cast_merged(w, v, sources[0].dtype(w)) for w, v in solved.items()}
-    return Merged(tensors, group_report(step.modules[0], layers, alpha))
+    return Merged(tensors, group_report(step.modules[0], layers, alpha), read)
 
 
 class RegMeanOptions(SolveOptions):
