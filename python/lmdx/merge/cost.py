@@ -341,20 +341,54 @@ def group_cost(
     share = [t / total if total > 0 else 1.0 / k for t in traces]
     out = {}
     for m, w_merged in merged.items():
-        mean = np.zeros_like(w_merged)
-        for c, w in zip(coef, weights[m], strict=True):
-            mean += (c / coef.sum()) * w
-        moved_by = w_merged - mean
+        out[m] = LayerCost(costs[m], _pulls(w_merged, weights[m], coef), list(share), errors[m])
+    return out
+
+
+def _pulls(
+    merged: NDArray[np.floating[Any]],
+    weights: Sequence[NDArray[np.floating[Any]]],
+    coef: NDArray[np.float64],
+) -> list[float]:
+    """Each model's pull ``⟨W − W̄, W_i − W̄⟩ / ‖W_i − W̄‖²`` (0 where ``W_i`` is the
+    average up to rounding). float64 weights (the exact cost): by the formula, in float64.
+    float32 weights (the estimate's): from the inner products of the deviations from the
+    first model, ``W − W_1`` and ``W_j − W_1``, in one product (float32, no cancellation:
+    the deviations are what is multiplied), to float32 rounding."""
+    weight = coef / coef.sum()
+    if merged.dtype == np.float64:
+        mean = np.zeros_like(merged)
+        for c, w in zip(weight, weights, strict=True):
+            mean += c * w
+        moved_by = merged - mean
         pull = []
-        for w in weights[m]:
+        for w in weights:
             away = w - mean
             spread = float(np.vdot(away, away))
             # W_i the average up to rounding (one model, or all alike): nothing to pull toward
-            tol = _ALIKE if w.dtype == np.float64 else _ALIKE_FLOAT32
-            alike = spread <= (tol**2) * float(np.vdot(w, w))
+            alike = spread <= (_ALIKE**2) * float(np.vdot(w, w))
             pull.append(0.0 if alike else float(np.vdot(moved_by, away)) / spread)
-        out[m] = LayerCost(costs[m], pull, list(share), errors[m])
-    return out
+        return pull
+    first = weights[0].reshape(-1)
+    k = len(weights)
+    deviations = np.empty((k, first.size), dtype=np.result_type(merged, first))
+    np.subtract(merged.reshape(-1), first, out=deviations[0])
+    for j in range(1, k):
+        np.subtract(weights[j].reshape(-1), first, out=deviations[j])
+    h = np.asarray(deviations @ deviations.T, dtype=np.float64)
+    # coefficient vectors over the rows (the merged one, then models 2..K): model 1 is 0
+    models = np.zeros((k, k))
+    models[np.arange(1, k), np.arange(1, k)] = 1.0
+    mean = weight @ models
+    moved_by = np.eye(k)[0] - mean
+    scale = float(first @ first)
+    pull = []
+    for i in range(k):
+        away = models[i] - mean
+        spread = float(away @ h @ away)
+        alike = spread <= (_ALIKE_FLOAT32**2) * scale
+        pull.append(0.0 if alike else float(moved_by @ h @ away) / spread)
+    return pull
 
 
 def _linear(x: Any, name: str, layout: str, exact: bool = True) -> NDArray[np.floating[Any]]:
