@@ -22,6 +22,16 @@ activations have a mean and correlated features. Flops per layer: the float64 so
 ``2(K − 1)·in²·out + in³/3 + 2·in²·out``; the exact cost ``2K·in²·out``.
 
     OPENBLAS_NUM_THREADS=1 python bench/bench_cost.py [--k 4] [--reps 3] [--noise 0.02]
+
+``--whole-model DIR``: instead, what a user's call costs. K BERT-base encoders (random
+init, seed 0; each parameter of copy i perturbed by ``--noise`` × its standard deviation,
+seeded) are saved in DIR with their statistics (``collect_regmean_stats``, padding
+included, ``--seqs`` random sequences of 128 tokens each, made once and reused), then
+``merge_models(method="regmean", alpha=0.9)`` is timed (wall, all threads) with the cost
+off (``cost=False``), estimated (the default) and exact (``cost="exact"``), alternated
+``--reps`` times; the estimate's per-task means are compared with the exact ones.
+
+    python bench/bench_cost.py --whole-model /tmp/bench_cost --k 3 --reps 2
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -60,7 +71,12 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--noise", type=float, default=0.02)
+    ap.add_argument("--whole-model", metavar="DIR", type=Path, default=None)
+    ap.add_argument("--seqs", type=int, default=48)
     args = ap.parse_args()
+    if args.whole_model is not None:
+        whole_model(args.whole_model, args.k, args.noise, args.seqs, args.reps)
+        return
     k = args.k
     rng = np.random.default_rng(0)
     totals = {"auto": 0.0, "float64": 0.0, "cost": 0.0, "estimate": 0.0}
@@ -143,6 +159,63 @@ def main() -> None:
           f"{'':>11}{max(errors):>15.1e}, {np.median(errors):.1e}")  # fmt: skip
     print(f"flops: float64 solve {flops['float64'] / 1e9:.1f} G, cost {flops['cost'] / 1e9:.1f} G "
           f"(ratio {flops['cost'] / flops['float64']:.2f})")  # fmt: skip
+
+
+def whole_model(root: Path, k: int, noise: float, seqs: int, reps: int) -> None:
+    """The whole-model timing of ``--whole-model`` (see the module's description)."""
+    import warnings
+
+    import torch
+    from lmdx import collect_regmean_stats, merge_models
+    from transformers import BertConfig, BertModel
+
+    paths = [root / f"model{i}" for i in range(k)]
+    stats = [root / f"stats{i}.safetensors" for i in range(k)]
+    if not all(p.is_dir() for p in paths) or not all(s.is_file() for s in stats):
+        torch.manual_seed(0)
+        base = BertModel(BertConfig()).eval()
+        for i, (path, out) in enumerate(zip(paths, stats, strict=True)):
+            model = BertModel(BertConfig()).eval()
+            g = torch.Generator().manual_seed(100 + i)
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), base.parameters(), strict=True):
+                    spread = noise * q.std() if q.numel() > 1 else 0.0
+                    p.copy_(q + spread * torch.randn(q.shape, generator=g))
+            model.save_pretrained(path)
+            ids = torch.randint(1000, 20000, (seqs, 128), generator=g)
+            batches = [
+                {"input_ids": ids[j : j + 16], "attention_mask": torch.ones_like(ids[j : j + 16])}
+                for j in range(0, seqs, 16)
+            ]
+            collect_regmean_stats(model, batches, include_padding=True, progress=False, out=out)
+    runs: dict[str, list[float]] = {"off": [], "estimate": [], "exact": []}
+    means: dict[str, dict[str, float]] = {}
+    for _ in range(reps):
+        for mode, cost in (("off", False), ("estimate", None), ("exact", "exact")):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                t0 = time.perf_counter()
+                result = merge_models(
+                    [str(p) for p in paths],
+                    "regmean",
+                    stats=[str(s) for s in stats],
+                    alpha=ALPHA,
+                    progress=False,
+                    cost=cost,
+                )
+                runs[mode].append(time.perf_counter() - t0)
+            if cost is not False:
+                means[mode] = {t: v["mean"] for t, v in result.report["cost"]["tasks"].items()}
+            del result
+    print(f"BERT-base x {k}, noise {noise}, {seqs} x 128 tokens each, α {ALPHA}; wall s")
+    for mode, times in runs.items():
+        ratio = min(times) / min(runs["off"])
+        print(f"  {mode:<9} min {min(times):7.2f}  all {[round(t, 2) for t in times]}  "
+              f"x {ratio:.3f} the merge alone")  # fmt: skip
+    for task, exact in means["exact"].items():
+        est = means["estimate"][task]
+        print(f"  {task}: mean cost exact {exact:.5f}, estimate {est:.5f} "
+              f"({(est - exact) / exact:+.2%})")  # fmt: skip
 
 
 if __name__ == "__main__":

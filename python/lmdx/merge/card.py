@@ -133,13 +133,20 @@ def _cost_section(cost: Mapping[str, Any] | None) -> list[str]:
         "Per layer, the relative change of each model's layer outputs on its own statistics, "
         "‖W − W_i‖_Ĝi / ‖W_i‖_Ĝi (per layer in `lmdx_merge.json`, `cost`); pull: how far the "
         "merge moved from the average toward the model; share: its share of the statistics' "
-        "scale (medians over layers).",
+        "scale (medians over layers). "
+        + (
+            "Measured exactly."
+            if cost.get("mode") == "exact"
+            else "Estimated (randomized, unbiased): the mean ± its standard error."
+        ),
         "",
         "| model | mean | worst layers | pull | share | flagged |",
         "|---|---|---|---|---|---|",
     ]
     for label, t in cost.get("tasks", {}).items():
         mean = "—" if t.get("mean") is None else f"{t['mean']:.4f}"
+        if t.get("mean") is not None and t.get("mean_error"):
+            mean += f" ± {t['mean_error']:.4f}"
         worst = ", ".join(f"{m} {c:.4f}" for m, c in t.get("worst_layers", []))
         lines.append(
             f"| {_cell(label)} | {mean} | {_cell(worst)} | {t['pull_median']:.2f} | "
