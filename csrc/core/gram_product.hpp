@@ -3,23 +3,21 @@
 // taken from the Gram as statistics files store it, its upper triangle packed row by row,
 // or from a full matrix, without unpacking it.
 //
-// The triangle is read in panels of kPanelRows rows (row j from column j on), each copied
-// once into a dense trapezoid P (zeros left of the diagonal) shared by the threads; then
-// every fixed chunk of kColumnChunk columns of Y takes P's two products, the upper part
-// out[j0..j1) += P Y[j0..d) and then, P's diagonal set to zero, its mirror
-// out[j0..d) += P^T Y[j0..j1). A chunk's work is the same whichever thread runs it (Eigen's
-// products of a few entries vectorize by the operands' addresses, so results agree to
-// rounding, not to the bit, from one call to the next).
+// The columns of Y are taken kColumnChunk at a time (zeros past p), each chunk independent
+// of the others (the threads share the chunks); within a chunk the triangle is read once,
+// kRowGroup of its rows at a time, with each row of Y and of the result loaded once per
+// group (chunk_product in the .cpp). Every result entry is summed in one fixed order, so
+// the result does not depend on the thread count or on where the arrays lie in memory.
 #pragma once
 
 #include "core/arrays.hpp"
 
 LMDX_NAMESPACE_BEGIN
 
-/// Rows of the triangle copied per panel.
-constexpr Index kPanelRows = 48;
 /// Columns of Y per independent chunk of work.
 constexpr Index kColumnChunk = 16;
+/// Rows of the triangle taken together within a chunk.
+constexpr Index kRowGroup = 4;
 
 /// out (d x p, row-major) = G Y for `gram`, a full (d, d) symmetric float64 matrix or its
 /// packed upper triangle (d (d + 1) / 2,), and `y` (d, p) float64, row-major.

@@ -34,8 +34,14 @@ def test_gram_product_equals_the_reference(d, p, rows, seed, packed):
     for threads in (1, 2):
         got = gram_product(packed_upper(g) if packed else g, y, n_threads=threads)
         assert got.shape == (d, p)
-        # 1 and 2 threads: each within rounding of the reference
         assert np.all(np.abs(got - expected) <= 4 * d * np.finfo(float).eps * scale + 1e-300)
+    # one fixed order of the sums: the same bits on 1 and 2 threads and wherever y lies
+    g_in = packed_upper(g) if packed else g
+    one = gram_product(g_in, y, n_threads=1)
+    shifted = np.empty(d * p + 1)[1:].reshape(d, p)
+    shifted[...] = y
+    assert np.array_equal(one, gram_product(g_in, y, n_threads=2))
+    assert np.array_equal(one, gram_product(g_in, shifted, n_threads=2))
 
 
 def test_gram_product_reads_a_mapped_read_only_triangle():

@@ -334,8 +334,8 @@ def test_cost_takes_only_its_modes(family):
 
 
 def assert_same_report(a, b):
-    """Two reports of the same estimate: equal to rounding (the core's small products
-    vectorize by the operands' addresses), flags and worst layers the same."""
+    """Two reports of the same estimate: equal to rounding (its NumPy products are BLAS's,
+    whose order of sums is BLAS's affair), flags the same."""
     assert a["layers"].keys() == b["layers"].keys() and a["tasks"].keys() == b["tasks"].keys()
     for m, layer in b["layers"].items():
         for key, values in layer.items():
@@ -454,7 +454,7 @@ def test_streaming_merge_records_the_cost_in_its_record_and_card(family, tmp_pat
     record = json.loads((out / "lmdx_merge.json").read_text())
     assert record["report"]["cost"] == json.loads(json.dumps(res.report["cost"]))
     in_memory = merge_models(f["paths"], "regmean", stats=f["stats"], heads=heads, progress=False)
-    # the same estimate, to rounding (the core's small products vectorize by address)
+    # the same estimate (compared to rounding: its NumPy products are BLAS's)
     written = record["report"]["cost"]["layers"]
     assert written.keys() == in_memory.report["cost"]["layers"].keys()
     for m, layer in in_memory.report["cost"]["layers"].items():

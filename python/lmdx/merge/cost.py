@@ -42,7 +42,7 @@ the Grams as the merge read them (packed, mapped, already checked:
 value's ``out·in²``; layers with at most ``2·SKETCH`` outputs or inputs are computed
 exactly. The
 probes are seeded by the layer's name and the model's place: the same inputs give the
-same estimate (to rounding). Share and pull (and so the flags) need no products and are exact either
+same estimate. Share and pull (and so the flags) need no products and are exact either
 way. Measured in docs/guide/merging.md ("What each task pays").
 
 **Exact on request** (``cost="exact"``, ``lmdx merge --cost exact``, ``--exact-cost``):
