@@ -204,7 +204,9 @@ def _estimated_squares(
         z -= q @ (q.T @ z)
         columns.append(np.asarray(a.T @ np.hstack([q, z]).astype(a.dtype), dtype=np.float64))
         parts.append((k, k))
-        squares = np.einsum("ij,ij->j", a, a, dtype=np.float64)  # A's column norms²
+        # A's column norms², summed in A's precision (float32: to ~1e-5 of them, far below
+        # the estimate's own error)
+        squares = np.einsum("ij,ij->j", a, a).astype(np.float64)
         known.append(float(left[:, k] @ left[:, k]) + float(squares @ c))
     if not columns:
         return []
