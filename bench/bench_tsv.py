@@ -1,0 +1,189 @@
+"""TSV-M at BERT-base's matrix shapes: lmdx's default (float64 Gram eigendecompositions)
+and its ``precision: float64`` path (NumPy SVDs) against FusionBench's own TSV-M.
+
+Per encoder layer of BERT-base, six matrices: query, key, value, attention output
+(768 x 768), intermediate (3072 x 768) and output (768 x 3072), ``--layers`` layers (12:
+the whole encoder). Base weights are seeded Gaussians of standard deviation 0.02 (BERT's
+initialization), each of the K task vectors a seeded Gaussian of ``--noise`` (0.02) times
+that: what real fine-tune deltas look like (slowly decaying spectra). In one process,
+2 threads (NumPy's BLAS by threadpoolctl where installed, torch's by
+``torch.set_num_threads``), wall time, the three runs alternated ``--reps`` times, with a
+pause between runs so that one library's spinning threads do not slow the next:
+
+* lmdx ``tsv_merge`` default (``precision: auto``) and ``precision: float64``, on the
+  float64 task matrices lmdx merges;
+* FusionBench 0.2.33's ``compute_and_sum_svd_mem_reduction`` (TSVM_utils: torch float32
+  SVDs, the polar factors by SVD), on float32 torch task vectors, as its TSV-M merges
+  them (its per-matrix ``print`` sent to a buffer). Where fusion_bench does not import,
+  a torch float32 SVD TSV-M written here stands in, labelled as such.
+
+Per shape (one matrix of it: min and median over reps) and for the whole set (every
+matrix of every layer in one call each), it prints the times, the ratio lmdx/FusionBench
+and the relative Frobenius difference of each result from lmdx's float64 one.
+
+    python bench/bench_tsv.py [--layers 12] [--k 3] [--reps 3] [--noise 0.02]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from lmdx.merge.builtin.tsv import tsv_merge
+
+THREADS = 2
+PAUSE_S = 0.3
+#: name -> (out, in) of each of a BERT-base layer's matrices
+SHAPES = {
+    "query": (768, 768),
+    "key": (768, 768),
+    "value": (768, 768),
+    "attn out": (768, 768),
+    "intermediate": (3072, 768),
+    "output": (768, 3072),
+}
+
+
+def fusion_bench_tsvm() -> tuple[Callable[[list[dict[str, torch.Tensor]]], dict], str]:
+    """FusionBench's TSV-M over task-vector state dicts, or the stand-in, and its label."""
+    try:
+        from fusion_bench.method.task_singular_vector.utils.TSVM_utils import (
+            compute_and_sum_svd_mem_reduction,
+        )
+    except Exception as exc:  # any import failure: say so, use the stand-in
+        print(f"fusion_bench does not import ({type(exc).__name__}: {exc}); stand-in used")
+        return torch_svd_tsvm, "stand-in: torch float32 SVD TSV-M (not FusionBench)"
+
+    def run(task_vectors: list[dict[str, torch.Tensor]]) -> dict:
+        with contextlib.redirect_stdout(io.StringIO()):
+            return compute_and_sum_svd_mem_reduction(task_vectors, accelerator="cpu")
+
+    import fusion_bench
+
+    return run, f"FusionBench {getattr(fusion_bench, '__version__', '0.2.33')}"
+
+
+def torch_svd_tsvm(task_vectors: list[dict[str, torch.Tensor]]) -> dict:
+    """TSV-M by torch float32 SVDs (the stand-in where FusionBench does not import)."""
+    out = {}
+    for key in task_vectors[0]:
+        taus = [tv[key] for tv in task_vectors]
+        k = int(min(taus[0].shape) / len(taus))
+        parts = [torch.linalg.svd(t, full_matrices=False) for t in taus]
+        u = torch.cat([p[0][:, :k] for p in parts], dim=1)
+        s = torch.cat([p[1][:k] for p in parts])
+        vh = torch.cat([p[2][:k] for p in parts], dim=0)
+        pu, _, pv = torch.linalg.svd(u, full_matrices=False)
+        qu, _, qv = torch.linalg.svd(vh, full_matrices=False)
+        out[key] = (pu @ pv) @ torch.diag(s) @ (qu @ qv)
+    return out
+
+
+def task_vectors(layers: int, k: int, noise: float) -> dict[str, list[np.ndarray]]:
+    """name -> the K float64 task matrices of that matrix (seeded)."""
+    rng = np.random.default_rng(0)
+    out = {}
+    for layer in range(layers):
+        for name, shape in SHAPES.items():
+            base = 0.02 * rng.standard_normal(shape)
+            scale = noise * float(base.std())
+            out[f"{layer}.{name}"] = [
+                (scale * rng.standard_normal(shape)).astype(np.float32).astype(np.float64)
+                for _ in range(k)
+            ]
+    return out
+
+
+def relative(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def simd_line() -> str:
+    lmdx_cli = shutil.which("lmdx") or str(Path(sys.executable).with_name("lmdx"))
+    try:
+        info = subprocess.run([lmdx_cli, "info"], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        return f"lmdx info failed: {exc}"
+    lines = [line.strip() for line in info.stdout.splitlines() if "simd_path" in line]
+    return lines[0] if lines else "lmdx info: no simd_path line"
+
+
+def timed(
+    runs: dict[str, Callable[[], object]], reps: int
+) -> tuple[dict[str, list[float]], dict[str, object]]:
+    """Each run ``reps`` times, alternated, with a pause between runs; the last results."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    results: dict[str, object] = {}
+    for _ in range(reps):
+        for name, run in runs.items():
+            time.sleep(PAUSE_S)
+            start = time.perf_counter()
+            results[name] = run()
+            times[name].append(time.perf_counter() - start)
+    return times, results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--noise", type=float, default=0.02)
+    args = parser.parse_args()
+
+    torch.set_num_threads(THREADS)
+    try:
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(THREADS)
+        blas = f"NumPy BLAS {THREADS} threads (threadpoolctl)"
+    except ImportError:
+        blas = "NumPy BLAS threads as set by OPENBLAS_NUM_THREADS (threadpoolctl missing)"
+    fb, label = fusion_bench_tsvm()
+    print(simd_line())
+    print(f"torch {torch.__version__} {THREADS} threads; {blas}; numpy {np.__version__}")
+    print(f"baseline: {label}; K = {args.k}, {args.layers} layers, noise {args.noise}")
+
+    taus = task_vectors(args.layers, args.k, args.noise)
+    tvs = [
+        {n: torch.from_numpy(t[i].astype(np.float32)) for n, t in taus.items()}
+        for i in range(args.k)
+    ]
+
+    def runs(names: list[str]) -> dict[str, Callable[[], object]]:
+        return {
+            "lmdx auto": lambda: {n: tsv_merge(taus[n], None) for n in names},
+            "lmdx float64": lambda: {n: tsv_merge(taus[n], None, "float64") for n in names},
+            "baseline": lambda: fb([{n: tv[n] for n in names} for tv in tvs]),
+        }
+
+    header = f"{'shape':<28}{'run':<14}{'min s':>9}{'median s':>10}{'rel. diff':>11}"
+    print(header)
+    groups = {f"{name} {SHAPES[name][0]}x{SHAPES[name][1]}": [f"0.{name}"] for name in SHAPES}
+    groups[f"whole set ({len(taus)} matrices)"] = list(taus)
+    for label_, names in groups.items():
+        times, results = timed(runs(names), args.reps)
+        reference = results["lmdx float64"]
+        for run in times:
+            got = results[run]
+            diff = max(relative(np.asarray(got[n], dtype=np.float64), reference[n]) for n in names)
+            best, median = min(times[run]), float(np.median(times[run]))
+            print(f"{label_:<28}{run:<14}{best:>9.3f}{median:>10.3f}{diff:>11.1e}")
+        base = min(times["baseline"])
+        print(
+            f"{'':<28}lmdx/baseline: auto {min(times['lmdx auto']) / base:.2f}, "
+            f"float64 {min(times['lmdx float64']) / base:.2f} (min times)"
+        )
+
+
+if __name__ == "__main__":
+    main()
