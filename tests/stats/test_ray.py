@@ -386,6 +386,9 @@ def test_streaming_merge_with_ray_workers_is_bit_identical(local_ray: Any, tmp_p
     remote = stream_merge(paths, tmp_path / "ray", progress=False, ray_workers=2, **kwargs)
     assert remote.report["ray_workers"] == 2 and local_ray.is_initialized()
     assert remote.report["layers"] == local.report["layers"]
+    # what each task pays: the workers keep the Grams they read, the driver reads its own
+    for task, t in local.report["cost"]["tasks"].items():
+        assert remote.report["cost"]["tasks"][task]["mean"] == pytest.approx(t["mean"], rel=1e-9)
     a, b = Checkpoint(local.out_dir), Checkpoint(remote.out_dir)
     assert a.names() == b.names()
     for name in a.names():

@@ -71,7 +71,11 @@ def _solve(
     models, stats, labels, options = inputs
     ckpts, st = _open(models, stats, labels)
     try:
-        return step.method.compute(step, MergeInputs(step.method, options, list(ckpts), labels, st))
+        merged = step.method.compute(
+            step, MergeInputs(step.method, options, list(ckpts), labels, st)
+        )
+        # the Grams it read stay here: the driver's cost meter reads its own
+        return Merged(merged.tensors, merged.report)
     finally:
         # A worker outlives its task: it keeps no pooled matrices beyond the memory its
         # task asked Ray for.
