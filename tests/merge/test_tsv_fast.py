@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from lmdx import merge_state_dicts
 from lmdx.merge.builtin.task_matrices import polar
 from lmdx.merge.builtin.tsv import FAST_PATH_BOUND, tsv_merge, tsv_merge_fast
+from task_matrix_draws import task_matrix_draws
 
 
 def _ref_polar(a):
@@ -95,51 +96,10 @@ def _relative(got, ref):
     return np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-300)
 
 
-@st.composite
-def _task_matrices(draw):
-    """K task matrices of one shape: Gaussian, low-rank, duplicated, zero, scaled, or
-    with a repeated singular value."""
-    out = draw(st.integers(1, 40))
-    inp = draw(st.integers(1, 40))
-    k = draw(st.integers(1, 4))
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    scale = draw(st.sampled_from([1e-6, 0.02, 1.0, 30.0]))
-    taus = []
-    for _ in range(k):
-        kinds = ["full", "full", "low_rank", "duplicate", "near", "zero", "flat", "gapped"]
-        kind = draw(st.sampled_from(kinds))
-        if kind == "low_rank":
-            rank = draw(st.integers(1, max(1, min(out, inp))))
-            tau = rng.standard_normal((out, rank)) @ rng.standard_normal((rank, inp))
-        elif kind == "duplicate" and taus:
-            tau = taus[draw(st.integers(0, len(taus) - 1))] * draw(st.sampled_from([1.0, -2.0]))
-        elif kind == "near" and taus:  # almost a duplicate: U's Gram ill-conditioned
-            noise = draw(st.sampled_from([1e-3, 1e-5, 1e-7]))
-            tau = taus[-1] / scale + noise * rng.standard_normal((out, inp))
-        elif kind == "gapped":  # a tiny relative gap somewhere in the spectrum
-            r = min(out, inp)
-            q1 = np.linalg.qr(rng.standard_normal((out, r)))[0]
-            q2 = np.linalg.qr(rng.standard_normal((inp, r)))[0]
-            s = np.sort(rng.uniform(0.5, 1.0, r))[::-1]
-            at = draw(st.integers(0, r - 1))
-            s[at:] -= np.linspace(0.0, 1e-3, r - at)  # keep the order
-            s[at] = s[at - 1] - draw(st.sampled_from([1e-4, 1e-8, 1e-11])) if at else s[at]
-            tau = (q1 * s) @ q2.T
-        elif kind == "zero":
-            tau = np.zeros((out, inp))
-        elif kind == "flat":  # equal singular values: an orthonormal block times a constant
-            q = np.linalg.qr(rng.standard_normal((max(out, inp), min(out, inp))))[0]
-            tau = q if out >= inp else q.T
-        else:
-            tau = rng.standard_normal((out, inp))
-        taus.append(scale * tau)
-    return taus
-
-
 _FRACTIONS = st.sampled_from([None, 0.1, 0.25, 0.5, 1.0])
 
 
-@given(taus=_task_matrices(), fraction=_FRACTIONS)
+@given(taus=task_matrix_draws(), fraction=_FRACTIONS)
 @settings(deadline=None, max_examples=300)
 def test_the_default_is_within_its_bound_of_the_float64_definition(taus, fraction):
     got = tsv_merge(taus, fraction)
@@ -149,7 +109,7 @@ def test_the_default_is_within_its_bound_of_the_float64_definition(taus, fractio
     assert _relative(got, _ref_tsv(taus, fraction)) <= FAST_PATH_BOUND
 
 
-@given(taus=_task_matrices(), fraction=_FRACTIONS)
+@given(taus=task_matrix_draws(), fraction=_FRACTIONS)
 @settings(deadline=None, max_examples=300)
 def test_the_fast_path_when_it_answers_is_within_its_bound(taus, fraction):
     """Where the fast path does not fall back, wherever the definition is well posed."""
@@ -158,7 +118,7 @@ def test_the_fast_path_when_it_answers_is_within_its_bound(taus, fraction):
     assert _relative(got, _ref_tsv(taus, fraction)) <= FAST_PATH_BOUND
 
 
-@given(taus=_task_matrices(), fraction=_FRACTIONS)
+@given(taus=task_matrix_draws(), fraction=_FRACTIONS)
 @settings(deadline=None, max_examples=150)
 def test_float64_is_todays_result_bit_for_bit(taus, fraction):
     got = tsv_merge(taus, fraction, "float64")

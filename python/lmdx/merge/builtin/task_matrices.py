@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
@@ -42,11 +42,16 @@ from ..source import TensorSource
 from .task_vectors import TaskVectorMethod, finite_task_vector
 
 __all__ = [
+    "GRAM_EPS",
     "MATRIX_SCALING",
+    "GramPolar",
+    "GramTriplets",
     "TaskMatrices",
     "TaskMatrixMethod",
     "conv1d_weights",
     "factorization_of",
+    "gram_polar",
+    "gram_triplets",
     "is_task_matrix",
     "polar",
     "task_matrices",
@@ -102,6 +107,109 @@ def polar(a: NDArray[np.float64]) -> NDArray[np.float64]:
     u, _, vt = np.linalg.svd(a, full_matrices=False)
     out: NDArray[np.float64] = u @ vt
     return out
+
+
+#: The unit roundoff of float64, the scale of the Gram paths' error estimates.
+GRAM_EPS = float(np.finfo(np.float64).eps)
+
+
+class GramTriplets(NamedTuple):
+    """The top ``k`` singular triplets of a matrix ``a`` (``[m, n]``) from its Gram:
+    ``u`` (``[m, k]``), ``s`` (``[k]``, descending), ``v`` (``[n, k]``), ``a ≈ u diag(s)
+    vᵀ``; ``lam``: all eigenvalues of the smaller Gram (ascending, ``min(m, n)`` of them,
+    the squared singular values to an absolute error of about ``ε λ_max``); ``terms``: the
+    first-order error estimate's pieces, in order: the cut's sensitivity ``ε · n · λ_1 /
+    (λ_k − λ_{k+1})`` (``n`` the Gram's order; absent if ``k = n``), then the
+    orthonormality defects ``max |uᵀu − I|`` and ``max |vᵀv − I|``."""
+
+    u: NDArray[np.float64]
+    s: NDArray[np.float64]
+    v: NDArray[np.float64]
+    lam: NDArray[np.float64]
+    terms: tuple[float, ...]
+
+
+class GramPolar(NamedTuple):
+    """The orthogonal polar factor ``q`` of a matrix from its Gram, its error estimate
+    ``ε μ_max / μ_min`` and the Gram's eigenvalues ``mu`` (ascending: the squared singular
+    values)."""
+
+    q: NDArray[np.float64]
+    estimate: float
+    mu: NDArray[np.float64]
+
+
+def gram_triplets(a: NDArray[np.float64], k: int, small: float = 1e-4) -> GramTriplets | None:
+    """The top ``k`` singular triplets of ``a`` (``[m, n]``, float64, ``1 ≤ k ≤ min(m,
+    n)``) by the float64 eigendecomposition of its smaller Gram: with ``t = a`` if ``m ≥
+    n`` (else ``aᵀ``), ``v`` and ``s²`` the top ``k`` eigenpairs of ``tᵀt``, ``u = t v /
+    s`` (``s`` the norms of ``t v``'s columns), swapped back for a wide ``a``.
+
+    Parameters
+    ----------
+    a
+        The matrix.
+    k
+        How many triplets.
+    small
+        The smallest ``s_k / s_1`` accepted.
+
+    Returns
+    -------
+    GramTriplets | None
+        The triplets and their estimate's pieces, or ``None`` where the Gram cannot give
+        them: ``s_k`` at most ``small`` of ``s_1`` (a zero matrix, rank below ``k``), or
+        equal eigenvalues at the cut (the top ``k`` not unique).
+    """
+    tall = a.shape[0] >= a.shape[1]
+    t = a if tall else a.T
+    lam, vec = np.linalg.eigh(t.T @ t)
+    first, last = float(lam[-1]), float(lam[-k])
+    if not last > small**2 * first:
+        return None
+    terms: list[float] = []
+    if k < lam.shape[0]:
+        gap = last - float(lam[-k - 1])
+        if not gap > 0.0:
+            return None
+        terms.append(GRAM_EPS * lam.shape[0] * first / gap)
+    v = vec[:, : -k - 1 : -1]
+    u = t @ v
+    s = np.linalg.norm(u, axis=0)
+    u = u / s
+    for block in (u, v):
+        terms.append(float(np.abs(block.T @ block - np.eye(k)).max()))
+    if not tall:
+        u, v = v, u
+    return GramTriplets(u, s, v, lam, tuple(terms))
+
+
+def gram_polar(a: NDArray[np.float64]) -> GramPolar | None:
+    """The orthogonal polar factor of ``a`` (``[d, p]``, float64) as ``a (aᵀa)^(-1/2)``
+    (``(a aᵀ)^(-1/2) a`` if ``p > d``: the smaller Gram) by the Gram's float64
+    eigendecomposition.
+
+    Parameters
+    ----------
+    a
+        The matrix (not empty).
+
+    Returns
+    -------
+    GramPolar | None
+        The factor (what :func:`polar` gives, where the Gram is well conditioned), its
+        first-order error estimate ``ε μ_max / μ_min`` and the Gram's eigenvalues ``μ``;
+        ``None`` where the smallest ``μ`` is not positive (``a`` numerically rank
+        deficient).
+    """
+    tall = a.shape[0] >= a.shape[1]
+    gram = a.T @ a if tall else a @ a.T
+    mu, z = np.linalg.eigh(gram)
+    if not float(mu[0]) > 0.0:
+        return None
+    root = (z / np.sqrt(mu)) @ z.T
+    out: NDArray[np.float64] = a @ root if tall else root @ a
+    return GramPolar(out, GRAM_EPS * float(mu[-1]) / float(mu[0]), mu)
 
 
 class TaskMatrices:

@@ -19,9 +19,9 @@ the K models with ``c_i > 0``), of rank at most ``r = min(out, in)``:
 ``precision: float64`` computes exactly that: NumPy's float64 SVDs (K of the task
 matrices, two for the polar factors). The default, ``precision: auto``, computes the same
 quantities from float64 eigendecompositions of Grams, two to four times as fast at
-BERT-base shapes (bench/bench_tsv.py): with ``τ`` oriented so that ``in ≤ out``, ``V_ik`` and ``σ²``
-are the top ``k`` eigenpairs of ``τᵀτ``, ``U_ik = τ V_ik / σ`` (``σ`` the norms of
-``τ V_ik``'s columns), and a polar factor is ``U (UᵀU)^(-1/2)`` (``(U Uᵀ)^(-1/2) U`` if
+BERT-base shapes (bench/bench_svd_methods.py): with ``τ`` oriented so that ``in ≤ out``,
+``V_ik`` and ``σ²`` are the top ``k`` eigenpairs of ``τᵀτ``, ``U_ik = τ V_ik / σ`` (``σ``
+the norms of ``τ V_ik``'s columns), and a polar factor is ``U (UᵀU)^(-1/2)`` (``(U Uᵀ)^(-1/2) U`` if
 ``U`` is wide) from the eigendecomposition of its Gram. Its contract: **the merged update
 is within a relative Frobenius** :data:`FAST_PATH_BOUND` (``1e-6``) **of the float64 SVD
 definition**, where that definition is itself well posed. Squaring a matrix squares its
@@ -62,7 +62,15 @@ from numpy.typing import NDArray
 from pydantic import Field
 
 from ..method import MergeInputs, NoOptions
-from .task_matrices import MATRIX_SCALING, TaskMatrices, TaskMatrixMethod, polar
+from .task_matrices import (
+    GRAM_EPS,
+    MATRIX_SCALING,
+    TaskMatrices,
+    TaskMatrixMethod,
+    gram_polar,
+    gram_triplets,
+    polar,
+)
 
 __all__ = [
     "FAST_PATH_BOUND",
@@ -78,7 +86,6 @@ FAST_PATH_BOUND = 1e-6
 
 #: The smallest kept singular value of a task matrix, of its largest, the fast path takes.
 _SMALL_LIMIT = 1e-4
-_EPS = float(np.finfo(np.float64).eps)
 
 
 class TaskSingularVectorsOptions(NoOptions):
@@ -192,50 +199,26 @@ def tsv_merge_fast(
     for tau, norm in zip(tall, norms, strict=True):
         if norm == 0.0:
             continue  # a zero task matrix: every singular value is zero, none is kept
-        lam, vec = np.linalg.eigh(tau.T @ tau)
-        first, last = float(lam[-1]), float(lam[-k])
-        if not last > _SMALL_LIMIT**2 * first:
-            return None  # a singular value kept is near zero (rank-deficient, or k > rank)
-        if k < lam.shape[0]:
-            gap = last - float(lam[-k - 1])
-            if not gap > 0.0:
-                return None  # equal eigenvalues at the cut: the top k is not unique
-            estimate += _EPS * lam.shape[0] * first / gap
-        v = vec[:, : -k - 1 : -1]
-        u = tau @ v
-        s = np.linalg.norm(u, axis=0)
-        us.append(u / s)
-        ss.append(s)
-        vs.append(v)
-        for block in (us[-1], v):
-            estimate += float(np.abs(block.T @ block - np.eye(k)).max())
+        triplets = gram_triplets(tau, k, _SMALL_LIMIT)
+        if triplets is None:
+            return None  # a kept singular value near zero, or equal eigenvalues at the cut
+        us.append(triplets.u)
+        ss.append(triplets.s)
+        vs.append(triplets.v)
+        for term in triplets.terms:
+            estimate += term
     s_all = np.concatenate(ss)
-    if not float(s_all.min()) > 2.0 * _EPS * max(m, n) * float(s_all.max()):
+    if not float(s_all.min()) > 2.0 * GRAM_EPS * max(m, n) * float(s_all.max()):
         return None  # near the SVD path's floor for "numerically zero": its choice
-    u_polar = _polar_by_gram(np.concatenate(us, axis=1))
-    v_polar = _polar_by_gram(np.concatenate(vs, axis=1))
+    u_polar = gram_polar(np.concatenate(us, axis=1))
+    v_polar = gram_polar(np.concatenate(vs, axis=1))
     if u_polar is None or v_polar is None:
         return None
-    estimate += u_polar[1] + v_polar[1]
+    estimate += u_polar.estimate + v_polar.estimate
     if not estimate <= FAST_PATH_BOUND:
         return None
-    out: NDArray[np.float64] = (u_polar[0] * s_all) @ v_polar[0].T
+    out: NDArray[np.float64] = (u_polar.q * s_all) @ v_polar.q.T
     return out if m >= n else out.T
-
-
-def _polar_by_gram(a: NDArray[np.float64]) -> tuple[NDArray[np.float64], float] | None:
-    """The orthogonal polar factor of ``a`` (``[d, p]``, float64) as ``a (aᵀa)^(-1/2)``
-    (``(a aᵀ)^(-1/2) a`` if ``p > d``) by the Gram's eigendecomposition, and its error
-    estimate ``ε μ_max / μ_min`` (``μ``: the Gram's eigenvalues); ``None`` for a singular
-    Gram."""
-    tall = a.shape[0] >= a.shape[1]
-    gram = a.T @ a if tall else a @ a.T
-    mu, z = np.linalg.eigh(gram)
-    if not float(mu[0]) > 0.0:
-        return None
-    root = (z / np.sqrt(mu)) @ z.T
-    out: NDArray[np.float64] = a @ root if tall else root @ a
-    return out, _EPS * float(mu[-1]) / float(mu[0])
 
 
 class TaskSingularVectors(TaskMatrixMethod):

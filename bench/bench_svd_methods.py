@@ -1,5 +1,6 @@
-"""TSV-M at BERT-base's matrix shapes: lmdx's default (float64 Gram eigendecompositions)
-and its ``precision: float64`` path (NumPy SVDs) against FusionBench's own TSV-M.
+"""The task-matrix methods that factor (TSV-M, ISO-C, ISO-CTS) at BERT-base's matrix shapes:
+lmdx's default (float64 Gram eigendecompositions) and its ``precision: float64`` path
+(NumPy SVDs) against FusionBench's own implementation.
 
 Per encoder layer of BERT-base, six matrices: query, key, value, attention output
 (768 x 768), intermediate (3072 x 768) and output (768 x 3072), ``--layers`` layers (12:
@@ -10,18 +11,22 @@ that: what real fine-tune deltas look like (slowly decaying spectra). In one pro
 ``torch.set_num_threads``), wall time, the three runs alternated ``--reps`` times, with a
 pause between runs so that one library's spinning threads do not slow the next:
 
-* lmdx ``tsv_merge`` default (``precision: auto``) and ``precision: float64``, on the
-  float64 task matrices lmdx merges;
-* FusionBench 0.2.33's ``compute_and_sum_svd_mem_reduction`` (TSVM_utils: torch float32
-  SVDs, the polar factors by SVD), on float32 torch task vectors, as its TSV-M merges
-  them (its per-matrix ``print`` sent to a buffer). Where fusion_bench does not import,
-  a torch float32 SVD TSV-M written here stands in, labelled as such.
+* lmdx's ``tsv_merge`` / ``iso_c_merge`` / ``iso_cts_merge`` (``--method``), default
+  (``precision: auto``) and ``precision: float64``, on the float64 task matrices lmdx
+  merges;
+* FusionBench 0.2.33's own function on float32 torch task vectors, as its merge calls it
+  (its per-matrix ``print`` sent to a buffer): TSV-M ``compute_and_sum_svd_mem_reduction``
+  (TSVM_utils), ISO-C ``iso_c`` and ISO-CTS ``iso_cts`` (isotropic_merging.iso_utils,
+  ``common_space_fraction`` 0.8: torch float32 SVDs, the polar factors by SVD). Where
+  fusion_bench does not import, a torch float32 SVD TSV-M written here stands in for
+  TSV-M, labelled as such (the ISO methods need FusionBench).
 
 Per shape (one matrix of it: min and median over reps) and for the whole set (every
 matrix of every layer in one call each), it prints the times, the ratio lmdx/FusionBench
 and the relative Frobenius difference of each result from lmdx's float64 one.
 
-    python bench/bench_tsv.py [--layers 12] [--k 3] [--reps 3] [--noise 0.02]
+    python bench/bench_svd_methods.py [--method tsv_m] [--layers 12] [--k 3] [--reps 3]
+        [--noise 0.02]
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from lmdx.merge.builtin.isotropic import iso_c_merge, iso_cts_merge
 from lmdx.merge.builtin.tsv import tsv_merge
 
 THREADS = 2
@@ -53,19 +59,45 @@ SHAPES = {
 }
 
 
-def fusion_bench_tsvm() -> tuple[Callable[[list[dict[str, torch.Tensor]]], dict], str]:
-    """FusionBench's TSV-M over task-vector state dicts, or the stand-in, and its label."""
+#: method -> lmdx's merge of one tensor's float64 task matrices, given the precision
+LMDX = {
+    "tsv_m": lambda taus, precision: tsv_merge(taus, None, precision),
+    "iso_c": lambda taus, precision: iso_c_merge(taus, precision),
+    "iso_cts": lambda taus, precision: iso_cts_merge(taus, 0.8, precision),
+}
+
+
+def fusion_bench_method(
+    method: str,
+) -> tuple[Callable[[list[dict[str, torch.Tensor]]], dict], str]:
+    """FusionBench's ``method`` over task-vector state dicts, or the stand-in, and its
+    label."""
     try:
-        from fusion_bench.method.task_singular_vector.utils.TSVM_utils import (
-            compute_and_sum_svd_mem_reduction,
-        )
+        if method == "tsv_m":
+            from fusion_bench.method.task_singular_vector.utils.TSVM_utils import (
+                compute_and_sum_svd_mem_reduction,
+            )
+
+            def merge(tvs: list[dict[str, torch.Tensor]]) -> dict:
+                return compute_and_sum_svd_mem_reduction(tvs, accelerator="cpu")
+        else:
+            from fusion_bench.method.isotropic_merging import iso_utils
+
+            def merge(tvs: list[dict[str, torch.Tensor]]) -> dict:
+                if method == "iso_c":
+                    return iso_utils.iso_c(tvs, accelerator="cpu")
+                return iso_utils.iso_cts(tvs, 0.8, accelerator="cpu")
     except Exception as exc:  # any import failure: say so, use the stand-in
-        print(f"fusion_bench does not import ({type(exc).__name__}: {exc}); stand-in used")
+        print(f"fusion_bench does not import ({type(exc).__name__}: {exc})")
+        if method != "tsv_m":
+            hint = "no stand-in; install fusion-bench (see bench_regmean.py)"
+            raise SystemExit(f"{method}: {hint}") from None
+        print("stand-in used")
         return torch_svd_tsvm, "stand-in: torch float32 SVD TSV-M (not FusionBench)"
 
     def run(task_vectors: list[dict[str, torch.Tensor]]) -> dict:
         with contextlib.redirect_stdout(io.StringIO()):
-            return compute_and_sum_svd_mem_reduction(task_vectors, accelerator="cpu")
+            return merge(task_vectors)
 
     import fusion_bench
 
@@ -134,6 +166,7 @@ def timed(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--method", choices=sorted(LMDX), default="tsv_m")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--reps", type=int, default=3)
@@ -148,10 +181,12 @@ def main() -> None:
         blas = f"NumPy BLAS {THREADS} threads (threadpoolctl)"
     except ImportError:
         blas = "NumPy BLAS threads as set by OPENBLAS_NUM_THREADS (threadpoolctl missing)"
-    fb, label = fusion_bench_tsvm()
+    fb, label = fusion_bench_method(args.method)
     print(simd_line())
     print(f"torch {torch.__version__} {THREADS} threads; {blas}; numpy {np.__version__}")
-    print(f"baseline: {label}; K = {args.k}, {args.layers} layers, noise {args.noise}")
+    print(
+        f"{args.method}; baseline: {label}; K = {args.k}, {args.layers} layers, noise {args.noise}"
+    )
 
     taus = task_vectors(args.layers, args.k, args.noise)
     tvs = [
@@ -159,10 +194,12 @@ def main() -> None:
         for i in range(args.k)
     ]
 
+    merge = LMDX[args.method]
+
     def runs(names: list[str]) -> dict[str, Callable[[], object]]:
         return {
-            "lmdx auto": lambda: {n: tsv_merge(taus[n], None) for n in names},
-            "lmdx float64": lambda: {n: tsv_merge(taus[n], None, "float64") for n in names},
+            "lmdx auto": lambda: {n: merge(taus[n], "auto") for n in names},
+            "lmdx float64": lambda: {n: merge(taus[n], "float64") for n in names},
             "baseline": lambda: fb([{n: tv[n] for n in names} for tv in tvs]),
         }
 
