@@ -47,7 +47,7 @@ on validation data, e.g. 1.5 with SVC in FusionBench's configurations).
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, ClassVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -55,8 +55,12 @@ from pydantic import Field
 
 from ..method import MergeInputs, NoOptions
 from .task_matrices import (
+    FAST_PATH_BOUND,
     GRAM_EPS,
+    GRAM_PRECISION,
+    GRAM_SMALL_LIMIT,
     MATRIX_SCALING,
+    Precision,
     TaskMatrices,
     TaskMatrixMethod,
     gram_polar,
@@ -76,31 +80,15 @@ __all__ = [
     "iso_cts_merge_fast",
 ]
 
-#: The relative Frobenius bound of the fast (``precision: auto``) paths' merged update
-#: against the float64 SVD definition (``precision: float64``).
-FAST_PATH_BOUND = 1e-6
-
-#: The smallest kept singular value of a factored matrix, of its largest, the fast path takes.
-_SMALL_LIMIT = 1e-4
 #: Power iterations of the spectral-norm estimate of a task matrix's common part.
 _POWER_STEPS = 6
-
-Precision = Literal["auto", "float64"]
 
 
 class IsoCOptions(NoOptions):
     """ISO-C: α 1 (FusionBench's)."""
 
     scaling: Annotated[float, MATRIX_SCALING] = 1.0
-    precision: Annotated[
-        Precision,
-        Field(
-            description="auto: float64 eigendecompositions of Grams, within a relative "
-            "Frobenius 1e-6 of the SVDs (a tensor falls back to them where an a-posteriori "
-            "estimate does not assure it); float64: the SVDs, as before",
-            json_schema_extra={"label": "must be auto or float64"},
-        ),
-    ] = "auto"
+    precision: Annotated[Precision, GRAM_PRECISION] = "auto"
 
 
 class IsoCtsOptions(IsoCOptions):
@@ -269,7 +257,7 @@ def iso_cts_merge_fast(
     u_c, s_c, v_c = np.zeros((m, 0)), np.zeros(0), np.zeros((n, 0))
     estimate = drift = 0.0
     if common > 0:
-        shared = gram_triplets(np.sum(taus, axis=0), common, _SMALL_LIMIT)
+        shared = gram_triplets(np.sum(taus, axis=0), common, GRAM_SMALL_LIMIT)
         if shared is None:
             return None  # a kept singular value near zero, or equal ones at the cut
         u_c, s_c, v_c = shared.u, shared.s, shared.v
@@ -282,7 +270,7 @@ def iso_cts_merge_fast(
     us, ss, vs, amplified = [], [], [], []
     for tau in taus if per_task > 0 else ():
         part = u_c.T @ tau
-        own = gram_triplets(tau - u_c @ part, per_task, _SMALL_LIMIT)
+        own = gram_triplets(tau - u_c @ part, per_task, GRAM_SMALL_LIMIT)
         if own is None:
             return None
         estimate += sum(own.terms)

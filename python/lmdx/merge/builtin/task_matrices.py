@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
@@ -42,10 +42,14 @@ from ..source import TensorSource
 from .task_vectors import TaskVectorMethod, finite_task_vector
 
 __all__ = [
+    "FAST_PATH_BOUND",
     "GRAM_EPS",
+    "GRAM_PRECISION",
+    "GRAM_SMALL_LIMIT",
     "MATRIX_SCALING",
     "GramPolar",
     "GramTriplets",
+    "Precision",
     "TaskMatrices",
     "TaskMatrixMethod",
     "conv1d_weights",
@@ -62,6 +66,22 @@ __all__ = [
 #: vector).
 MATRIX_SCALING = Field(
     description="α: θ_base + α × (the merged task matrix; other tensors: the mean task vector)"
+)
+
+#: The relative Frobenius bound of a factoring method's default (``precision: auto``, Gram
+#: eigendecompositions) merged update against its float64 SVD definition (``precision:
+#: float64``): TSV-M's, ISO-C's and ISO-CTS's contract.
+FAST_PATH_BOUND = 1e-6
+#: The smallest kept singular value, of the largest, the Gram paths take.
+GRAM_SMALL_LIMIT = 1e-4
+#: A factoring method's ``precision`` option: ``auto`` (the Gram path, checked) or
+#: ``float64`` (the SVDs).
+Precision = Literal["auto", "float64"]
+GRAM_PRECISION = Field(
+    description="auto: float64 eigendecompositions of Grams, within a relative "
+    "Frobenius 1e-6 of the SVDs (a tensor falls back to them where an a-posteriori "
+    "estimate does not assure it); float64: the SVDs, as before",
+    json_schema_extra={"label": "must be auto or float64"},
 )
 
 

@@ -55,7 +55,7 @@ care.
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, ClassVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -63,8 +63,12 @@ from pydantic import Field
 
 from ..method import MergeInputs, NoOptions
 from .task_matrices import (
+    FAST_PATH_BOUND,
     GRAM_EPS,
+    GRAM_PRECISION,
+    GRAM_SMALL_LIMIT,
     MATRIX_SCALING,
+    Precision,
     TaskMatrices,
     TaskMatrixMethod,
     gram_polar,
@@ -79,13 +83,6 @@ __all__ = [
     "tsv_merge",
     "tsv_merge_fast",
 ]
-
-#: The relative Frobenius bound of the default (``precision: auto``) path's merged update
-#: against the float64 SVD definition (``precision: float64``).
-FAST_PATH_BOUND = 1e-6
-
-#: The smallest kept singular value of a task matrix, of its largest, the fast path takes.
-_SMALL_LIMIT = 1e-4
 
 
 class TaskSingularVectorsOptions(NoOptions):
@@ -102,21 +99,13 @@ class TaskSingularVectorsOptions(NoOptions):
             json_schema_extra={"label": "must be in (0, 1] (the fraction of the rank kept)"},
         ),
     ] = None
-    precision: Annotated[
-        Literal["auto", "float64"],
-        Field(
-            description="auto: float64 eigendecompositions of Grams, within a relative "
-            "Frobenius 1e-6 of the SVDs (a tensor falls back to them where an a-posteriori "
-            "estimate does not assure it); float64: the SVDs, as before",
-            json_schema_extra={"label": "must be auto or float64"},
-        ),
-    ] = "auto"
+    precision: Annotated[Precision, GRAM_PRECISION] = "auto"
 
 
 def tsv_merge(
     taus: list[NDArray[np.float64]],
     rank_fraction: float | None,
-    precision: Literal["auto", "float64"] = "auto",
+    precision: Precision = "auto",
 ) -> NDArray[np.float64]:
     """The TSV-M update ``U_⊥ Σ V_⊥ᵀ`` of the task matrices ``taus``.
 
@@ -199,7 +188,7 @@ def tsv_merge_fast(
     for tau, norm in zip(tall, norms, strict=True):
         if norm == 0.0:
             continue  # a zero task matrix: every singular value is zero, none is kept
-        triplets = gram_triplets(tau, k, _SMALL_LIMIT)
+        triplets = gram_triplets(tau, k, GRAM_SMALL_LIMIT)
         if triplets is None:
             return None  # a kept singular value near zero, or equal eigenvalues at the cut
         us.append(triplets.u)
