@@ -8,7 +8,7 @@ models it times, in one process, one thread, CPU time (``time.process_time``), b
 
 * the RegMean solve of each layer (:func:`lmdx.regmean_merge_layer`, precision ``auto``
   and ``float64``), the merge's arithmetic;
-* the exact cost (:func:`lmdx.merge.cost.group_cost`, ``mode="exact"``) of each input
+* the exact cost (:func:`lmdx.merge.layer_cost.group_cost`, ``mode="exact"``) of each input
   group: per model two symmetric rank-k products (``EᵀE`` and ``W_iᵀW_i``, ``out·in²``
   flops each) and two ``in²`` inner products, in float64;
 * the default, estimated cost (``mode="estimate"``) on the Grams as files hold them
@@ -46,7 +46,7 @@ import numpy as np
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from lmdx import regmean_merge_layer
-from lmdx.merge.cost import group_cost
+from lmdx.merge.layer_cost import group_cost
 from merge_work import regmean_flops
 
 LAYERS = 12

@@ -25,7 +25,8 @@ from lmdx import MergeError, merge_models
 from lmdx.cli.main import main as cli_main
 from lmdx.merge import merge_cost, stream_merge
 from lmdx.merge.card import model_card
-from lmdx.merge.cost import cost_lines, layer_cost, measure_cost
+from lmdx.merge.cost import cost_lines, measure_cost
+from lmdx.merge.layer_cost import layer_cost
 from lmdx.stats import Statistics
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
