@@ -47,14 +47,17 @@ def ref_iso_c(taus):
     return scipy.linalg.svdvals(total).mean() * ref_polar(total)
 
 
-def ref_iso_cts(taus, fraction):
-    k = len(taus)
-    r = min(taus[0].shape)
+def ref_iso_cts_split(r, k, fraction):
+    """ISO-CTS's ``(common, per_task)`` for rank ``r``, K tasks (FusionBench's rule)."""
     common = int(r * fraction)
     per_task = round((r - common) / k)
     if per_task * k > r:
         per_task = r // k
-    common = r - per_task * k
+    return r - per_task * k, per_task
+
+
+def ref_iso_cts(taus, fraction):
+    common, per_task = ref_iso_cts_split(min(taus[0].shape), len(taus), fraction)
     u, s, vt = ref_svd(np.sum(taus, axis=0))
     uc, sc, vtc = u[:, :common], s[:common], vt[:common]
     us, ss, vts = [], [], []

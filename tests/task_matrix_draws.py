@@ -1,5 +1,6 @@
 """A hypothesis strategy of K task matrices of one shape with the spectra that stress the
-Gram-eigendecomposition fast paths (TSV-M's, ISO-C's, ISO-CTS's): Gaussian, low-rank,
+Gram-eigendecomposition fast paths (TSV-M's, ISO-C's, ISO-CTS's), and BERT-base-like
+fine-tune deltas (``realistic_deltas``): Gaussian, low-rank,
 duplicated, nearly duplicated, zero, scaled, flat (equal singular values) and with a tiny
 relative gap somewhere in the spectrum. Shared by merge/test_tsv_fast.py and
 merge/test_iso_fast.py.
@@ -50,3 +51,11 @@ def task_matrix_draws(draw):
             tau = rng.standard_normal((out, inp))
         taus.append(scale * tau)
     return taus
+
+
+def realistic_deltas(shape, k=3, seed=5):
+    """K task matrices 2 % of a base weight's mean magnitude, seeded Gaussians (slowly
+    decaying spectra, as real fine-tune deltas have)."""
+    rng = np.random.default_rng(seed)
+    base = 0.04 * rng.standard_normal(shape)
+    return [0.02 * np.abs(base).mean() * rng.standard_normal(shape) for _ in range(k)]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from data_free_refs import ref_iso_c, ref_iso_cts
+from data_free_refs import ref_iso_c, ref_iso_cts, ref_iso_cts_split
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from lmdx import merge_state_dicts
@@ -29,7 +29,7 @@ from lmdx.merge.builtin.isotropic import (
     iso_cts_merge_fast,
 )
 from lmdx.merge.builtin.task_matrices import polar
-from task_matrix_draws import task_matrix_draws
+from task_matrix_draws import realistic_deltas, task_matrix_draws
 
 _FRACTIONS = st.sampled_from([0.0, 0.5, 0.8, 1.0])
 #: The well-posedness margins: relative gaps and kept values at least this of the largest
@@ -84,16 +84,11 @@ def _iso_c_well_posed(taus):
     return total.size > 0 and np.any(total) and _conditioned(total)
 
 
-def _split(r, k, fraction):
-    per_task = min(round((r - int(r * fraction)) / k), r // k)
-    return r - k * per_task, per_task
-
-
 def _iso_cts_well_posed(taus, fraction):
     m, n = taus[0].shape
     if m == 0 or n == 0:
         return False
-    common, per_task = _split(min(m, n), len(taus), fraction)
+    common, per_task = ref_iso_cts_split(min(m, n), len(taus), fraction)
     u, s, vt = np.linalg.svd(np.sum(taus, axis=0), full_matrices=False)
     if common and (s[0] == 0.0 or not _cut_well_posed(s, common)):
         return False
@@ -183,9 +178,7 @@ def test_empty_task_matrices_give_an_empty_update():
 @pytest.mark.parametrize("shape", [(768, 768), (3072, 768), (768, 3072)])
 def test_bert_base_shapes_with_realistic_deltas_take_the_fast_path_within_its_bound(shape):
     """K = 3, task matrices 2 % of a base weight (slowly decaying spectra)."""
-    rng = np.random.default_rng(5)
-    base = 0.04 * rng.standard_normal(shape)
-    taus = [0.02 * np.abs(base).mean() * rng.standard_normal(shape) for _ in range(3)]
+    taus = realistic_deltas(shape)
     fast = iso_c_merge_fast(taus)
     assert fast is not None
     assert _relative(fast, ref_iso_c(taus)) <= FAST_PATH_BOUND

@@ -25,7 +25,7 @@ import hf_models as H
 import numpy as np
 import pytest
 import torch
-from data_free_refs import ref_iso_c, ref_iso_cts, ref_svc, ref_tsv
+from data_free_refs import ref_iso_c, ref_iso_cts, ref_iso_cts_split, ref_svc, ref_tsv
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from lmdx import MergeError, merge_models
@@ -89,7 +89,7 @@ def test_iso_c_merge_equals_the_reference(taus):
 def test_iso_cts_merge_equals_the_reference(taus, fraction):
     r = min(taus[0].shape)
     total = np.linalg.svd(sum(taus), compute_uv=False)
-    common = r - len(taus) * min(round((r - int(r * fraction)) / len(taus)), r // len(taus))
+    common, _ = ref_iso_cts_split(r, len(taus), fraction)
     assume(common == 0 or common == r or total[common - 1] - total[common] > 1e-6 * total[0])
     got = iso_cts_merge(taus, fraction)
     assume(np.isfinite(got).all())

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from lmdx import merge_state_dicts
 from lmdx.merge.builtin.task_matrices import polar
 from lmdx.merge.builtin.tsv import FAST_PATH_BOUND, tsv_merge, tsv_merge_fast
-from task_matrix_draws import task_matrix_draws
+from task_matrix_draws import realistic_deltas, task_matrix_draws
 
 
 def _ref_polar(a):
@@ -152,9 +152,7 @@ def test_zero_and_empty_task_matrices_behave_as_before():
 
 def test_bert_base_shapes_with_realistic_deltas_take_the_fast_path_within_its_bound():
     """768 x 768, K = 3, task matrices 2 % of a base weight (slowly decaying spectra)."""
-    rng = np.random.default_rng(5)
-    base = 0.04 * rng.standard_normal((768, 768))
-    taus = [0.02 * np.abs(base).mean() * rng.standard_normal(base.shape) for _ in range(3)]
+    taus = realistic_deltas((768, 768))
     fast = tsv_merge_fast(taus, None)
     assert fast is not None
     assert _relative(fast, _ref_tsv(taus, None)) <= FAST_PATH_BOUND
