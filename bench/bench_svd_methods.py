@@ -22,8 +22,12 @@ pause between runs so that one library's spinning threads do not slow the next:
   TSV-M, labelled as such (the ISO methods need FusionBench).
 
 Per shape (one matrix of it: min and median over reps) and for the whole set (every
-matrix of every layer in one call each), it prints the times, the ratio lmdx/FusionBench
-and the relative Frobenius difference of each result from lmdx's float64 one.
+matrix of every layer in one call each), it prints the times, the ratio lmdx/FusionBench,
+the path the default took per matrix (Gram or float64 SVDs, counted in an untimed pass),
+and both error measures of each result's merged weight ``W = θ_0 + update`` against
+lmdx's float64 one ``W*``: the weight error ``max|E| / max|W*|`` and the output error
+``‖E‖_S / ‖W*‖_S`` (``‖A‖²_S = tr(A S Aᵀ)``, ``S`` a seeded Gram of correlated inputs:
+a data-free method has no statistics). First, the factorizations' floor at 768².
 
     python bench/bench_svd_methods.py [--method tsv_m] [--layers 12] [--k 3] [--reps 3]
         [--noise 0.02]
@@ -42,9 +46,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import scipy.linalg
 import torch
-from lmdx.merge.builtin.isotropic import iso_c_merge, iso_cts_merge
-from lmdx.merge.builtin.tsv import tsv_merge
+from lmdx.merge.builtin.isotropic import (
+    iso_c_merge,
+    iso_c_merge_fast,
+    iso_cts_merge,
+    iso_cts_merge_fast,
+)
+from lmdx.merge.builtin.tsv import tsv_merge, tsv_merge_fast
 
 THREADS = 2
 PAUSE_S = 0.3
@@ -59,6 +69,12 @@ SHAPES = {
 }
 
 
+#: method -> lmdx's fast path alone (None where it falls back to the SVDs)
+FAST = {
+    "tsv_m": lambda taus: tsv_merge_fast(taus, None),
+    "iso_c": iso_c_merge_fast,
+    "iso_cts": lambda taus: iso_cts_merge_fast(taus, 0.8),
+}
 #: method -> lmdx's merge of one tensor's float64 task matrices, given the precision
 LMDX = {
     "tsv_m": lambda taus, precision: tsv_merge(taus, None, precision),
@@ -120,23 +136,48 @@ def torch_svd_tsvm(task_vectors: list[dict[str, torch.Tensor]]) -> dict:
     return out
 
 
-def task_vectors(layers: int, k: int, noise: float) -> dict[str, list[np.ndarray]]:
-    """name -> the K float64 task matrices of that matrix (seeded)."""
+def task_vectors(
+    layers: int, k: int, noise: float
+) -> tuple[dict[str, np.ndarray], dict[str, list[np.ndarray]]]:
+    """name -> the base weight, and name -> the K float64 task matrices (seeded)."""
     rng = np.random.default_rng(0)
-    out = {}
+    bases, out = {}, {}
     for layer in range(layers):
         for name, shape in SHAPES.items():
             base = 0.02 * rng.standard_normal(shape)
             scale = noise * float(base.std())
+            bases[f"{layer}.{name}"] = base
             out[f"{layer}.{name}"] = [
                 (scale * rng.standard_normal(shape)).astype(np.float32).astype(np.float64)
                 for _ in range(k)
             ]
-    return out
+    return bases, out
 
 
-def relative(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+def input_gram(width: int) -> np.ndarray:
+    """A mean Gram ``S`` of correlated inputs of ``width`` features (``4·width`` seeded rows:
+    a decaying spectrum and a mean offset, as activations have): the output error's
+    yardstick (a data-free method has no statistics of its own)."""
+    rng = np.random.default_rng(width)
+    mix = np.linalg.qr(rng.standard_normal((width, width)))[0]
+    x = (rng.standard_normal((4 * width, width)) / np.sqrt(1.0 + np.arange(width) / 16)) @ mix
+    x += 0.3 * rng.standard_normal(width)
+    return x.T @ x / x.shape[0]
+
+
+def errors(
+    got: np.ndarray, update: np.ndarray, base: np.ndarray, gram: np.ndarray
+) -> tuple[float, float]:
+    """The weight error ``max|E| / max|W*|`` and the output error ``‖E‖_S / ‖W*‖_S``
+    (``‖A‖²_S = tr(A S Aᵀ)``, ``A`` ``[out, in]``) of the merged weight ``base + got``
+    against ``W* = base + update`` (α 1)."""
+    e = np.asarray(got, dtype=np.float64) - update
+    w = base + update
+
+    def s_norm(a: np.ndarray) -> float:
+        return float(np.sqrt(np.einsum("ij,ij->", a @ gram, a)))
+
+    return float(np.abs(e).max() / np.abs(w).max()), s_norm(e) / s_norm(w)
 
 
 def simd_line() -> str:
@@ -188,7 +229,9 @@ def main() -> None:
         f"{args.method}; baseline: {label}; K = {args.k}, {args.layers} layers, noise {args.noise}"
     )
 
-    taus = task_vectors(args.layers, args.k, args.noise)
+    floors(args.k)
+    bases, taus = task_vectors(args.layers, args.k, args.noise)
+    grams = {w: input_gram(w) for w in {shape[1] for shape in SHAPES.values()}}
     tvs = [
         {n: torch.from_numpy(t[i].astype(np.float32)) for n, t in taus.items()}
         for i in range(args.k)
@@ -203,8 +246,9 @@ def main() -> None:
             "baseline": lambda: fb([{n: tv[n] for n in names} for tv in tvs]),
         }
 
-    header = f"{'shape':<28}{'run':<14}{'min s':>9}{'median s':>10}{'rel. diff':>11}"
-    print(header)
+    print("errors: of the merged weight against lmdx's float64 one, the largest over matrices")
+    header = f"{'shape':<28}{'run':<14}{'min s':>9}{'median s':>10}{'weight err':>12}"
+    print(header + f"{'output err':>12}")
     groups = {f"{name} {SHAPES[name][0]}x{SHAPES[name][1]}": [f"0.{name}"] for name in SHAPES}
     groups[f"whole set ({len(taus)} matrices)"] = list(taus)
     for label_, names in groups.items():
@@ -212,14 +256,48 @@ def main() -> None:
         reference = results["lmdx float64"]
         for run in times:
             got = results[run]
-            diff = max(relative(np.asarray(got[n], dtype=np.float64), reference[n]) for n in names)
+            worst = np.max(
+                [errors(got[n], reference[n], bases[n], grams[bases[n].shape[1]]) for n in names],
+                axis=0,
+            )
             best, median = min(times[run]), float(np.median(times[run]))
-            print(f"{label_:<28}{run:<14}{best:>9.3f}{median:>10.3f}{diff:>11.1e}")
+            line = f"{label_:<28}{run:<14}{best:>9.3f}{median:>10.3f}"
+            print(line + f"{worst[0]:>12.1e}{worst[1]:>12.1e}")
+        fast = sum(FAST[args.method](taus[n]) is not None for n in names)  # untimed
         base = min(times["baseline"])
         print(
             f"{'':<28}lmdx/baseline: auto {min(times['lmdx auto']) / base:.2f}, "
-            f"float64 {min(times['lmdx float64']) / base:.2f} (min times)"
+            f"float64 {min(times['lmdx float64']) / base:.2f} (min times); the default's "
+            f"precision: Gram path {fast} of {len(names)}, float64 SVDs {len(names) - fast}"
         )
+
+
+def floors(k: int) -> None:
+    """The factorizations' floor at 768²: float64 ``eigh`` of a Gram (NumPy; SciPy's top
+    ``768/K`` alone) against torch's float32 SVD, 2 threads, min of 3."""
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((768, 768))
+    gram = a.T @ a
+    top = [768 - 768 // k, 767]
+    ta = torch.from_numpy(a.astype(np.float32))
+    cases = {
+        "NumPy float64 eigh, all": lambda: np.linalg.eigh(gram),
+        f"SciPy float64 eigh, top {768 // k}": lambda: scipy.linalg.eigh(
+            gram, subset_by_index=top, driver="evr"
+        ),
+        "NumPy float64 SVD": lambda: np.linalg.svd(a, full_matrices=False),
+        "torch float32 SVD": lambda: torch.linalg.svd(ta, full_matrices=False),
+    }
+    print("floor at 768x768 (min of 3): ", end="")
+    parts = []
+    for name, run in cases.items():
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            run()
+            best = min(best, time.perf_counter() - start)
+        parts.append(f"{name} {1e3 * best:.0f} ms")
+    print("; ".join(parts))
 
 
 if __name__ == "__main__":
