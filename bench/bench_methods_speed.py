@@ -227,15 +227,12 @@ def data_free(args: argparse.Namespace, base: torch.nn.Module, models: list, met
     def fb() -> Any:
         from fusion_bench.modelpool import BaseModelPool
 
-        return fb_algorithm(method).run(BaseModelPool(pools.pop()))
-
-    def fb_timed() -> Any:
-        return quiet(fb)()
+        return quiet(lambda: fb_algorithm(method).run(BaseModelPool(pools.pop())))()
 
     def prepare() -> None:
         pools.append(pool(base, models))
 
-    return lmdx_call(models, method, args.threads, **kw), fb_timed, prepare
+    return lmdx_call(models, method, args.threads, **kw), fb, prepare
 
 
 def regmean_pair(args: argparse.Namespace, base: torch.nn.Module, models: list):
