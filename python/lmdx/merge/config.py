@@ -388,7 +388,10 @@ def _resolved(checked: Any, root: Path, where: str, cost: bool) -> MergeConfig:
     surrogate = (
         values.get("surrogate") is True if own is None else method_named(method).surrogates(own)
     )
-    _check_needs(method, models, checked, where, cost, surrogate)  # first: what is missing
+    uses_base = (
+        values.get("prior") is not None if own is None else method_named(method).uses_base(own)
+    )
+    _check_needs(method, models, checked, where, cost, surrogate, uses_base)  # what is missing
     if own is None:
         assert refused is not None
         raise MergeError(f"{where}: {refused.in_file()}") from None
@@ -410,7 +413,13 @@ def _resolved(checked: Any, root: Path, where: str, cost: bool) -> MergeConfig:
 
 
 def _check_needs(
-    method: str, models: list[ModelEntry], checked: Any, where: str, cost: bool, surrogate: bool
+    method: str,
+    models: list[ModelEntry],
+    checked: Any,
+    where: str,
+    cost: bool,
+    surrogate: bool,
+    uses_base: bool,
 ) -> None:
     """What the method needs, checked as the front doors check it
     (:func:`lmdx.merge.inputs.check_needs`) with the keys named as in the file; a model's
@@ -443,6 +452,7 @@ def _check_needs(
             key=key,
             cost=cost,
             surrogate=surrogate,
+            uses_base=uses_base,
         )
     except MergeError as exc:
         raise MergeError(f"{where}: {exc}") from None

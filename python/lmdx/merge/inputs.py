@@ -49,6 +49,7 @@ def check_needs(
     running: bool = True,
     cost: bool = False,
     surrogate: bool = False,
+    uses_base: bool = False,
 ) -> None:
     """That ``method`` gets the statistics, base and data it takes, and nothing else: the
     one check of what a method needs, for the front doors and the configuration files.
@@ -61,7 +62,9 @@ def check_needs(
     them: they are used for what each task pays (:mod:`lmdx.merge.cost`), never by the
     method. With ``surrogate`` (the method's options ask for surrogate statistics,
     :meth:`~lmdx.merge.method.MergeMethod.surrogates`), models without statistics are
-    accepted when the base is given and at least one model has them."""
+    accepted when the base is given and at least one model has them. ``uses_base``: the
+    method's options read the base (:meth:`~lmdx.merge.method.MergeMethod.uses_base`), so
+    it may be given."""
     name = method.name
     given = list(stats) if stats is not None else [False] * k
     missing = [i for i, has in enumerate(given) if not has]
@@ -103,7 +106,7 @@ def check_needs(
             f"{key('base', None)}: method {name} needs the pre-trained model the models were "
             "fine-tuned from (base)"
         )
-    if base and not method.needs_base and not adapters and not surrogate:
+    if base and not method.needs_base and not adapters and not surrogate and not uses_base:
         users = ", ".join(m.name for m in registered.values() if m.needs_base)
         raise MergeError(
             f"{key('base', None)}: used by LoRA adapters (models that are adapter folders) and "
@@ -182,6 +185,7 @@ def open_inputs(
     if data is not None and len(data) != k:
         raise MergeError(f"data: {len(data)} entries for {k} models")
     surrogate = method.surrogates(options.method_options)
+    uses_base = method.uses_base(options.method_options)
     check_needs(
         method,
         registered,
@@ -193,6 +197,7 @@ def open_inputs(
         running=running,
         cost=cost,
         surrogate=surrogate,
+        uses_base=uses_base,
     )
     base_source = None if base is None else open_model(base, "base")
     sources = _open_models(models, labels, base_source, open_model)
@@ -213,10 +218,11 @@ def open_inputs(
         sources,
         list(labels),
         stat_objs,
-        base_source if method.needs_base or surrogate else None,
+        base_source if method.needs_base or surrogate or uses_base else None,
         data,
         tokenizer,
         lora,
+        methods=dict(registered),
     )
     method.check(inputs)
     return inputs

@@ -98,9 +98,9 @@ class MergeInputs:
     method and its options, the models as tensor sources with their names, the statistics
     (one per model, for methods that need them), the base (methods that merge task
     vectors), the data (methods that take data), the LoRA of the merged update being built
-    (``lora_rank``) and ``state``: what the method keeps for its merge (set by its own
+    (``lora_rank``), ``state``: what the method keeps for its merge (set by its own
     :meth:`~MergeMethod.check`, :meth:`~MergeMethod.group_steps` and
-    :meth:`~MergeMethod.start`; no other code reads it)."""
+    :meth:`~MergeMethod.start`; no other code reads it) and the registered ``methods``."""
 
     method: MergeMethod
     options: MergeOptions
@@ -112,6 +112,9 @@ class MergeInputs:
     tokenizer: Any = None
     lora: LoraExport | None = None
     state: dict[str, Any] = field(default_factory=dict)
+    #: the registered methods by name, for a method whose options name another (RegMean's
+    #: prior its anchor)
+    methods: Mapping[str, MergeMethod] = field(default_factory=dict)
 
 
 @dataclass
@@ -290,6 +293,11 @@ class MergeMethod:
         ones from their task vectors against the base (:mod:`lmdx.merge.surrogate`;
         default: never, every model needs its own)."""
         return False
+
+    def uses_base(self, own: BaseModel) -> bool:
+        """Whether, with its own options ``own``, the method reads the base (default:
+        ``needs_base``; RegMean's surrogates and prior read it)."""
+        return self.needs_base
 
     def check(self, inputs: MergeInputs) -> None:
         """Refuse inputs this method cannot merge, before any work (:class:`MergeError`);

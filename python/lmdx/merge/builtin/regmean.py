@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Annotated, Any, ClassVar
 
 import numpy as np
@@ -58,6 +59,7 @@ from ..options import MergeOptions
 from ..source import AdapterSource, TensorSource
 from ..surrogate import SurrogateStatistics, surrogates_line
 from .average import AVERAGE
+from .regmean_prior import Prior, PriorOptions, joined, prior_strength, prior_system
 from .regmean_solve import (
     SolveOptions,
     output_block_size,
@@ -375,7 +377,9 @@ def solve_step(step: Step, inputs: MergeInputs) -> Merged:
     )
     assert stats is not None
     alpha = options.own(SolveOptions).alpha
-    factors = low_rank_inputs(step, sources)
+    prior: Prior | None = inputs.state.get("prior")
+    strength = 0.0 if prior is None else prior_strength(step.modules[0], options.own(PriorOptions))
+    factors = None if strength > 0 else low_rank_inputs(step, sources)
     read: dict[str, Any] = {}  # the Grams read, by module: what each task pays measures on them
     if factors is not None:
         solved, updates, layers = solve_group_low_rank(
@@ -395,15 +399,26 @@ def solve_step(step: Step, inputs: MergeInputs) -> Merged:
         readers = max(1, min(len(stats), 2 * default_threads()))
         with ThreadPoolExecutor(readers, "lmdx-read") as pool:
             grams_read = pool.map(lambda s: s.gram_stored(step.modules[0]), stats)
-            weights = [] if block else [[s.read(w) for w in step.tensors] for s in sources]
+            whole = not block or strength > 0  # the anchor merges whole tensors
+            weights = [[s.read(w) for w in step.tensors] for s in sources] if whole else []
             grams = list(grams_read)
+        system = None
+        if strength > 0:
+            assert prior is not None
+            counts = [
+                s.rows_seen(step.modules[0], lab) for s, lab in zip(stats, labels, strict=True)
+            ]
+            anchor = joined(prior.values(step.tensors, weights), step.layout)
+            system = prior_system(grams, counts, options.coefficients, step.dim, strength, anchor)
+            del anchor
         if block:
+            del weights
             blocked, layers = solve_in_output_blocks(
-                step, sources, stats, grams, labels, options, block
+                step, sources, stats, grams, labels, options, block, system
             )
             report = group_report(step.modules[0], layers, alpha)
             return Merged(blocked, report, {m: grams for m in step.modules})
-        solved, layers = solve_group(step.modules, weights, grams, stats, labels, options)
+        solved, layers = solve_group(step.modules, weights, grams, stats, labels, options, system)
         del weights
         read = {m: grams for m in step.modules}
         if lora is not None:
@@ -413,8 +428,9 @@ def solve_step(step: Step, inputs: MergeInputs) -> Merged:
     return Merged(tensors, group_report(step.modules[0], layers, alpha), read)
 
 
-class RegMeanOptions(SolveOptions):
-    """RegMean's solve options, and whether models without statistics take surrogate ones."""
+class RegMeanOptions(SolveOptions, PriorOptions):
+    """RegMean's solve options, its prior (:mod:`lmdx.merge.builtin.regmean_prior`), and
+    whether models without statistics take surrogate ones."""
 
     surrogate: Annotated[
         bool,
@@ -443,6 +459,17 @@ class RegMean(MergeMethod):
     def surrogates(self, own: BaseModel) -> bool:
         return isinstance(own, RegMeanOptions) and own.surrogate
 
+    def uses_base(self, own: BaseModel) -> bool:
+        return isinstance(own, RegMeanOptions) and (own.surrogate or own.prior is not None)
+
+    def check(self, inputs: MergeInputs) -> None:
+        """The prior's anchor opened and checked (:meth:`Prior.open`)."""
+        own = inputs.options.method_options
+        if isinstance(own, PriorOptions):
+            prior = Prior.open(inputs, own)
+            if prior is not None:
+                inputs.state["prior"] = prior
+
     def group_steps(self, inputs: MergeInputs, body: Sequence[str], tied: set[str]) -> list[Step]:
         stats = inputs.stats
         assert stats is not None
@@ -453,7 +480,7 @@ class RegMean(MergeMethod):
                 s.rows_seen(members[0], label)
             steps.append(
                 Step(
-                    self,
+                    _SOLVED_HERE if "prior" in inputs.state else self,
                     [stats[0].modules[m]["weight"] for m in members],
                     members,
                     info["layout"],
@@ -463,11 +490,18 @@ class RegMean(MergeMethod):
         return steps
 
     def tensor_method(self, inputs: MergeInputs, name: str) -> MergeMethod:
+        """The average, or the anchor's merge for a tensor of a module with a prior."""
+        prior: Prior | None = inputs.state.get("prior")
+        own = inputs.options.method_options
+        if prior is not None and isinstance(own, PriorOptions):
+            if prior_strength(name.rsplit(".", 1)[0], own) > 0:
+                return prior.tensors
         return AVERAGE
 
     def plan_notes(self, inputs: MergeInputs, steps: Sequence[Step]) -> list[str]:
         """The shared notes, and which models take surrogate statistics."""
         made = self.surrogate_labels(inputs)
+        steps = [replace(s, method=self) if isinstance(s.method, RegMean) else s for s in steps]
         return super().plan_notes(inputs, steps) + ([surrogates_line(made)] if made else [])
 
     @staticmethod
@@ -491,6 +525,9 @@ class RegMean(MergeMethod):
             else output_block_size(step, inputs.sources, inputs.options)
         )
         need = regmean_memory(step, sizes, block, solve_precision(inputs.options))
+        prior: Prior | None = inputs.state.get("prior")
+        if prior is not None:
+            need += prior.memory(step, sizes)
         made = len(self.surrogate_labels(inputs))
         if made:  # surrogate Grams formed at once, one member at a time (lmdx.merge.surrogate)
             largest = max(int(np.prod(sizes.ref.shape(t))) for t in step.tensors)
@@ -506,9 +543,22 @@ class RegMean(MergeMethod):
         made = self.surrogate_labels(inputs)
         if made:
             out["surrogate_stats"] = made
+        prior: Prior | None = inputs.state.get("prior")
+        if prior is not None:
+            out["prior_options"] = prior.report()
         missing = {n: why for s in stats for n, why in s.not_solved.items()}
         heads = inputs.options.heads.patterns
         missing = {n: why for n, why in sorted(missing.items()) if not matches(n, heads)}
         if missing:
             out["not_solved"] = missing
         return out
+
+
+class _SolvedHere(RegMean):
+    """RegMean's groups when it has a prior: solved in this process (the anchor reads the
+    base, which Ray workers do not open)."""
+
+    ray: ClassVar[str] = "local"
+
+
+_SOLVED_HERE = _SolvedHere()

@@ -42,6 +42,7 @@ from ...stats.file import Statistics
 from ..method import NoOptions, Step, StepSizes, cast_merged
 from ..options import MergeOptions
 from ..source import StateDictSource, TensorSource, read_rows
+from .regmean_prior import PriorSystem
 
 __all__ = [
     "GRAM_ROUNDOFF",
@@ -122,9 +123,11 @@ def solve_group(
     stats: Sequence[Statistics],
     labels: Sequence[str],
     options: MergeOptions,
+    prior: PriorSystem | None = None,
 ) -> tuple[dict[str, NDArray[np.float64]], dict[str, Any]]:
     """RegMean of one group: ``weights[i]`` are model i's weights of ``members``,
-    ``grams[i]`` its input Gram as :meth:`Statistics.gram_stored` returns it.
+    ``grams[i]`` its input Gram as :meth:`Statistics.gram_stored` returns it; ``prior``:
+    the anchor as a (K + 1)-th model (:mod:`lmdx.merge.builtin.regmean_prior`).
 
     Returns weight name -> merged float64 weight, and module name -> the solver's
     information (ridge used, attempts, which module's input it shares).
@@ -143,13 +146,20 @@ def solve_group(
         members[0] if len(members) == 1 else f"{members[0]} (+{len(members) - 1} sharing its input)"
     )
     own = options.own(SolveOptions)
+    dim = int(weights_k[0].shape[1 - axis])  # the layer's input dimension
+    grams_k, coefficients, named = list(grams), options.coefficients, list(labels)
+    if prior is not None:  # one more model: Gram Λ over one row, coefficient 1
+        grams_k.append(prior.gram)
+        weights_k.append(prior.weight)
+        coefficients = (*(coefficients or (1.0,) * len(grams)), 1.0)
+        named.append("the prior")
     try:
         res = regmean_merge_layer(
-            grams,
+            grams_k,
             weights_k,
-            counts,
+            [*counts, 1.0] if prior is not None else counts,
             alpha=own.alpha,
-            coefficients=options.coefficients,
+            coefficients=coefficients,
             layout=layout,
             precision=own.precision,
             noise_floor=noise_floor(stats),
@@ -159,8 +169,7 @@ def solve_group(
             n_threads=options.threads,
         )
     except ValueError as exc:  # the core's input checks: one MergeError naming the model
-        raise MergeError(_named(str(exc), labels)) from None
-    dim = int(weights_k[0].shape[1 - axis])  # the layer's input dimension
+        raise MergeError(_named(str(exc), named)) from None
     del weights_k
     solved = {
         **solve_report(res.info),
@@ -168,6 +177,8 @@ def solve_group(
         "rows": min(counts),
         "dim": dim,
     }
+    if prior is not None:
+        solved["prior_strength"] = prior.strength
     out = {}
     layers = {}
     start = 0
@@ -326,11 +337,13 @@ def solve_in_output_blocks(
     labels: Sequence[str],
     options: MergeOptions,
     block: int,
+    prior: PriorSystem | None = None,
 ) -> tuple[dict[str, NDArray[Any]], dict[str, Any]]:
     """RegMean of ``step`` solved ``block`` output rows at a time (from
     :func:`output_block_size`), each block's weights read alone: the merged weights cast
     to their stored dtypes and the solver's report per module (with ``output_blocks``).
-    ``grams``: the K models' input Grams as stored."""
+    ``grams``: the K models' input Grams as stored; ``prior``: the anchor's system (its
+    rows taken block by block)."""
     first = sources[0]
     starts = np.cumsum([0] + [int(first.shape(w)[0]) for w in step.tensors]).tolist()
     merged: dict[str, NDArray[Any]] = {}
@@ -343,7 +356,10 @@ def solve_in_output_blocks(
             for w, a, b in zip(step.tensors, starts[:-1], starts[1:], strict=True)
         ]
         weights = [[read_rows(s, w, lo, hi) for w, lo, hi in spans] for s in sources]
-        solved, layers = solve_group(step.modules, weights, grams, stats, labels, options)
+        part_prior = None if prior is None else prior.rows(r0, r1)
+        solved, layers = solve_group(
+            step.modules, weights, grams, stats, labels, options, part_prior
+        )
         del weights
         for w, lo, hi in spans:
             if hi > lo:
