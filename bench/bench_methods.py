@@ -81,17 +81,37 @@ GRIDS: dict[str, list[dict[str, Any]]] = {
     "tsv_m": _points(scaling=[1.0, 0.7, 1.3]),
     "iso_c": _points(scaling=[1.0, 0.7, 1.3, 1.6]),
     "iso_cts": _points(scaling=[1.0, 0.7, 1.3, 1.6]),
-    "wudi": _points(ridge=[0.1, 0.0, 0.01, 1.0]),
+    "wudi": [
+        {},  # solver spectral, flow_time 1300 (SWUDI's)
+        {"flow_time": 300.0},
+        {"flow_time": 5000.0},
+        {"top_fraction": 0.65},
+        *({"solver": "ridge", "ridge": r} for r in (0.1, 0.0, 0.01, 1.0)),
+    ],
     "ties+svc": _points(svc_alpha=[0.1, 1.0]),
     "tsv_m+svc": _points(svc_alpha=[0.1, 1.0]),
     "regmean+svc": _points(alpha=[0.9], svc_alpha=[0.1, 1.0]),
+    # RegMean with a prior toward a data-free anchor (lmdx.merge.builtin.regmean_prior)
+    "regmean_prior": [
+        *_points(
+            alpha=[0.9],
+            prior=["tsv_m", "ties", "wudi", "task_arithmetic"],
+            prior_strength=[0.1, 0.3, 1.0, 3.0],
+        ),
+        *(
+            {"alpha": 0.9, "prior": "tsv_m", "prior_strength": {"*.attention.*": a, "*": f}}
+            for a, f in ((0.1, 1.0), (1.0, 0.1))
+        ),
+    ],
 }
+#: leaderboard rows that are a method with some of its options: row -> the method
+ROW_METHOD = {"regmean_prior": "regmean"}
 #: methods that merge the task vectors against the pre-trained model
 NEEDS_BASE = {
     m for m in GRIDS if m not in {"average", "fisher", "regmean", "regmean_plusplus", "karcher"}
 }
 #: methods whose every grid point is also scored on test (a measurement, not a choice)
-MEASURED_ON_TEST = {"wudi"}
+MEASURED_ON_TEST = {"wudi", "regmean_prior"}
 
 
 class OwnFolders:
@@ -181,9 +201,25 @@ def label_ids(labels: list[Any], config: Any, spec: str) -> np.ndarray:
     return np.asarray(out)
 
 
+def texts_scored(prep: Any, split: str) -> list[int]:
+    """Per task, the texts of ``split`` scored."""
+    if isinstance(prep, OwnFolders):
+        sizes = [len(texts) for texts, _ in prep.data[split]]
+    else:
+        sizes = [len(t.labels[split]) for t in prep.tasks]
+    return [min(n, prep.limit.get(split, n)) for n in sizes]
+
+
+def standard_error(accuracies: list[float], sizes: list[int]) -> float:
+    """The standard error of the mean of per-task accuracies, each a binomial proportion
+    over its ``sizes`` texts (tasks independent): √(Σ a(1 − a)/n) / tasks."""
+    var = sum(a * (1 - a) / n for a, n in zip(accuracies, sizes, strict=True))
+    return float(np.sqrt(var) / len(accuracies))
+
+
 def available(prep: Any, method: str) -> str | None:
-    """Why ``method`` cannot run on these inputs, or None."""
-    head = method.split("+")[0]
+    """Why row ``method`` cannot run on these inputs, or None."""
+    head = ROW_METHOD.get(method, method).split("+")[0]
     if isinstance(prep, OwnFolders):
         if head in ("fisher", "regmean_plusplus"):
             return "needs the training data (run examples/regmean_real.py's pipeline)"
@@ -195,8 +231,8 @@ def available(prep: Any, method: str) -> str | None:
 
 
 def merge_kwargs(prep: Any, method: str) -> dict[str, Any]:
-    """What ``method`` needs besides its hyperparameters: statistics, data or the base."""
-    head = method.split("+")[0]
+    """What row ``method`` needs besides its hyperparameters: statistics, data or the base."""
+    head = ROW_METHOD.get(method, method).split("+")[0]
     kw: dict[str, Any] = {"base": prep.pretrained} if method in NEEDS_BASE else {}
     if head == "fisher":
         kw["stats"] = prep.fishers
@@ -220,14 +256,25 @@ def merged_states(
     labels = [t.name for t in prep.tasks]
     wall, cpu = time.perf_counter(), time.process_time()
     res = merge_models(
-        prep.experts, method, heads=example.HEADS, labels=labels, progress=False, **kw, **point
+        prep.experts,
+        ROW_METHOD.get(method, method),
+        heads=example.HEADS,
+        labels=labels,
+        progress=False,
+        **kw,
+        **point,
     )
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     return [res.model_state(i) for i in range(len(prep.tasks))], wall, cpu
 
 
 def _label(point: dict[str, Any]) -> str:
-    return ", ".join(f"{k} {v:g}" for k, v in point.items()) or "defaults"
+    def said(v: Any) -> str:
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{p} {said(x)}" for p, x in v.items()) + "}"
+        return f"{v:g}" if isinstance(v, (int, float)) else str(v)
+
+    return ", ".join(f"{k} {said(v)}" for k, v in point.items()) or "defaults"
 
 
 def leaderboard(prep: Any, methods: list[str], points: int | None = None) -> dict[str, Any]:
@@ -258,9 +305,17 @@ def leaderboard(prep: Any, methods: list[str], points: int | None = None) -> dic
         tried = []
         best: tuple[float, dict[str, Any], Any, float, float] | None = None
         for point in GRIDS[method][:points]:
+            searched = time.perf_counter()
             states, wall, cpu = merged_states(prep, method, point)
             val = float(np.mean(prep.score(states, "val")))
-            entry: dict[str, Any] = {"point": point, "val": val, "wall_s": wall, "cpu_s": cpu}
+            searched = time.perf_counter() - searched
+            entry: dict[str, Any] = {
+                "point": point,
+                "val": val,
+                "wall_s": wall,
+                "cpu_s": cpu,
+                "search_s": searched,
+            }
             if method in MEASURED_ON_TEST:
                 entry["test"] = prep.score(states, "test")
             tried.append(entry)
@@ -280,6 +335,8 @@ def leaderboard(prep: Any, methods: list[str], points: int | None = None) -> dic
             "val": val,
             "test": test,
             "test_mean": float(np.mean(test)),
+            "test_se": standard_error(test, texts_scored(prep, "test")),
+            "search_s": sum(e["search_s"] for e in tried),
             "of_specialists": float(np.mean(np.divide(test, own))),
             "wall_s": wall,
             "cpu_s": cpu,
@@ -293,29 +350,35 @@ def print_table(prep: Any, result: dict[str, Any], title: str) -> None:
     tasks, own = prep.tasks, result["own"]
     print()
     print(title)
+    sizes = texts_scored(prep, "val")
+    print(
+        f"Validation: {sizes} texts per task (one text moves the mean by at most "
+        f"{100 / (len(sizes) * min(sizes)):.3f} points); standard errors: binomial, per task."
+    )
     cols = " | ".join(t.short for t in tasks)
-    print(f"| method | chosen on validation | val mean | {cols} | test mean | % of specialists "
-          f"| merge s (CPU s) |")  # fmt: skip
-    print("|" + "---|" * (len(tasks) + 6))
+    print(f"| method | chosen on validation | val mean | {cols} | test mean ± s.e. "
+          f"| % of specialists | merge s (CPU s) | search: points, s |")  # fmt: skip
+    print("|" + "---|" * (len(tasks) + 7))
     print(
         "| specialists (own task) | | | "
         + " | ".join(f"{100 * a:.1f}" for a in own)
-        + f" | {100 * np.mean(own):.1f} | 100 | |"
+        + f" | {100 * np.mean(own):.1f} | 100 | | |"
     )
     frozen = result["frozen_head"]
     if frozen:
         print(
             "| frozen encoder + trained head | | | "
             + " | ".join(f"{100 * a:.1f}" for a in frozen)
-            + f" | {100 * np.mean(frozen):.1f} | {100 * np.mean(np.divide(frozen, own)):.1f} | |"
+            + f" | {100 * np.mean(frozen):.1f} | {100 * np.mean(np.divide(frozen, own)):.1f} | | |"
         )
     ranked = sorted(result["rows"].items(), key=lambda kv: -kv[1]["test_mean"])
     for method, row in ranked:
         print(
             f"| `{method}` | {_label(row['point'])} | {100 * row['val']:.1f} | "
             + " | ".join(f"{100 * a:.1f}" for a in row["test"])
-            + f" | **{100 * row['test_mean']:.1f}** | {100 * row['of_specialists']:.1f} | "
-            f"{row['wall_s']:.1f} ({row['cpu_s']:.1f}) |"
+            + f" | **{100 * row['test_mean']:.1f}** ± {100 * row['test_se']:.1f} | "
+            f"{100 * row['of_specialists']:.1f} | {row['wall_s']:.1f} ({row['cpu_s']:.1f}) | "
+            f"{len(row['tried'])}, {row['search_s']:.0f} |"
         )
     for method, why in result["skipped"].items():
         print(f"`{method}` left out: {why}")

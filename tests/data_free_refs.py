@@ -98,6 +98,33 @@ def ref_wudi(taus, coefficients, ridge):
     return np.linalg.solve(s + m * np.eye(d), rhs.T).T
 
 
+def ref_swudi(taus, coefficients, flow_time, top_fraction=None):
+    """The gradient flow dτ/ds = −(τ C − D) from T = Σ c_i τ_i at time ``flow_time``, by
+    SciPy's matrix exponential of the augmented linear system [τ 1]' = [τ 1] [[−C, 0], [D,
+    0]] (any C, singular too); with ``top_fraction``, C replaced by its projection on the
+    ⌈r · in⌉ largest eigendirections' span (the others do not move)."""
+    d = taus[0].shape[1]
+    c_mat = sum(c * t.T @ t / np.sum(t * t) for c, t in zip(coefficients, taus, strict=True))
+    d_mat = sum(
+        c * t @ (t.T @ t) / np.sum(t * t) for c, t in zip(coefficients, taus, strict=True)
+    )
+    start = sum(c * t for c, t in zip(coefficients, taus, strict=True))
+    if top_fraction is not None:
+        lam, v = np.linalg.eigh(c_mat)
+        v = v[:, lam.size - int(np.ceil(top_fraction * d)) :]
+        proj = v @ v.T  # the flow restricted to the kept directions
+        c_mat, d_mat = proj @ c_mat @ proj, d_mat @ proj
+    out = start.shape[0]
+    # each output row's [τ_r 1] flows by [[−C, 0], [D_r, 0]]
+    result = np.empty_like(start)
+    for r in range(out):
+        m = np.zeros((d + 1, d + 1))
+        m[:d, :d] = -c_mat
+        m[d, :d] = d_mat[r]
+        result[r] = (np.append(start[r], 1.0) @ scipy.linalg.expm(flow_time * m))[:d]
+    return result
+
+
 def ref_outlier_trim(tau, density, gamma):
     """Breadcrumbs' mask by a stable sort: entries by descending |τ|, equal ones by lowest
     index first; the first ``top`` dropped, the next ``kept`` kept."""

@@ -36,7 +36,7 @@ METHODS = {
     "tsv_m": {"scaling": 0.8, "rank_fraction": 0.5},
     "iso_c": {"scaling": 1.5},
     "iso_cts": {"common_space_fraction": 0.6},
-    "wudi": {"ridge": 0.5, "precision": "float64"},
+    "wudi": {"solver": "ridge", "ridge": 0.5, "precision": "float64"},
     "breadcrumbs": {"density": 0.8, "gamma": 0.05},
     "breadcrumbs_ties": {},
     "della": {"density": 0.6, "epsilon": 0.1, "seed": 3},

@@ -58,7 +58,7 @@ def _accuracy(model, tokenizer, path: Path) -> float:
 
 def test_own_folders_choose_on_validation_and_score_on_test(bench, workspace, capsys):
     out = workspace / "leaderboard.json"
-    methods = ["average", "ties", "tsv_m+svc", "fisher", "regmean"]
+    methods = ["average", "ties", "tsv_m+svc", "fisher", "regmean", "regmean_prior"]
     bench.main(
         ["--folders", *(str(workspace / n) for n in NAMES), "--base", str(workspace / "base"),
          "--val-files", *(str(workspace / f"{n}-val.jsonl") for n in NAMES),
@@ -68,7 +68,7 @@ def test_own_folders_choose_on_validation_and_score_on_test(bench, workspace, ca
     table = capsys.readouterr().out
     result = json.loads(out.read_text())
     assert set(result["rows"]) == {"average", "ties", "tsv_m+svc"}
-    assert set(result["skipped"]) == {"fisher", "regmean"}
+    assert set(result["skipped"]) == {"fisher", "regmean", "regmean_prior"}
     assert "`regmean` left out: needs --stats-files" in table
     models = [BertForSequenceClassification.from_pretrained(workspace / n) for n in NAMES]
     tokenizer = AutoTokenizer.from_pretrained(workspace / "m0")
@@ -89,6 +89,9 @@ def test_own_folders_choose_on_validation_and_score_on_test(bench, workspace, ca
             test = _accuracy(model.eval(), tokenizer, workspace / f"{name}-test.jsonl")
             assert row["test"][i] == pytest.approx(test), (method, name)
         assert np.mean(row["test"]) == pytest.approx(row["test_mean"])
+        se = np.sqrt(sum(a * (1 - a) / 40 for a in row["test"])) / len(NAMES)
+        assert row["test_se"] == pytest.approx(se)
+        assert row["search_s"] == pytest.approx(sum(e["search_s"] for e in tried))
     assert "| `ties` |" in table
 
 
