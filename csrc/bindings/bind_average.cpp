@@ -22,16 +22,23 @@ py::array_t<double> output_like(const std::vector<ArrayView>& xs) {
   return new_float64(xs.empty() ? std::vector<Index>{0} : xs[0].shape);
 }
 
-py::array_t<double> weighted_average(const std::vector<py::array>& tensors,
-                                     const std::optional<std::vector<double>>& coefficients,
-                                     int n_threads) {
+py::array weighted_average(const std::vector<py::array>& tensors,
+                           const std::optional<std::vector<double>>& coefficients,
+                           int n_threads, const std::string& dtype) {
   const std::vector<ArrayView> t = views(tensors, "tensors");
   const std::vector<double> coef = coefficient_list(coefficients);
-  py::array_t<double> out = output_like(t);
-  double* data = out.mutable_data();
+  if (dtype != "float64" && dtype != "float32") {
+    throw py::value_error("dtype: must be float64 or float32, got '" + dtype + "'");
+  }
+  const bool f32 = dtype == "float32";
+  const std::vector<Index> shape = t.empty() ? std::vector<Index>{0} : t[0].shape;
+  py::array out = f32 ? py::array(py::array_t<float>(std::vector<py::ssize_t>(shape.begin(),
+                                                                                shape.end())))
+                      : py::array(new_float64(shape));
+  void* data = out.mutable_data();
   {
     py::gil_scoped_release release;  // the views stay valid: the caller holds the arrays
-    lmdx::weighted_average(t, coef, data, n_threads);
+    lmdx::weighted_average(t, coef, data, f32, n_threads);
   }
   return out;
 }
@@ -56,8 +63,9 @@ py::array_t<double> fisher_average(const std::vector<py::array>& params,
 
 void bind_average(py::module_& m) {
   m.def("weighted_average", &weighted_average, py::kw_only(), py::arg("tensors"),
-        py::arg("coefficients"), py::arg("n_threads"),
-        "sum_i c_i x_i / sum_i c_i, element-wise, in float64.");
+        py::arg("coefficients"), py::arg("n_threads"), py::arg("dtype") = "float64",
+        "sum_i c_i x_i / sum_i c_i, element-wise, accumulated in float64, returned as dtype "
+        "(float64 or float32: rounded once).");
   m.def("fisher_average", &fisher_average, py::kw_only(), py::arg("params"), py::arg("fishers"),
         py::arg("coefficients"), py::arg("eps"), py::arg("n_threads"),
         "sum_i c_i (F_i + eps) x_i / sum_i c_i (F_i + eps), element-wise, in float64.");

@@ -54,25 +54,48 @@ void check_inputs(const std::vector<ArrayView>& xs, const std::string& what,
 }  // namespace
 
 void weighted_average(const std::vector<ArrayView>& tensors,
-                      const std::vector<double>& coefficients, double* out, int n_threads) {
+                      const std::vector<double>& coefficients, void* out, bool out_float32,
+                      int n_threads) {
   const int requested = resolve_threads(n_threads);
-  check_inputs(tensors, "tensors", nullptr, "tensors[0]", n_threads);
+  if (tensors.empty()) throw std::invalid_argument("tensors: need at least one tensor");
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    require_same_shape(tensors[i], "tensors[" + std::to_string(i) + "]", tensors[0],
+                       "tensors[0]");
+  }
   const Index n = tensors[0].size();
   const std::vector<double> coef = checked_coefficients(coefficients, tensors.size());
   double total = 0.0;
-  for (double c : coef) total += c;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    total += coef[i];
+    // not in the result: checked on their own
+    if (coef[i] == 0.0) {
+      require_finite(tensors[i], 0, "tensors[" + std::to_string(i) + "]", n_threads);
+    }
+  }
   const Index n_blocks = (n + kBlock - 1) / kBlock;
   const int threads = n < 4 * kBlock ? 1 : requested;
-  LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(static))
+  bool finite = true;
+  LMDX_PRAGMA(omp parallel for num_threads(threads) schedule(static) reduction(&& : finite))
   for (Index b = 0; b < n_blocks; ++b) {
     const Index start = b * kBlock;
     const Index len = std::min(kBlock, n - start);
-    Eigen::Map<ArrayXd> acc(out + start, len);
-    acc.setZero();
+    BlockArray block = BlockArray::Zero(len);
     for (size_t i = 0; i < tensors.size(); ++i) {
-      if (coef[i] != 0.0) add_scaled(tensors[i], start, len, coef[i], acc);
+      if (coef[i] != 0.0) add_scaled(tensors[i], start, len, coef[i], block);
     }
-    acc /= total;
+    block /= total;
+    finite = finite && block.isFinite().all();
+    if (out_float32) {
+      Eigen::Map<Eigen::ArrayXf>(static_cast<float*>(out) + start, len) = block.cast<float>();
+    } else {
+      Eigen::Map<ArrayXd>(static_cast<double*>(out) + start, len) = block;
+    }
+  }
+  if (!finite) {  // a NaN or Inf among the inputs: name the first
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      require_finite(tensors[i], 0, "tensors[" + std::to_string(i) + "]", n_threads);
+    }
+    throw std::invalid_argument("tensors: the average is not finite");  // not reached
   }
 }
 

@@ -353,9 +353,10 @@ def weighted_average(
     tensors: collections.abc.Sequence[numpy.ndarray],
     coefficients: collections.abc.Sequence[typing.SupportsFloat | typing.SupportsIndex] | None,
     n_threads: typing.SupportsInt | typing.SupportsIndex,
-) -> numpy.typing.NDArray[numpy.float64]:
+    dtype: str = "float64",
+) -> numpy.ndarray:
     """
-    sum_i c_i x_i / sum_i c_i, element-wise, in float64.
+    sum_i c_i x_i / sum_i c_i, element-wise, accumulated in float64, returned as dtype (float64 or float32: rounded once).
     """
 
 SINGULAR_PIVOT: float = 1e-13

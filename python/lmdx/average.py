@@ -19,27 +19,32 @@ def weighted_average(
     tensors: Sequence[Any],
     coefficients: Sequence[float] | None = None,
     *,
+    dtype: str = "float64",
     n_threads: int | None = None,
-) -> NDArray[np.float64]:
+) -> NDArray[Any]:
     """``Σ c_i x_i / Σ c_i`` element-wise, accumulated in float64.
 
     Parameters
     ----------
     tensors
-        K arrays or tensors of one shape (float32/float64; narrower floats are widened).
+        K arrays or tensors of one shape (float32/float64; narrower floats are widened),
+        finite (else ``ValueError`` naming the first that is not).
     coefficients
         Optional K non-negative coefficients, not all zero (default: all 1).
+    dtype
+        ``"float64"``, or ``"float32"``: the float64 average rounded once to nearest, in
+        the same pass (what casting the float64 result gives, without it).
 
     Returns
     -------
     numpy.ndarray
-        float64 array of the common shape.
+        An array of ``dtype`` and the common shape.
     """
     arrays = [as_tensor_array(t, f"tensors[{i}]") for i, t in enumerate(tensors)]
     coef = None if coefficients is None else [float(c) for c in coefficients]
     return np.asarray(
         _core.core.weighted_average(
-            tensors=arrays, coefficients=coef, n_threads=resolve_threads(n_threads)
+            tensors=arrays, coefficients=coef, dtype=dtype, n_threads=resolve_threads(n_threads)
         )
     )
 

@@ -108,6 +108,35 @@ def test_weighted_average_zero_coefficient_ignores_that_tensor(rng):
     np.testing.assert_allclose(got, (xs[0] + 3 * xs[2]) / 4, rtol=1e-15, atol=1e-15)
 
 
+@given(data=st.data(), xs=tensor_sets(), threads=st.sampled_from([1, 2]))
+def test_float32_average_is_the_float64_average_rounded_once(data, xs, threads):
+    """``dtype="float32"``: the float64 average cast to float32, bit for bit (one pass)."""
+    c = data.draw(coefficients_for(len(xs)))
+    got = lmdx.weighted_average(xs, c, dtype="float32", n_threads=threads)
+    want = lmdx.weighted_average(xs, c).astype(np.float32)
+    assert got.dtype == np.float32 and got.shape == xs[0].shape
+    assert np.array_equal(got, want)
+
+
+def test_float32_average_large_threaded_and_its_checks(rng):
+    xs = [rng.standard_normal((300, 257)).astype(np.float32) for _ in range(3)]
+    c = [0.5, 2.0, 1.0]
+    one = lmdx.weighted_average(xs, c, dtype="float32", n_threads=1)
+    two = lmdx.weighted_average(xs, c, dtype="float32", n_threads=2)
+    assert np.array_equal(one, two)
+    assert np.array_equal(one, lmdx.weighted_average(xs, c).astype(np.float32))
+    bad = xs[2].copy()
+    bad[299, 256] = np.inf  # the very last element: found through the result
+    with pytest.raises(ValueError, match=r"^tensors\[2\]: contains Inf at index 77099"):
+        lmdx.weighted_average([*xs[:2], bad], c, dtype="float32", n_threads=2)
+    with pytest.raises(ValueError, match=r"^tensors\[2\]: contains Inf"):  # c = 0: directly
+        lmdx.weighted_average([*xs[:2], bad], [1.0, 1.0, 0.0], dtype="float32")
+    big = np.full(5, np.finfo(np.float32).max, np.float32)  # the largest: still finite
+    assert np.array_equal(lmdx.weighted_average([big, big], dtype="float32"), big)
+    with pytest.raises(ValueError, match=r"^dtype: must be float64 or float32, got 'float16'"):
+        lmdx.weighted_average(xs, dtype="float16")
+
+
 # --------------------------------------------------------------------------- fisher_average
 
 

@@ -260,6 +260,27 @@ def test_average_and_task_arithmetic(arch, dtype):
         assert set(avg.state_dict) == {n for n in states[0] if not H.is_head(n, arch)}
 
 
+@pytest.mark.parametrize("coefficients", COEFFICIENTS)
+def test_float32_average_is_the_float64_average_cast(coefficients):
+    """The float32 tensors' average (one pass of the core into float32) is the float64
+    average cast, bit for bit, and a NaN in any model, even one with coefficient 0, is
+    named by tensor and model."""
+    import lmdx
+
+    _, models, _ = H.cached_family("bert", "float32")
+    states = [m.state_dict() for m in models]
+    avg = _merge(models, "average", arch="bert", coefficients=coefficients).state_dict
+    for name, got in avg.items():
+        want = lmdx.weighted_average([s[name] for s in states], coefficients).astype(np.float32)
+        assert got.dtype == torch.float32 and np.array_equal(got.numpy(), want), name
+    name = "bert.encoder.layer.0.output.LayerNorm.bias"
+    bad = [copy.deepcopy(m) for m in models]
+    with torch.no_grad():
+        dict(bad[2].named_parameters())[name][1] = float("nan")
+    with pytest.raises(MergeError, match=rf"^tensor '{re.escape(name)}' of model2 holds NaN"):
+        _merge(bad, "average", arch="bert", coefficients=(1.0, 1.0, 0.0))
+
+
 @pytest.mark.parametrize("include", [None, ["*.layer.1.*"]], ids=["all", "layer-1"])
 def test_fisher_merge_equals_reference(include):
     arch = "bert"

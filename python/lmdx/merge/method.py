@@ -80,6 +80,7 @@ __all__ = [
     "checked_finite",
     "checked_input",
     "on_tensor",
+    "rounds_merged",
     "tensor_step",
     "uncast",
 ]
@@ -248,6 +249,13 @@ def uncast() -> Iterator[None]:
         yield
     finally:
         _UNCAST.reset(token)
+
+
+def rounds_merged() -> bool:
+    """Whether :func:`cast_merged` rounds to the input dtype here (not within
+    :func:`uncast`): a method that computes a result in its input dtype directly may do
+    so only then."""
+    return not _UNCAST.get()
 
 
 def cast_merged(name: str, value: Any, dtype: str) -> NDArray[Any]:

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import numpy as np
 from numpy.typing import NDArray
 
+from ..._errors import MergeError
 from ..._tensors import itemsize
 from ...average import weighted_average
 from ...files import Checkpoint
@@ -25,6 +26,7 @@ from ..method import (
     cast_merged,
     checked_input,
     on_tensor,
+    rounds_merged,
 )
 from ..options import MergeOptions
 from ..source import StateDictSource, TensorSource, read_rows
@@ -87,6 +89,29 @@ class Average(MergeMethod):
 
     def tensor(self, name: str, tensors: Sequence[Any], inputs: MergeInputs) -> NDArray[np.float64]:
         return average_tensor(name, tensors, inputs.options)
+
+    def merge_tensor(self, name: str, inputs: MergeInputs) -> NDArray[Any]:
+        """A float32 tensor (no LoRA being built, not within a post-step) averaged into
+        float32 in one pass of the core, which checks the inputs through the result: the
+        numbers of the float64 average cast (the default path, bit for bit), without the
+        separate checks, float64 result and cast (measured: bench/RESULTS.md, "the
+        per-tensor floor"). Every other tensor as any method's."""
+        sources = inputs.sources
+        if inputs.lora is not None or not rounds_merged() or sources[0].dtype(name) != "float32":
+            return super().merge_tensor(name, inputs)
+        blocked = self.tensor_in_blocks(name, sources, inputs)
+        if blocked is not None:
+            return blocked
+        reads = [s.read(name) for s in sources]
+        options = inputs.options
+        try:
+            return weighted_average(
+                reads, options.coefficients, dtype="float32", n_threads=options.threads
+            )
+        except ValueError as exc:
+            for s, r in zip(sources, reads, strict=True):  # a NaN or Inf: named by model
+                checked_input(name, s.label, r)
+            raise MergeError(f"tensor {name!r}: {exc}") from None
 
     def tensor_in_blocks(
         self, name: str, sources: Sequence[TensorSource], inputs: MergeInputs
