@@ -37,7 +37,7 @@ from numpy.typing import NDArray
 from pydantic import Field
 
 from ..._errors import MergeError
-from ..._tensors import as_float64
+from ..._tensors import as_float64, as_tensor_array
 from ..._util import matches
 from ..method import MergeInputs, MergeMethod, NoOptions, Step, StepSizes, checked_input
 from ..source import TensorSource, base_as_named
@@ -155,6 +155,19 @@ def task_vector_tensor(
             return out
         return sparsify(i, finite_task_vector(name, i, out))
 
+    if sparsify is None and not elects:
+        # Task arithmetic in two buffers (no array per model; the same operations, so the
+        # same numbers): work = θ_i − θ_0 (widened in the subtraction), × c_i, into delta.
+        delta = np.zeros_like(theta0)
+        work = np.empty_like(theta0)
+        for ci, t in zip(coefficients, tensors, strict=True):
+            np.subtract(as_tensor_array(t, name), theta0, out=work)
+            work *= ci
+            delta += work
+        del work
+        delta *= scaling
+        delta += theta0  # θ_0 + λ Σ c_i τ_i
+        return delta
     taus = (tau(i, t) for i, t in enumerate(tensors))
     if elects:
         delta = elected_mean(taus, coefficients)
