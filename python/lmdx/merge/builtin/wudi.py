@@ -215,17 +215,26 @@ def spectral_wudi(
         return np.zeros_like(taus[0]), {}
     start = _start(taus, coef)
     d = taus[0].shape[1]
-    # C = MᵀM with M the stacked √(c_i) τ_i / ‖τ_i‖; D = Σ c_i (τ_i τ_iᵀ) τ_i / ‖τ_i‖²
+    # C = MᵀM with M the stacked √(c_i) τ_i / ‖τ_i‖; D = Σ c_i τ_i τ_iᵀ τ_i / ‖τ_i‖², each
+    # product in its cheaper order (out² · in or out · in² multiply-adds)
     m = np.vstack([math.sqrt(coef[i] / norms[i]) * taus[i] for i in seen])
-    d_sum = sum((coef[i] / norms[i]) * ((taus[i] @ taus[i].T) @ taus[i]) for i in seen)
-    residual = d_sum - (start @ m.T) @ m  # D − T C, rows in C's range
+    out = taus[0].shape[0]
+    d_sum = sum(
+        (coef[i] / norms[i])
+        * ((taus[i] @ taus[i].T) @ taus[i] if out < d else taus[i] @ (taus[i].T @ taus[i]))
+        for i in seen
+    )
     if m.shape[0] < d:  # C's nonzero eigenpairs from the smaller Gram M Mᵀ = U diag(λ) Uᵀ
+        residual = d_sum - (start @ m.T) @ m  # D − T C, rows in C's range
         lam, u = np.linalg.eigh(m @ m.T)
         q = m.T @ u  # C's eigenvectors scaled by √λ: q_j = √λ_j v_j
         scale = 1.0 / np.where(lam > 0, lam, 1.0)  # q diag(f/λ) qᵀ = V diag(f) Vᵀ
         side = "gram"
     else:
-        lam, q = np.linalg.eigh(m.T @ m)
+        c = m.T @ m
+        residual = d_sum - start @ c
+        lam, q = np.linalg.eigh(c)
+        del c
         scale = np.ones_like(lam)
         side = "inputs"
     # directions at the rounding of the largest eigenvalue are C's null space: dropped
