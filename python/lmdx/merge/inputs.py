@@ -203,7 +203,8 @@ def open_inputs(
     sources = _open_models(models, labels, base_source, open_model)
     rank = options.output.lora_rank
     lora = None if rank is None else LoraExport(check_lora_export(sources, rank), rank)
-    if surrogate and base_source is not None:  # the surrogates' task vectors' base
+    if (surrogate or (uses_base and not method.needs_base)) and base_source is not None:
+        # the base as the models name its tensors (methods that need it do so themselves)
         base_source, _ = base_as_named(base_source, sources[0])
     opened = open_stats(stats, method.stats, labels)
     stat_objs = None
