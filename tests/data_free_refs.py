@@ -105,9 +105,7 @@ def ref_swudi(taus, coefficients, flow_time, top_fraction=None):
     ⌈r · in⌉ largest eigendirections' span (the others do not move)."""
     d = taus[0].shape[1]
     c_mat = sum(c * t.T @ t / np.sum(t * t) for c, t in zip(coefficients, taus, strict=True))
-    d_mat = sum(
-        c * t @ (t.T @ t) / np.sum(t * t) for c, t in zip(coefficients, taus, strict=True)
-    )
+    d_mat = sum(c * t @ (t.T @ t) / np.sum(t * t) for c, t in zip(coefficients, taus, strict=True))
     start = sum(c * t for c, t in zip(coefficients, taus, strict=True))
     if top_fraction is not None:
         lam, v = np.linalg.eigh(c_mat)

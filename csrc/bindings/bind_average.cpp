@@ -64,8 +64,7 @@ py::array_t<double> fisher_average(const std::vector<py::array>& params,
 void bind_average(py::module_& m) {
   m.def("weighted_average", &weighted_average, py::kw_only(), py::arg("tensors"),
         py::arg("coefficients"), py::arg("n_threads"), py::arg("dtype") = "float64",
-        "sum_i c_i x_i / sum_i c_i, element-wise, accumulated in float64, returned as dtype "
-        "(float64 or float32: rounded once).");
+        "sum_i c_i x_i / sum_i c_i, element-wise, in float64 (dtype float32: rounded once).");
   m.def("fisher_average", &fisher_average, py::kw_only(), py::arg("params"), py::arg("fishers"),
         py::arg("coefficients"), py::arg("eps"), py::arg("n_threads"),
         "sum_i c_i (F_i + eps) x_i / sum_i c_i (F_i + eps), element-wise, in float64.");

@@ -356,7 +356,7 @@ def weighted_average(
     dtype: str = "float64",
 ) -> numpy.ndarray:
     """
-    sum_i c_i x_i / sum_i c_i, element-wise, accumulated in float64, returned as dtype (float64 or float32: rounded once).
+    sum_i c_i x_i / sum_i c_i, element-wise, in float64 (dtype float32: rounded once).
     """
 
 SINGULAR_PIVOT: float = 1e-13
