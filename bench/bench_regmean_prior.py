@@ -34,18 +34,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_methods_speed import ALPHA, batches, bert, machine_line, perturbed, timed
 
 
+def formula_system(stats: list, models: list, module: str) -> tuple[np.ndarray, np.ndarray]:
+    """RegMean's float64 system ``Σ G̃_i`` and right-hand side ``Σ G̃_i W_iᵀ`` of ``module``."""
+    w = stats[0].modules[module]["weight"]
+    lhs, rhs = 0.0, 0.0
+    for s, m in zip(stats, models, strict=True):
+        g = s.gram(module) / s.count(module)
+        g = ALPHA * g + (1 - ALPHA) * np.diag(np.diag(g))
+        lhs, rhs = lhs + g, rhs + g @ m.state_dict()[w].double().numpy().T
+    return lhs, rhs
+
+
 def reference_errors(models: list, stats: list, merged: dict, anchor: dict | None, lam: float):
     """The largest weight and output errors over the solved modules against NumPy's
     float64 solve of the formula (``anchor``: the anchor's merged state; None: RegMean)."""
     worst_w = worst_s = 0.0
-    states = [{n: p.detach().double().numpy() for n, p in m.state_dict().items()} for m in models]
     for module, info in stats[0].modules.items():
         w = info["weight"]
-        lhs, rhs = 0.0, 0.0
-        for s, st in zip(stats, states, strict=True):
-            g = s.gram(module) / s.count(module)
-            g = ALPHA * g + (1 - ALPHA) * np.diag(np.diag(g))
-            lhs, rhs = lhs + g, rhs + g @ st[w].T
+        lhs, rhs = formula_system(stats, models, module)
         if anchor is not None and lam > 0:
             t = lam * np.trace(lhs) / lhs.shape[0]
             lhs = lhs + t * np.eye(lhs.shape[0])

@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_methods_speed import ALPHA, batches, bert, machine_line, perturbed
+from bench_regmean_prior import formula_system
 
 
 def main() -> None:
@@ -66,11 +67,7 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|")
     for mod, info in stats[0].modules.items():
         w = info["weight"]
-        lhs, rhs = 0.0, 0.0
-        for s, m in zip(stats, models, strict=True):
-            g = s.gram(mod) / s.count(mod)
-            g = ALPHA * g + (1 - ALPHA) * np.diag(np.diag(g))
-            lhs, rhs = lhs + g, rhs + g @ m.state_dict()[w].double().numpy().T
+        lhs, rhs = formula_system(stats, models, mod)
         ref = np.linalg.solve(lhs, rhs).T
         update = np.linalg.norm(ref - theta0[w].double().numpy())
 

@@ -329,9 +329,11 @@ def reference_grams(
     return acc
 
 
-def reference_regmean(grams, counts, weights, alpha, coefficients, layout):
+def reference_regmean(grams, counts, weights, alpha, coefficients, layout, prior=None):
     """The paper's closed form in float64 (weights in their stored layout):
-    ``W_Mᵀ = (Σ c_i G̃_i)⁻¹ Σ c_i G̃_i W_iᵀ``, ``G̃_i = α G_i/n_i + (1−α) diag(G_i/n_i)``."""
+    ``W_Mᵀ = (Σ c_i G̃_i)⁻¹ Σ c_i G̃_i W_iᵀ``, ``G̃_i = α G_i/n_i + (1−α) diag(G_i/n_i)``;
+    with ``prior = (λ, W_a)``, RegMean's prior: ``Λ = λ t I`` (``t = tr(Σ c_i G̃_i) / d``)
+    added to the system and ``Λ W_aᵀ`` to the right-hand side."""
     c = np.ones(len(grams)) if coefficients is None else np.asarray(coefficients, float)
     lhs, rhs = 0.0, 0.0
     for ci, g, n, w in zip(c, grams, counts, weights, strict=True):
@@ -339,6 +341,11 @@ def reference_regmean(grams, counts, weights, alpha, coefficients, layout):
         g_tilde = alpha * g_hat + (1.0 - alpha) * np.diag(np.diag(g_hat))
         lhs = lhs + ci * g_tilde
         rhs = rhs + ci * g_tilde @ (w.T if layout == "linear" else w)
+    if prior is not None:
+        strength, anchor = prior
+        t = strength * np.trace(lhs) / lhs.shape[0]
+        lhs = lhs + t * np.eye(lhs.shape[0])
+        rhs = rhs + t * (anchor.T if layout == "linear" else anchor)
     solved = np.linalg.solve(lhs, rhs)
     return solved.T if layout == "linear" else solved
 

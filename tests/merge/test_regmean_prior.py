@@ -28,18 +28,10 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def reference_prior(grams, counts, weights, alpha, coefficients, strength, anchor):
-    """The formula in float64, weights ``[out, in]``."""
-    c = np.ones(len(grams)) if coefficients is None else np.asarray(coefficients, float)
-    lhs, rhs = 0.0, 0.0
-    for ci, g, n, w in zip(c, grams, counts, weights, strict=True):
-        g_hat = g / n
-        g_tilde = alpha * g_hat + (1.0 - alpha) * np.diag(np.diag(g_hat))
-        lhs = lhs + ci * g_tilde
-        rhs = rhs + ci * g_tilde @ w.T
-    t = np.trace(lhs) / lhs.shape[0]
-    lhs = lhs + strength * t * np.eye(lhs.shape[0])
-    rhs = rhs + strength * t * anchor.T
-    return np.linalg.solve(lhs, rhs).T
+    """The formula in float64, weights ``[out, in]`` (tests/hf_models.py)."""
+    return H.reference_regmean(
+        grams, counts, weights, alpha, coefficients, "linear", prior=(strength, anchor)
+    )
 
 
 def packed(g):
