@@ -283,3 +283,18 @@ def test_a_non_finite_weight_is_named_not_taken_for_a_zero_task_vector(family, t
             surrogate=True,
             progress=False,
         )
+
+
+def test_regmean_svc_keeps_surrogate(family):
+    """``regmean+svc`` forwards ``surrogate: true`` to RegMean: a model without statistics
+    takes a surrogate Gram, as with plain ``regmean``, then SVC calibrates."""
+    f = family["bert"]
+    kw = {"base": f["base_path"], "surrogate": True, "alpha": 0.9, "progress": False}
+    kw["heads"] = list(H.HEADS["bert"])
+    stats = [f["stats"][0], None, f["stats"][2]]
+    res = merge_models(f["paths"], "regmean+svc", stats=stats, labels=["a", "b", "c"], **kw)
+    assert res.report["surrogate_stats"] == ["b"]
+    plain = merge_models(f["paths"], "regmean", stats=stats, labels=["a", "b", "c"], **kw)
+    assert plain.report["surrogate_stats"] == ["b"]
+    moved = [n for n, t in res.state_dict.items() if not np.array_equal(t, plain.state_dict[n])]
+    assert moved  # SVC changed the task matrices

@@ -42,7 +42,7 @@ from typing import Annotated, Any, ClassVar
 
 import numpy as np
 from numpy.typing import NDArray
-from pydantic import Field, create_model
+from pydantic import BaseModel, Field, create_model
 
 from ..._errors import MergeError
 from ..._tensors import as_float64
@@ -195,6 +195,9 @@ class _WithSvc(MergeMethod):
             )
             self._steps[id(method)] = cls(method)
         return self._steps[id(method)]
+
+    def surrogates(self, own: BaseModel) -> bool:
+        return self.inner.surrogates(own)
 
     def check(self, inputs: MergeInputs) -> None:
         if inputs.lora is not None:
