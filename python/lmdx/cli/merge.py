@@ -301,8 +301,10 @@ def _report_cost(report: dict[str, Any]) -> None:
 def _report_precision(report: dict[str, Any]) -> None:
     """How many RegMean systems each precision solved, and the largest certified output
     error of the float32 ones (from the merge's ``report``)."""
-    layers = [
-        info for m, info in report.get("layers", {}).items() if info.get("shared_with") is None
+    layers = [  # the solver's reports (SWUDI's eigendecompositions have none)
+        info
+        for m, info in report.get("layers", {}).items()
+        if info.get("shared_with") is None and "precision" in info
     ]
     if not layers:
         return
