@@ -24,6 +24,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,7 @@ def main() -> None:
         for i, m in enumerate(models)
     ]
     anchor_s: list[float] = []
+    precisions: dict[str, Counter] = {}  # merge -> its layers' precisions (the last run's)
     values = regmean_prior.Prior.values
 
     def timed_values(self: Any, tensors: Any, reads: Any) -> Any:
@@ -108,7 +110,7 @@ def main() -> None:
     def call(**kw: Any) -> Any:
         def run() -> Any:
             anchor_s.append(0.0)
-            return lmdx.merge_models(
+            res = lmdx.merge_models(
                 models,
                 "regmean",
                 stats=stats,
@@ -116,7 +118,11 @@ def main() -> None:
                 progress=False,
                 n_threads=args.threads,
                 **kw,
-            ).state_dict
+            )
+            precisions[kw.get("prior", "regmean")] = Counter(
+                str(v["precision"]) for v in res.report["layers"].values()
+            )
+            return res.state_dict
 
         return run
 
@@ -137,8 +143,11 @@ def main() -> None:
         f"# BERT-base widths, {args.layers} layers, K = 3, noise {args.noise}, alpha {ALPHA}, "
         f"lambda {args.strength}, {args.reps} reps (min / median s)"
     )
-    print("| merge | wall s | anchor s | (wall − anchor) / RegMean | weight err | output err |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print(
+        "| merge | wall s | anchor s | (wall − anchor) / RegMean | weight err | output err "
+        "| layers by precision |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---|")
     ref = min(times["regmean"])
     for name, ts in times.items():
         anchor = anchors.get(name)
@@ -148,7 +157,7 @@ def main() -> None:
         label = "regmean" if anchor is None else f"regmean, prior {name}"
         print(
             f"| {label} | {min(ts):.2f} / {statistics.median(ts):.2f} | {a:.2f} | {ratio:.2f}× "
-            f"| {werr:.1e} | {serr:.1e} |"
+            f"| {werr:.1e} | {serr:.1e} | {dict(sorted(precisions[name].items()))} |"
         )
 
 

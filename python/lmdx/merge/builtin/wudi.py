@@ -140,11 +140,10 @@ class WudiOptions(NoOptions):
         fields = type(self).model_fields
         given = [k for k in other[self.solver] if getattr(self, k) != fields[k].default]
         if given:
+            theirs = "ridge" if self.solver == "spectral" else "spectral"
             raise ValueError(
-                f"{given[0]} is an option of solver "
-                f"{'ridge' if self.solver == 'spectral' else 'spectral'}, not of "
-                f"{self.solver}; give solver: "
-                f"{'ridge' if self.solver == 'spectral' else 'spectral'} or leave it out"
+                f"{given[0]} is an option of solver {theirs}, not of {self.solver}; give "
+                f"solver: {theirs} or leave it out"
             )
         return self
 
